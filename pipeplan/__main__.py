@@ -1,0 +1,5 @@
+import sys
+
+from pipeplan.cli import main
+
+sys.exit(main())

@@ -1,0 +1,102 @@
+"""Human output of a plan: the per-stage table and the summary lines."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from rich.console import Console
+from rich.table import Table
+
+from planner.schema import Plan
+from planner.units import format_bytes
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Another plan's predicted step time (a baseline), or why it has none."""
+
+    name: str
+    step_time_ms: float | None
+    note: str = ""
+
+
+def layer_span(names: Sequence[str]) -> str:
+    if len(names) == 1:
+        return names[0]
+    return f"{names[0]} .. {names[-1]}"
+
+
+def plan_table(plan: Plan) -> Table:
+    table = Table(title=f"{plan.model}: {len(plan.stages)} stages", title_justify="left")
+    for col, justify in (
+        ("stage", "right"),
+        ("layers", "left"),
+        ("#", "right"),
+        ("params", "right"),
+        ("fwd+bwd ms", "right"),
+        ("memory / limit", "right"),
+        ("recompute", "center"),
+        ("devices", "left"),
+    ):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for s in plan.stages:
+        ratio = s.memory_bytes / s.memory_limit_bytes if s.memory_limit_bytes else float("inf")
+        mem = f"{format_bytes(s.memory_bytes)} / {format_bytes(s.memory_limit_bytes)} ({ratio:.0%})"
+        if ratio > 1:
+            mem = f"[bold red]{mem}[/]"
+        devices = ",".join(str(d) for d in s.devices)
+        table.add_row(
+            str(s.index),
+            f"{s.start}:{s.stop} {layer_span(s.layer_names)}",
+            str(s.stop - s.start),
+            format_bytes(s.param_bytes),
+            f"{s.forward_ms:.2f}+{s.backward_ms:.2f}",
+            mem,
+            "yes" if s.recompute else "no",
+            devices if len(devices) <= 24 else devices[:21] + "...",
+        )
+    return table
+
+
+def summary_lines(plan: Plan, comparisons: Sequence[Comparison] = ()) -> list[str]:
+    p = plan.predicted
+    lines = [
+        f"schedule {plan.schedule}"
+        + (f" ({plan.virtual_stages} chunks per device)" if plan.virtual_stages > 1 else "")
+        + f", pipeline degree K={plan.pipeline_degree}, data-parallel D={plan.data_parallel_degree}"
+        + (f", {plan.idle_devices} device(s) idle" if plan.idle_devices else ""),
+        f"micro-batches M={plan.num_microbatches} of {plan.microbatch_size} "
+        f"(global batch {plan.global_batch_size})",
+        f"predicted step {p.step_time_ms:.2f} ms, {p.throughput_samples_per_s:.1f} samples/s, "
+        f"bubble {p.bubble_fraction:.1%}, {p.step_time_ms / p.lower_bound_ms:.2f}x the lower bound "
+        f"{p.lower_bound_ms:.2f} ms" + (f", all-reduce {p.allreduce_ms:.2f} ms" if p.allreduce_ms else ""),
+    ]
+    for c in comparisons:
+        if c.step_time_ms is None:
+            lines.append(f"vs {c.name}: {c.note or 'no plan'}")
+        else:
+            lines.append(
+                f"vs {c.name}: {c.step_time_ms:.2f} ms -> speed-up {c.step_time_ms / p.step_time_ms:.2f}x"
+                + (f" ({c.note})" if c.note else "")
+            )
+    s = plan.solver
+    solver = f"solver: {s.status}"
+    if s.status != "given":
+        solver += f", gap {s.gap:.2%}, {s.wall_time_s:.2f} s"
+    if s.message:
+        solver += f" ({s.message})"
+    lines.append(solver)
+    over = [st.index for st in plan.stages if st.memory_bytes > st.memory_limit_bytes]
+    if over:
+        lines.append(
+            f"[bold red]DOES NOT FIT: stage(s) {', '.join(map(str, over))} exceed their device memory[/]"
+        )
+    return lines
+
+
+def print_plan(plan: Plan, comparisons: Sequence[Comparison] = (), *, console: Console | None = None) -> None:
+    console = console or Console()
+    console.print(plan_table(plan))
+    for line in summary_lines(plan, comparisons):
+        console.print(line, highlight=False)

@@ -1,0 +1,33 @@
+"""Domain exceptions.  Every message names the offending value and the fix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class PipeplanError(ValueError):
+    """Base class of every error pipeplan raises on bad input or an impossible request."""
+
+
+class InputError(PipeplanError):
+    """A profile, cluster, training setup or plan that does not validate.
+
+    ``errors`` holds one ``{"loc": "layers[3].forward_ms", "msg": ..., "input": ...}``
+    entry per problem, for machines (the API returns them as a 422 body).
+    """
+
+    def __init__(self, message: str, errors: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(message)
+        self.errors = errors or []
+
+
+class InfeasibleError(PipeplanError):
+    """No plan fits the devices' memory.  ``details`` carries the numbers behind the message."""
+
+    def __init__(self, message: str, details: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.details = details or {}
+
+
+class PlanMismatchError(PipeplanError):
+    """A plan that does not match the model it is applied to."""

@@ -1,0 +1,495 @@
+"""The data contracts: profile, cluster, training setup, plan options and plan.
+
+One definition each.  The CLI, the API (request and response bodies, OpenAPI) and
+``pipeplan schema`` all use these classes.  Documents are versioned with
+``schema_version``; a reader refuses versions it does not know.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    BeforeValidator,
+    ValidationError,
+    model_validator,
+)
+
+from planner.errors import InputError
+from planner.presets import DEVICES, INTERCONNECTS, OPTIMIZERS, unknown_preset
+from planner.units import parse_bytes
+
+SCHEMA_VERSION = 1
+
+Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
+SCHEDULES: tuple[Schedule, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
+
+
+
+
+NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+PosFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+NonNegInt = Annotated[int, Field(ge=0)]
+PosInt = Annotated[int, Field(ge=1)]
+Bytes = Annotated[
+    int,
+    BeforeValidator(parse_bytes),
+    Field(ge=0, description="bytes: an integer or a string such as '80GiB' or '141GB'"),
+    PlainSerializer(int),
+]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# --------------------------------------------------------------------------- profile
+
+
+class MeasuredOn(_Model):
+    """Where and how a profile was measured."""
+
+    device: str = Field(description="device kind: 'cpu', 'cuda', or 'synthetic:<preset>'")
+    device_name: str = ""
+    dtype: str = "float32"
+    num_threads: PosInt | None = Field(default=None, description="torch intra-op threads, CPU")
+    torch_version: str | None = None
+
+
+class LayerProfile(_Model):
+    """One executable unit of the model.  Lists are parallel to ``Profile.microbatch_sizes``."""
+
+    name: str = Field(min_length=1)
+    param_bytes: NonNegInt = Field(description="shared weights are counted once, on the owner")
+    forward_ms: list[NonNegFloat]
+    backward_ms: list[NonNegFloat]
+    activation_bytes: list[NonNegInt] = Field(description="kept for backward by this layer")
+    output_bytes: list[NonNegInt] = Field(
+        description="sent to the next stage by a cut right after this layer (gradients of the "
+        "same size come back)"
+    )
+    cut_bytes: list[NonNegInt] | None = Field(
+        default=None,
+        description="all bytes crossing a cut right after this layer, skip connections "
+        "included; defaults to output_bytes",
+    )
+    forward_ms_spread: list[NonNegFloat] | None = Field(
+        default=None, description="run-to-run spread (interquartile range) of forward_ms"
+    )
+    backward_ms_spread: list[NonNegFloat] | None = None
+    peak_memory_bytes: list[NonNegInt] | None = Field(
+        default=None, description="CUDA max_memory_allocated during this layer, for cross-checks"
+    )
+    flops: list[NonNegFloat] | None = None
+    kind: str | None = Field(default=None, description="module type, informational")
+
+    def transfer_bytes(self) -> list[int]:
+        """Bytes a cut right after this layer moves (skip connections included)."""
+        return self.cut_bytes if self.cut_bytes is not None else self.output_bytes
+
+
+_PARALLEL_FIELDS = (
+    "forward_ms",
+    "backward_ms",
+    "activation_bytes",
+    "output_bytes",
+    "cut_bytes",
+    "forward_ms_spread",
+    "backward_ms_spread",
+    "peak_memory_bytes",
+    "flops",
+)
+
+
+class Profile(_Model):
+    """A traced model: per-layer costs at several micro-batch sizes."""
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    model: str = Field(min_length=1)
+    measured_on: MeasuredOn
+    microbatch_sizes: list[PosInt] = Field(min_length=1)
+    input_bytes: list[NonNegInt] | None = Field(
+        default=None, description="bytes of the model input per micro-batch, parallel list"
+    )
+    layers: list[LayerProfile] = Field(min_length=1)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check_shapes(self) -> Profile:
+        sizes = self.microbatch_sizes
+        if any(b <= a for a, b in zip(sizes, sizes[1:], strict=False)):
+            raise ValueError(f"microbatch_sizes must be strictly increasing, got {sizes}")
+        n = len(sizes)
+        if self.input_bytes is not None and len(self.input_bytes) != n:
+            raise ValueError(
+                f"input_bytes has {len(self.input_bytes)} entries but microbatch_sizes has {n}"
+            )
+        names: set[str] = set()
+        for i, layer in enumerate(self.layers):
+            if layer.name in names:
+                raise ValueError(f"layers[{i}].name {layer.name!r} is used twice: names must be unique")
+            names.add(layer.name)
+            for field in _PARALLEL_FIELDS:
+                values = getattr(layer, field)
+                if values is not None and len(values) != n:
+                    raise ValueError(
+                        f"layers[{i}].{field} has {len(values)} entries but microbatch_sizes "
+                        f"{sizes} has {n}: give one value per measured micro-batch size"
+                    )
+        return self
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def layer_names(self) -> list[str]:
+        return [layer.name for layer in self.layers]
+
+    def sha256(self) -> str:
+        """Fingerprint of the model's structure (see :func:`structure_sha256`)."""
+        return structure_sha256(self.layer_names(), [layer.param_bytes for layer in self.layers])
+
+
+def structure_sha256(layer_names: Sequence[str], param_bytes: Sequence[int]) -> str:
+    """SHA-256 of a model's layer names and parameter bytes, in order.
+
+    It identifies the model, not the measurement: re-profiling the same model gives the
+    same value, and the runtime recomputes it from the model itself to refuse a plan
+    made for another one.
+    """
+    body = json.dumps(
+        {"layers": [[n, int(p)] for n, p in zip(layer_names, param_bytes, strict=True)]},
+        separators=(",", ":"),
+    )
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
+# --------------------------------------------------------------------------- cluster
+
+
+class Interconnect(_Model):
+    bandwidth_bytes_per_s: PosFloat
+    latency_s: NonNegFloat = 0.0
+
+
+class Device(_Model):
+    name: str = ""
+    memory_bytes: Bytes
+    speed: PosFloat = Field(default=1.0, description="throughput relative to the profiling device")
+
+
+def _interconnect(value: Any, where: str) -> Any:
+    if isinstance(value, str):
+        if value not in INTERCONNECTS:
+            raise unknown_preset(f"interconnect for {where}", value, INTERCONNECTS)
+        p = INTERCONNECTS[value]
+        return {"bandwidth_bytes_per_s": p.bandwidth_bytes_per_s, "latency_s": p.latency_s}
+    return value
+
+
+class Cluster(_Model):
+    """Devices and links.
+
+    Accepts the full form (a list of devices) or the shorthand
+    ``{"devices": 8, "memory": "80GiB"}`` / ``{"devices": 8, "device_type": "h100-80g"}``,
+    with optional ``speed``, ``devices_per_node``, and ``intra_node`` / ``inter_node`` as a
+    preset name (``nvlink4``) or ``{"bandwidth_bytes_per_s": ..., "latency_s": ...}``.
+    """
+
+    devices: list[Device] = Field(min_length=1)
+    devices_per_node: PosInt
+    intra_node: Interconnect
+    inter_node: Interconnect
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        preset = None
+        device_type = data.pop("device_type", None)
+        if device_type is not None:
+            if device_type not in DEVICES:
+                raise unknown_preset("device_type", device_type, DEVICES)
+            preset = DEVICES[device_type]
+        memory = data.pop("memory", None)
+        speed = data.pop("speed", 1.0)
+        devices = data.get("devices")
+        if isinstance(devices, int) and not isinstance(devices, bool):
+            if devices < 1:
+                raise ValueError(f"devices must be >= 1, got {devices}")
+            if memory is None and preset is None:
+                raise ValueError(
+                    f"devices={devices} needs a memory size per device: add \"memory\": \"80GiB\" "
+                    f"or a \"device_type\" ({', '.join(sorted(DEVICES))})"
+                )
+            mem = parse_bytes(memory) if memory is not None else preset.memory_bytes  # type: ignore[union-attr]
+            name = device_type or "device"
+            data["devices"] = [{"name": name, "memory_bytes": mem, "speed": speed} for _ in range(devices)]
+        elif memory is not None or device_type is not None and not isinstance(devices, list):
+            raise ValueError("give 'devices' as a count or a list of devices")
+        n = len(data["devices"]) if isinstance(data.get("devices"), list) else 1
+        if preset is not None:
+            data.setdefault("devices_per_node", min(preset.devices_per_node, n))
+            data.setdefault("intra_node", preset.intra_node)
+            data.setdefault("inter_node", preset.inter_node)
+        else:
+            data.setdefault("devices_per_node", n)
+            data.setdefault("intra_node", "pcie4")
+            data.setdefault("inter_node", "ib-hdr")
+        data["intra_node"] = _interconnect(data["intra_node"], "intra_node")
+        data["inter_node"] = _interconnect(data["inter_node"], "inter_node")
+        return data
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.devices)
+
+    def same_node(self, a: int, b: int) -> bool:
+        return a // self.devices_per_node == b // self.devices_per_node
+
+    def link(self, a: int, b: int) -> Interconnect:
+        """The link between devices ``a`` and ``b`` (by index)."""
+        return self.intra_node if self.same_node(a, b) else self.inter_node
+
+    @property
+    def homogeneous(self) -> bool:
+        first = self.devices[0]
+        return all(d.memory_bytes == first.memory_bytes and d.speed == first.speed for d in self.devices)
+
+
+# --------------------------------------------------------------------------- training
+
+
+class TrainingSetup(_Model):
+    """What one training step does: batch, optimizer state, memory margin."""
+
+    global_batch_size: PosInt = 32
+    optimizer: str = Field(default="adam", description=f"one of {', '.join(OPTIMIZERS)}")
+    optimizer_state_bytes_per_param_byte: NonNegFloat | None = Field(
+        default=None, description="overrides the optimizer preset"
+    )
+    gradient_bytes_per_param_byte: NonNegFloat = 1.0
+    memory_margin: Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)] = Field(
+        default=0.10, description="fraction of each device's memory reserved for workspace"
+    )
+
+    @model_validator(mode="after")
+    def _check_optimizer(self) -> TrainingSetup:
+        if self.optimizer_state_bytes_per_param_byte is None and self.optimizer not in OPTIMIZERS:
+            raise unknown_preset("optimizer", self.optimizer, OPTIMIZERS)
+        return self
+
+    @property
+    def optimizer_state_factor(self) -> float:
+        if self.optimizer_state_bytes_per_param_byte is not None:
+            return self.optimizer_state_bytes_per_param_byte
+        return OPTIMIZERS[self.optimizer]
+
+
+# --------------------------------------------------------------------------- plan
+
+
+class StageRange(_Model):
+    start: NonNegInt
+    stop: PosInt
+
+    @model_validator(mode="after")
+    def _order(self) -> StageRange:
+        if self.stop <= self.start:
+            raise ValueError(f"stop must be greater than start, got start={self.start} stop={self.stop}")
+        return self
+
+
+class PlanOptions(_Model):
+    """Decisions the user fixes; the solver chooses the rest (``None`` = free)."""
+
+    stages: PosInt | list[StageRange] | None = Field(
+        default=None, description="a stage count, or explicit [start, stop) boundaries"
+    )
+    num_microbatches: PosInt | None = None
+    schedule: Schedule | None = None
+    recompute: bool | list[bool] | None = Field(
+        default=None, description="False forbids recompute, a list fixes it per stage"
+    )
+    data_parallel: PosInt | None = None
+    virtual_stages: PosInt | None = Field(default=None, description="chunks per device (interleaved)")
+    time_limit_s: PosFloat = 5.0
+
+
+class StagePlan(_Model):
+    index: NonNegInt
+    start: NonNegInt
+    stop: PosInt
+    layer_names: list[str]
+    devices: list[NonNegInt] = Field(description="device index of each data-parallel replica")
+    recompute: bool = False
+    param_bytes: NonNegInt = 0
+    forward_ms: NonNegFloat = Field(description="per micro-batch")
+    backward_ms: NonNegFloat = Field(description="per micro-batch, recompute included")
+    memory_bytes: NonNegInt = Field(description="predicted peak of the device running this stage")
+    memory_limit_bytes: NonNegInt = Field(description="device memory less the safety margin")
+    send_ms: NonNegFloat = Field(
+        default=0.0, description="time to send one micro-batch's output to the next stage (and its gradient back)"
+    )
+
+
+class Predicted(_Model):
+    step_time_ms: NonNegFloat
+    throughput_samples_per_s: NonNegFloat
+    bubble_fraction: Annotated[float, Field(ge=0, le=1)]
+    lower_bound_ms: NonNegFloat
+    allreduce_ms: NonNegFloat = 0.0
+
+
+class SolverInfo(_Model):
+    status: Literal["optimal", "feasible", "given"]
+    gap: NonNegFloat = Field(description="proven relative gap to the optimum (0 when optimal)")
+    wall_time_s: NonNegFloat = 0.0
+    message: str = ""
+
+
+class Plan(_Model):
+    """A pipeline-parallel execution plan for one model on one cluster."""
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    model: str
+    profile_sha256: str = Field(min_length=64, max_length=64)
+    num_layers: PosInt
+    schedule: Schedule
+    pipeline_degree: PosInt
+    data_parallel_degree: PosInt = 1
+    virtual_stages: PosInt = Field(default=1, description="chunks per device (interleaved-1f1b)")
+    num_microbatches: PosInt
+    microbatch_size: PosInt
+    global_batch_size: PosInt
+    stages: list[StagePlan] = Field(min_length=1)
+    predicted: Predicted
+    solver: SolverInfo
+    cluster: Cluster
+    training: TrainingSetup
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Plan:
+        k, v = self.pipeline_degree, self.virtual_stages
+        if len(self.stages) != k * v:
+            raise ValueError(
+                f"stages has {len(self.stages)} entries but pipeline_degree x virtual_stages = "
+                f"{k} x {v} = {k * v}"
+            )
+        check_coverage([(s.start, s.stop) for s in self.stages], self.num_layers)
+        if self.schedule != "interleaved-1f1b" and v != 1:
+            raise ValueError(f"virtual_stages={v} needs schedule 'interleaved-1f1b', not {self.schedule!r}")
+        expected = self.microbatch_size * self.num_microbatches * self.data_parallel_degree
+        if expected != self.global_batch_size:
+            raise ValueError(
+                f"microbatch_size x num_microbatches x data_parallel_degree = {self.microbatch_size} "
+                f"x {self.num_microbatches} x {self.data_parallel_degree} = {expected}, but "
+                f"global_batch_size is {self.global_batch_size}"
+            )
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.pipeline_degree * self.data_parallel_degree
+
+    @property
+    def idle_devices(self) -> int:
+        return self.cluster.num_devices - self.world_size
+
+
+def check_coverage(ranges: Sequence[tuple[int, int]], num_layers: int) -> None:
+    """Raise ``ValueError`` unless ``ranges`` cover ``0..num_layers`` contiguously, each once."""
+    expect = 0
+    for i, (start, stop) in enumerate(ranges):
+        if stop <= start:
+            raise ValueError(f"stage {i}: stop must be greater than start, got {start}:{stop}")
+        if start != expect:
+            what = "overlaps the previous stage" if start < expect else f"leaves layers {expect}:{start} in no stage"
+            raise ValueError(f"stage {i} starts at layer {start} but the previous one stopped at {expect}: it {what}")
+        expect = stop
+    if expect != num_layers:
+        raise ValueError(
+            f"the stages stop at layer {expect} but the model has {num_layers} layers: "
+            f"the last stage must stop at {num_layers}"
+        )
+
+
+# --------------------------------------------------------------------------- loading
+
+
+DOCUMENTS: dict[str, type[BaseModel]] = {
+    "profile": Profile,
+    "cluster": Cluster,
+    "training": TrainingSetup,
+    "plan": Plan,
+    "options": PlanOptions,
+}
+
+
+def format_validation_error(err: ValidationError, what: str) -> InputError:
+    """Turn a pydantic error into an :class:`InputError` naming each field path and value."""
+    lines = []
+    entries = []
+    for e in err.errors(include_url=False):
+        loc = ""
+        for part in e["loc"]:
+            loc += f"[{part}]" if isinstance(part, int) else (f".{part}" if loc else str(part))
+        value = e.get("input")
+        shown = json.dumps(value, default=str) if not isinstance(value, dict) else "{...}"
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        msg = e["msg"].removeprefix("Value error, ")
+        lines.append(f"  {loc or '(top level)'}: {msg} (got {shown})")
+        entries.append({"loc": loc, "msg": msg, "input": value if not isinstance(value, dict) else None})
+    return InputError(f"invalid {what}:\n" + "\n".join(lines), entries)
+
+
+def parse_document(kind: str, data: Any, *, source: str = "") -> Any:
+    """Validate ``data`` as a ``kind`` document ('profile', 'cluster', 'training', 'plan', 'options')."""
+    cls = DOCUMENTS[kind]
+    what = f"{kind} {source}".strip()
+    if isinstance(data, dict) and "schema_version" in data and "schema_version" in cls.model_fields:
+        version = data["schema_version"]
+        if version != SCHEMA_VERSION:
+            raise InputError(
+                f"invalid {what}: schema_version {version!r} is not supported; this pipeplan "
+                f"reads version {SCHEMA_VERSION} (regenerate the file with this version)",
+                [{"loc": "schema_version", "msg": "unsupported version", "input": version}],
+            )
+    try:
+        return cls.model_validate(data)
+    except ValidationError as err:
+        raise format_validation_error(err, what) from None
+    except ValueError as err:  # raised by a "before" validator outside pydantic's wrapping
+        raise InputError(f"invalid {what}: {err}") from None
+
+
+def load_document(kind: str, path: str) -> Any:
+    """Read and validate a JSON file; errors name the file, the field path and the value."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise InputError(f"{kind} file {path!r} does not exist: check the path") from None
+    except json.JSONDecodeError as err:
+        raise InputError(
+            f"{kind} file {path!r} is not valid JSON: {err.msg} at line {err.lineno} column {err.colno}"
+        ) from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise InputError(f"cannot read {kind} file {path!r}: {err}") from None
+    return parse_document(kind, data, source=repr(path))
+
+
+def json_schema(kind: str) -> dict[str, Any]:
+    """JSON Schema of a document kind, as served in OpenAPI too."""
+    return DOCUMENTS[kind].model_json_schema()

@@ -1,0 +1,129 @@
+"""Analytic profiles: fill the profile format from formulas, for models too big to run here.
+
+Torch-free.  Per Transformer block with hidden size h, FFN size f, a heads, sequence s,
+micro-batch b and dtype of p bytes:
+
+* parameters: 4h^2 + 2hf weights + 9h + f biases and LayerNorm (GPT-2 layout);
+* forward FLOPs: 2·b·s·(4h^2 + 2hf) for the matrix products + 4·b·s^2·h for attention;
+  backward costs twice the forward (Narayanan et al. 2021, appendix);
+* time: FLOPs ÷ (peak FLOP/s of the device and dtype × MFU);
+* activations kept for backward: s·b·h·(34 + 5·a·s/h) bytes for 16-bit training
+  (Korthikanti et al. 2022, eq. 1), scaled by p/2 for other dtypes;
+* output of a block: s·b·h·p bytes.
+
+The token embedding and the LM head are layers of their own (the head holds the final
+LayerNorm and the logits, kept in float32 for the loss).
+"""
+
+from __future__ import annotations
+
+from planner.presets import DEVICES, unknown_preset
+from planner.schema import LayerProfile, MeasuredOn, Profile
+
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
+_CANONICAL = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def synth_transformer(
+    *,
+    layers: int,
+    hidden: int,
+    ffn: int | None = None,
+    heads: int,
+    seq: int,
+    vocab: int,
+    device_type: str = "h100-80g",
+    dtype: str = "bfloat16",
+    mfu: float = 0.5,
+    microbatch_sizes: tuple[int, ...] = (1, 2, 4, 8),
+    tied_embeddings: bool = False,
+    name: str | None = None,
+) -> Profile:
+    """A GPT-style decoder profile: embedding, ``layers`` blocks, LM head."""
+    if device_type not in DEVICES:
+        raise unknown_preset("device_type", device_type, DEVICES)
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}: choose one of {', '.join(sorted(DTYPE_BYTES))}")
+    for label, value in (("layers", layers), ("hidden", hidden), ("heads", heads), ("seq", seq), ("vocab", vocab)):
+        if value < 1:
+            raise ValueError(f"--{label} must be >= 1, got {value}")
+    if not 0 < mfu <= 1:
+        raise ValueError(f"--mfu must be in (0, 1], got {mfu}")
+    if hidden % heads:
+        raise ValueError(f"--hidden {hidden} must be a multiple of --heads {heads}")
+    dtype = _CANONICAL.get(dtype, dtype)
+    f = ffn if ffn is not None else 4 * hidden
+    h, s, a, v = hidden, seq, heads, vocab
+    p = DTYPE_BYTES[dtype]
+    preset = DEVICES[device_type]
+    flops_per_s = preset.peak_flops.get(dtype, preset.peak_flops["float32"]) * mfu
+    membw = preset.memory_bandwidth_bytes_per_s
+    sizes = sorted(microbatch_sizes)
+
+    def ms(flops: float) -> float:
+        return flops / flops_per_s * 1e3
+
+    block_params = (4 * h * h + 2 * h * f + 9 * h + f) * p
+    out: list[LayerProfile] = []
+
+    # Embedding: a gather, bound by memory bandwidth; backward scatters into the table.
+    emb_fwd = [ms(0) + (b * s * h * p * 2) / membw * 1e3 for b in sizes]
+    out.append(
+        LayerProfile(
+            name="embed",
+            param_bytes=(v * h + s * h) * p,
+            forward_ms=emb_fwd,
+            backward_ms=[2 * t for t in emb_fwd],
+            activation_bytes=[b * s * 8 + b * s * h for b in sizes],  # token ids + dropout mask
+            output_bytes=[b * s * h * p for b in sizes],
+            kind="Embedding",
+        )
+    )
+    for i in range(layers):
+        fwd = [ms(2 * b * s * (4 * h * h + 2 * h * f) + 4 * b * s * s * h) for b in sizes]
+        out.append(
+            LayerProfile(
+                name=f"blocks.{i}",
+                param_bytes=block_params,
+                forward_ms=fwd,
+                backward_ms=[2 * t for t in fwd],
+                activation_bytes=[int((s * b * h * 34 + 5 * a * s * s * b) * p / 2) for b in sizes],
+                output_bytes=[b * s * h * p for b in sizes],
+                flops=[2 * b * s * (4 * h * h + 2 * h * f) + 4 * b * s * s * h for b in sizes],
+                kind="TransformerBlock",
+            )
+        )
+    head_fwd = [ms(2 * b * s * h * v) for b in sizes]
+    out.append(
+        LayerProfile(
+            name="head",
+            param_bytes=(0 if tied_embeddings else v * h * p) + 2 * h * p,
+            forward_ms=head_fwd,
+            backward_ms=[2 * t for t in head_fwd],
+            # LayerNorm input + logits in float32 for the cross-entropy
+            activation_bytes=[b * s * h * p + b * s * v * 4 for b in sizes],
+            output_bytes=[4 for _ in sizes],
+            flops=[2 * b * s * h * v for b in sizes],
+            kind="LMHead",
+        )
+    )
+    return Profile(
+        model=name or f"transformer-{layers}l-h{h}",
+        measured_on=MeasuredOn(device=f"synthetic:{device_type}", device_name=device_type, dtype=dtype),
+        microbatch_sizes=sizes,
+        input_bytes=[b * s * 8 for b in sizes],
+        layers=out,
+        metadata={
+            "synth": {
+                "kind": "transformer",
+                "layers": layers,
+                "hidden": h,
+                "ffn": f,
+                "heads": a,
+                "seq": s,
+                "vocab": v,
+                "mfu": mfu,
+                "device_type": device_type,
+            }
+        },
+    )
