@@ -8,7 +8,15 @@ from importlib import resources
 from typing import Any
 
 from planner.errors import InputError
-from planner.schema import SCHEDULES, Cluster, Profile, StageRange, TrainingSetup, load_document, parse_document
+from planner.schema import (
+    SCHEDULES,
+    Cluster,
+    Profile,
+    StageRange,
+    TrainingSetup,
+    load_document,
+    parse_document,
+)
 
 DEFAULT_PROFILE = "gpt-48l-10b.json"
 

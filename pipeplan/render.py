@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -95,8 +96,13 @@ def summary_lines(plan: Plan, comparisons: Sequence[Comparison] = ()) -> list[st
     return lines
 
 
+def make_console() -> Console:
+    """A console that does not squeeze tables into 80 columns when output is piped."""
+    return Console() if sys.stdout.isatty() else Console(width=150)
+
+
 def print_plan(plan: Plan, comparisons: Sequence[Comparison] = (), *, console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or make_console()
     console.print(plan_table(plan))
     for line in summary_lines(plan, comparisons):
         console.print(line, highlight=False)

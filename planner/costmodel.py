@@ -37,7 +37,7 @@ from planner.schema import (
     TrainingSetup,
     check_coverage,
 )
-from planner.simulator import Simulation, check_schedule_shape, simulate_schedule, ScheduleError
+from planner.simulator import ScheduleError, Simulation, check_schedule_shape, simulate_schedule
 
 
 def interpolate(sizes: Sequence[int], values: Sequence[float], b: float) -> float:
@@ -342,7 +342,7 @@ def estimate(
             param_bytes=costs.prefix_param[e] - costs.prefix_param[a],
             forward_ms=fwd[s],
             backward_ms=bwd[s] + rec[s],
-            memory_bytes=int(math.ceil(mem_rank[s % k])),
+            memory_bytes=math.ceil(mem_rank[s % k]),
             memory_limit_bytes=limit_rank[s % k],
             send_ms=xfer[s] if s < num_stages - 1 else 0.0,
         )

@@ -8,17 +8,17 @@ One definition each.  The CLI, the API (request and response bodies, OpenAPI) an
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
-import math
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     PlainSerializer,
-    BeforeValidator,
     ValidationError,
     model_validator,
 )
@@ -27,7 +27,7 @@ from planner.errors import InputError
 from planner.presets import DEVICES, INTERCONNECTS, OPTIMIZERS, unknown_preset
 from planner.units import parse_bytes
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION: Literal[1] = 1
 
 Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
 SCHEDULES: tuple[Schedule, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
@@ -125,7 +125,7 @@ class Profile(_Model):
     @model_validator(mode="after")
     def _check_shapes(self) -> Profile:
         sizes = self.microbatch_sizes
-        if any(b <= a for a, b in zip(sizes, sizes[1:], strict=False)):
+        if any(b <= a for a, b in itertools.pairwise(sizes)):
             raise ValueError(f"microbatch_sizes must be strictly increasing, got {sizes}")
         n = len(sizes)
         if self.input_bytes is not None and len(self.input_bytes) != n:
@@ -235,7 +235,7 @@ class Cluster(_Model):
             mem = parse_bytes(memory) if memory is not None else preset.memory_bytes  # type: ignore[union-attr]
             name = device_type or "device"
             data["devices"] = [{"name": name, "memory_bytes": mem, "speed": speed} for _ in range(devices)]
-        elif memory is not None or device_type is not None and not isinstance(devices, list):
+        elif memory is not None or (device_type is not None and not isinstance(devices, list)):
             raise ValueError("give 'devices' as a count or a list of devices")
         n = len(data["devices"]) if isinstance(data.get("devices"), list) else 1
         if preset is not None:
