@@ -445,12 +445,13 @@ def format_validation_error(err: ValidationError, what: str) -> InputError:
         for part in e["loc"]:
             loc += f"[{part}]" if isinstance(part, int) else (f".{part}" if loc else str(part))
         value = e.get("input")
-        shown = json.dumps(value, default=str) if not isinstance(value, dict) else "{...}"
-        if len(shown) > 80:
-            shown = shown[:77] + "..."
         msg = e["msg"].removeprefix("Value error, ")
-        lines.append(f"  {loc or '(top level)'}: {msg} (got {shown})")
-        entries.append({"loc": loc, "msg": msg, "input": value if not isinstance(value, dict) else None})
+        line = f"  {loc}: {msg}" if loc else f"  {msg}"
+        if not isinstance(value, dict | list):
+            shown = json.dumps(value, default=str)
+            line += f" (got {shown[:77] + '...' if len(shown) > 80 else shown})"
+        lines.append(line)
+        entries.append({"loc": loc, "msg": msg, "input": None if isinstance(value, dict | list) else value})
     return InputError(f"invalid {what}:\n" + "\n".join(lines), entries)
 
 
