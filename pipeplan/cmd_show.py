@@ -1,0 +1,99 @@
+"""``pipeplan show``: look at a plan - a text grid of its schedule, or Gantt and memory charts."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from planner.schema import Plan
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "show",
+        help="draw a plan: text grid of the schedule, Gantt and memory charts",
+        description="Show a plan's schedule.  Without --gantt/--memory, print a text grid of the "
+        "schedule (device x time slot: F3 = forward of micro-batch 3, B = backward, R = recompute, "
+        ". = idle).  With them, write the charts (.svg or .png by the file name).",
+    )
+    p.add_argument("plan", help="plan JSON (from `pipeplan plan -o` or `pipeplan estimate -o`)")
+    p.add_argument("--gantt", metavar="FILE", help="write the schedule Gantt chart here (.svg or .png)")
+    p.add_argument("--memory", metavar="FILE", help="write the per-device memory chart here (.svg or .png)")
+    p.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="re-evaluate the plan with this profile (e.g. a fresh measurement of the same model) "
+        "before showing it",
+    )
+    p.add_argument("--slot-ms", type=float, help="text grid: milliseconds per column (default: shortest event)")
+    p.add_argument("--width", type=int, default=96, help="text grid: most columns (default 96)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from planner.errors import InputError
+    from planner.schema import load_document
+
+    plan: Plan = load_document("plan", args.plan)
+    if args.profile:
+        plan = reevaluate(plan, args.profile)
+    if args.gantt is None and args.memory is None:
+        from planner.grid import text_grid
+
+        if args.slot_ms is not None and not args.slot_ms > 0:
+            raise InputError(f"--slot-ms must be a positive number of milliseconds, got {args.slot_ms}")
+        if args.width < 1:
+            raise InputError(f"--width must be >= 1 column, got {args.width}")
+        print(text_grid(plan, slot_ms=args.slot_ms, max_columns=args.width))
+        return 0
+    from planner.charts import gantt_figure, memory_figure, save_chart
+
+    for path, build, what in ((args.gantt, gantt_figure, "Gantt chart"), (args.memory, memory_figure, "memory chart")):
+        if path is None:
+            continue
+        _check_suffix(path)
+        written = save_chart(build(plan), path)
+        print(f"{what} written to {written}")
+    return 0
+
+
+def _check_suffix(path: str) -> None:
+    from planner.errors import InputError
+
+    if not path.lower().endswith((".svg", ".png")):
+        raise InputError(f"cannot write a chart to {path!r}: the file name must end in .svg or .png")
+
+
+def reevaluate(plan: Plan, profile_path: str) -> Plan:
+    """The plan's decisions re-evaluated by the cost model on another profile of the same model."""
+    from planner.costmodel import estimate
+    from planner.errors import PlanMismatchError
+    from planner.schema import Profile, load_document
+
+    profile: Profile = load_document("profile", profile_path)
+    if profile.sha256() != plan.profile_sha256:
+        raise PlanMismatchError(
+            f"profile {profile_path!r} (model {profile.model!r}, {profile.num_layers} layers) is not the "
+            f"model the plan was made for ({plan.model!r}, {plan.num_layers} layers): its structure "
+            f"fingerprint {profile.sha256()[:12]}... differs from the plan's {plan.profile_sha256[:12]}...; "
+            "give a profile of the same model, or make a new plan for this one"
+        )
+    new = estimate(
+        profile,
+        plan.cluster,
+        plan.training,
+        [(s.start, s.stop) for s in plan.stages],
+        num_microbatches=plan.num_microbatches,
+        schedule=plan.schedule,
+        recompute=[s.recompute for s in plan.stages],
+        data_parallel=plan.data_parallel_degree,
+        pipeline_degree=plan.pipeline_degree,
+        devices=[s.devices for s in plan.stages],
+        solver=plan.solver,
+    )
+    print(
+        f"re-evaluated on {profile_path}: predicted step {plan.predicted.step_time_ms:.2f} ms in the plan, "
+        f"{new.predicted.step_time_ms:.2f} ms with this profile"
+    )
+    return new
