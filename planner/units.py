@@ -31,6 +31,8 @@ def parse_bytes(value: str | int | float) -> int:
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"a byte size must be a finite number >= 0, got {value!r}")
         return int(value)
+    if not isinstance(value, str):
+        raise ValueError(f"expected a byte size such as 80GiB or an integer, got {value!r}")
     match = _PATTERN.match(value)
     if match is None or match.group(2).lower() not in _UNITS:
         raise ValueError(

@@ -1,0 +1,283 @@
+"""``/v1/plans``: solve a request (or return the stored plan of an identical one), fetch plans."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from collections import OrderedDict
+from typing import Any
+
+from fastapi import APIRouter, Depends, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+
+from api.deps import SettingsDep, SolverDep, StoreDep, require_token
+from api.limits import check_limits
+from api.models import ErrorBody, PlanRequest, PlanResponse
+from api.settings import ApiSettings
+from api.store import StoredPlan
+from api.version import service_version
+from planner.errors import InputError
+from planner.schema import Plan, PlanOptions
+
+router = APIRouter(prefix="/v1", tags=["plans"], dependencies=[Depends(require_token)])
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    401: {"model": ErrorBody, "description": "missing or wrong bearer token"},
+    413: {"model": ErrorBody, "description": "request body too large"},
+    422: {"model": ErrorBody, "description": "invalid request (field paths) or infeasible (with details)"},
+}
+
+
+def _sorted(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _sorted(value[k]) for k in sorted(value)}
+    if isinstance(value, list):
+        return [_sorted(v) for v in value]
+    return value
+
+
+def canonical_request(body: PlanRequest, settings: ApiSettings) -> tuple[str, float]:
+    """The request as canonical JSON text (defaults filled, shorthands expanded, free-form
+    metadata sorted, the time limit capped by the server) and the time limit it carries."""
+    options = body.options or PlanOptions()
+    time_limit = min(options.time_limit_s, settings.max_time_limit_s)
+    options = options.model_copy(update={"time_limit_s": time_limit})
+    profile = body.profile
+    if profile.metadata:
+        profile = profile.model_copy(update={"metadata": _sorted(profile.metadata)})
+    text = (
+        f'{{"cluster":{body.cluster.model_dump_json()},"options":{options.model_dump_json()},'
+        f'"profile":{profile.model_dump_json()},"training":{body.training.model_dump_json()}}}'
+    )
+    return text, time_limit
+
+
+class RawIndex:
+    """Bounded map from the SHA-256 of a request body's bytes to its cache key, so a
+    byte-identical repeat skips validation and canonicalization (event-loop only)."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self.capacity = capacity
+        self._items: OrderedDict[str, str] = OrderedDict()
+
+    def get(self, raw_sha: str) -> str | None:
+        sha = self._items.get(raw_sha)
+        if sha is not None:
+            self._items.move_to_end(raw_sha)
+        return sha
+
+    def put(self, raw_sha: str, sha: str) -> None:
+        self._items[raw_sha] = sha
+        self._items.move_to_end(raw_sha)
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+
+
+def parse_body(raw: bytes) -> PlanRequest:
+    """Validate a request body; errors become the usual 422 with ``body.``-prefixed field paths.
+
+    Also turns a validator that crashes on an odd type into a 422, never a 500."""
+    try:
+        return PlanRequest.model_validate_json(raw)
+    except ValidationError as err:
+        errors = [{**e, "loc": ("body", *e["loc"])} for e in err.errors(include_url=False)]
+        raise RequestValidationError(errors) from None
+    except (TypeError, KeyError, AttributeError, IndexError, OverflowError) as err:
+        raise InputError(
+            f"invalid request: {type(err).__name__}: {err}: check the body against /openapi.json",
+            [{"loc": "body", "msg": str(err), "input": None}],
+        ) from None
+
+
+def request_sha256(canonical: str) -> str:
+    """The cache key: the canonical request and the planner version that answers it."""
+    return hashlib.sha256(f"pipeplan {service_version()}\n{canonical}".encode()).hexdigest()
+
+
+def plan_id(sha: str) -> str:
+    return sha[:24]
+
+
+def _time_limit(stored: StoredPlan) -> float:
+    limit: float = json.loads(stored.request_json)["options"]["time_limit_s"]
+    return limit
+
+
+def plan_response_json(stored: StoredPlan, *, cached: bool) -> str:
+    """The :class:`PlanResponse` body, built around the stored plan text (no re-serialization)."""
+    head = {
+        "id": stored.id,
+        "cached": cached,
+        "request_sha256": stored.request_sha256,
+        "created_at": stored.created_at.isoformat(),
+        "time_limit_s": _time_limit(stored),
+    }
+    return json.dumps(head, separators=(",", ":"))[:-1] + ',"plan":' + stored.plan_json + "}"
+
+
+def _json(text: str, status: int, *, headers: dict[str, str] | None = None) -> Response:
+    return Response(content=text, status_code=status, media_type="application/json", headers=headers)
+
+
+def _absorb(future: asyncio.Future[StoredPlan]) -> None:
+    if not future.cancelled():
+        future.exception()  # mark retrieved: waiters re-raise it themselves
+
+
+@router.post(
+    "/plans",
+    status_code=201,
+    response_model=PlanResponse,
+    responses={200: {"model": PlanResponse, "description": "an identical request was solved before"}, **_ERRORS},
+    summary="plan a model on a cluster",
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/PlanRequest"}}},
+        }
+    },
+)
+async def create_plan(request: Request, settings: SettingsDep, store: StoreDep, solver: SolverDep) -> Response:
+    """Solve the request (a ``PlanRequest``: profile, cluster, training, options), or return
+    the stored plan of an identical one (``200``, ``cached``).
+
+    The solver's time limit is ``options.time_limit_s`` capped by the server's
+    ``PIPEPLAN_MAX_TIME_LIMIT_S``.  Infeasible requests get ``422`` with
+    ``{"error": "infeasible", "message", "details"}``.
+    """
+    raw = await request.body()
+    raw_sha = hashlib.sha256(raw).hexdigest()
+    index: RawIndex = request.app.state.raw_index
+    known = index.get(raw_sha)
+    if known is not None:
+        stored = await run_in_threadpool(store.get_by_request, known)
+        if stored is not None:
+            return _json(plan_response_json(stored, cached=True), 200, headers={"Location": f"/v1/plans/{stored.id}"})
+
+    body = parse_body(raw)
+    num_mb = body.options.num_microbatches if body.options is not None else None
+    check_limits(settings, body.profile, body.cluster, num_microbatches=num_mb)
+    canonical, time_limit = canonical_request(body, settings)
+    sha = request_sha256(canonical)
+    headers = {"Location": f"/v1/plans/{plan_id(sha)}"}
+    stored = await run_in_threadpool(store.get_by_request, sha)
+    if stored is not None:
+        index.put(raw_sha, sha)
+        return _json(plan_response_json(stored, cached=True), 200, headers=headers)
+
+    inflight: dict[str, asyncio.Future[StoredPlan]] = request.app.state.inflight
+    running = inflight.get(sha)
+    if running is not None:  # the same request is being solved: wait for that solve
+        stored = await asyncio.shield(running)
+        return _json(plan_response_json(stored, cached=True), 200, headers=headers)
+
+    future: asyncio.Future[StoredPlan] = asyncio.get_running_loop().create_future()
+    future.add_done_callback(_absorb)
+    inflight[sha] = future
+    try:
+        start = time.perf_counter()
+        plan = await solver.solve(canonical, time_limit_s=time_limit)
+        elapsed = time.perf_counter() - start
+        stored = await run_in_threadpool(
+            lambda: store.put(
+                plan_id(sha),
+                sha,
+                model=plan.model,
+                request_json=canonical,
+                plan_json=plan.model_dump_json(),
+                solve_s=elapsed,
+            )
+        )
+        future.set_result(stored)
+        index.put(raw_sha, sha)
+    except Exception as err:
+        future.set_exception(err)
+        raise
+    except BaseException:
+        future.cancel()
+        raise
+    finally:
+        inflight.pop(sha, None)
+    return _json(plan_response_json(stored, cached=False), 201, headers=headers)
+
+
+async def _stored_or_404(store: StoreDep, plan_id: str) -> StoredPlan:
+    stored = await run_in_threadpool(store.get, plan_id)
+    if stored is None:
+        raise HTTPException(
+            status_code=404,
+            detail=f"no plan with id {plan_id!r} on this server: check the id, or POST the request "
+            "to /v1/plans to create it",
+        )
+    return stored
+
+
+@router.get(
+    "/plans/{plan_id}",
+    response_model=PlanResponse,
+    responses={404: {"model": ErrorBody, "description": "unknown id"}, 401: _ERRORS[401]},
+    summary="a stored plan",
+)
+async def get_plan(plan_id: str, store: StoreDep) -> Response:
+    stored = await _stored_or_404(store, plan_id)
+    return _json(plan_response_json(stored, cached=True), 200)
+
+
+@router.get(
+    "/plans/{plan_id}/request",
+    response_model=PlanRequest,
+    responses={404: {"model": ErrorBody, "description": "unknown id"}, 401: _ERRORS[401]},
+    summary="the canonical request a stored plan answers",
+)
+async def get_plan_request(plan_id: str, store: StoreDep) -> Response:
+    stored = await _stored_or_404(store, plan_id)
+    return _json(stored.request_json, 200)
+
+
+def _svg(kind: str, plan: Plan) -> str:
+    try:
+        from planner import charts
+    except ImportError as err:
+        raise HTTPException(
+            status_code=501, detail=f"charts are not available in this build ({err}): install pipeplan[viz]"
+        ) from None
+    render = charts.gantt_svg if kind == "gantt" else charts.memory_svg
+    try:
+        text: str = render(plan)
+    except InputError as err:  # e.g. matplotlib missing on the server
+        raise HTTPException(status_code=501, detail=f"cannot draw the chart: {err}") from None
+    return text
+
+
+_SVG: dict[int | str, dict[str, Any]] = {200: {"content": {"image/svg+xml": {}}, "description": "an SVG image"}}
+
+
+@router.get(
+    "/plans/{plan_id}/gantt.svg",
+    response_class=Response,
+    responses={**_SVG, 404: {"model": ErrorBody, "description": "unknown id"}, 401: _ERRORS[401]},
+    summary="the plan's schedule as a Gantt chart",
+)
+async def get_gantt(plan_id: str, store: StoreDep) -> Response:
+    stored = await _stored_or_404(store, plan_id)
+    plan = Plan.model_validate_json(stored.plan_json)
+    svg = await run_in_threadpool(_svg, "gantt", plan)
+    return Response(content=svg, media_type="image/svg+xml")
+
+
+@router.get(
+    "/plans/{plan_id}/memory.svg",
+    response_class=Response,
+    responses={**_SVG, 404: {"model": ErrorBody, "description": "unknown id"}, 401: _ERRORS[401]},
+    summary="each stage's predicted memory against its limit",
+)
+async def get_memory(plan_id: str, store: StoreDep) -> Response:
+    stored = await _stored_or_404(store, plan_id)
+    plan = Plan.model_validate_json(stored.plan_json)
+    svg = await run_in_threadpool(_svg, "memory", plan)
+    return Response(content=svg, media_type="image/svg+xml")

@@ -1,0 +1,83 @@
+"""Server settings, read from ``PIPEPLAN_*`` environment variables by pydantic-settings.
+
+Nothing is read at import time: :func:`api.app.create_app` builds an :class:`ApiSettings`
+when it is not given one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_DB = "sqlite:///pipeplan-plans.db"
+
+
+def database_url(value: str) -> str:
+    """A SQLAlchemy URL from a URL or a plain file path (``plans.db`` -> ``sqlite:///plans.db``)."""
+    value = value.strip()
+    if not value:
+        raise ValueError("the database is empty: give a path such as plans.db or a URL such as sqlite:///plans.db")
+    if "://" in value:
+        return value
+    if value == ":memory:":
+        return "sqlite://"
+    return f"sqlite:///{Path(value).expanduser()}"
+
+
+class ApiSettings(BaseSettings):
+    """Settings of the planning service (environment: ``PIPEPLAN_<NAME>``)."""
+
+    model_config = SettingsConfigDict(env_prefix="PIPEPLAN_", extra="ignore", frozen=True)
+
+    api_token: SecretStr | None = Field(
+        default=None,
+        description="when set, every endpoint but /healthz needs 'Authorization: Bearer <token>'",
+    )
+    db: str = Field(
+        default=DEFAULT_DB,
+        description="SQLAlchemy URL or SQLite file path where plans and their requests are stored",
+    )
+    max_time_limit_s: float = Field(
+        default=60.0, gt=0, description="cap on the solver time limit a request may ask for"
+    )
+    max_body_bytes: int = Field(default=32 * 2**20, ge=1024, description="larger request bodies get 413")
+    max_layers: int = Field(default=4096, ge=1, description="profiles with more layers get 422")
+    max_devices: int = Field(default=4096, ge=1, description="clusters with more devices get 422")
+    max_microbatches: int = Field(
+        default=1024, ge=1, description="micro-batches per step a request may fix (estimate, options)"
+    )
+    solver_workers: int = Field(default=2, ge=1, description="solves that run at the same time")
+    solver_mode: Literal["process", "thread"] = Field(
+        default="process",
+        description="'process': solves run in a pool of worker processes (isolated, off the "
+        "GIL); 'thread': in a thread pool of this process",
+    )
+    solver: str = Field(
+        default="planner.solver:solve",
+        pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+        description="the solve function as 'module:function' (server configuration)",
+    )
+    max_pending_solves: int = Field(
+        default=64, ge=1, description="solves queued or running at once; more get 503"
+    )
+    solve_grace_s: float = Field(
+        default=30.0, gt=0, description="time past a solve's limit before the request gets 504"
+    )
+    public_docs: bool = Field(
+        default=False, description="serve /docs and /openapi.json without the token"
+    )
+
+    @field_validator("db")
+    @classmethod
+    def _db_url(cls, value: str) -> str:
+        return database_url(value)
+
+    @field_validator("api_token")
+    @classmethod
+    def _empty_token(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and not value.get_secret_value():
+            return None
+        return value
