@@ -1,17 +1,37 @@
 """Profiler: measures a torch.nn.Module per layer (needs torch) and synthesizes profiles (does not).
 
-``import profiler`` does not import torch; ``profiler.profile`` loads the measuring code on
-first use.
+``import profiler`` does not import torch; the measuring names load on first use:
+
+* ``profiler.profile(model, example_inputs, *, microbatch_sizes=..., device=...)`` -> ``Profile``
+  (:mod:`profiler.measure`);
+* ``profiler.split_model(model, example_inputs, *, split_points=None)`` -> ``SplitModel``, the
+  executable units shared with the runtime (:mod:`profiler.split`);
+* ``profiler.load_entrypoint("examples.gpt:tiny")`` -> ``Entrypoint`` (:mod:`profiler.loading`);
+* ``profiler.synth_transformer(...)`` -> an analytic ``Profile`` (:mod:`profiler.synth`, torch-free).
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
+
+_LAZY = {
+    "profile": "profiler.measure",
+    "split_model": "profiler.split",
+    "split_for_profile": "profiler.split",
+    "SplitModel": "profiler.split",
+    "load_entrypoint": "profiler.loading",
+    "Entrypoint": "profiler.loading",
+    "default_loss": "profiler.loading",
+    "synth_transformer": "profiler.synth",
+}
 
 
 def __getattr__(name: str) -> Any:
-    if name == "profile":
-        from profiler.measure import profile
-
-        return profile
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'profiler' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

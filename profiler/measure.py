@@ -1,0 +1,518 @@
+"""Measure a PyTorch model per layer: time, activation memory, cut bytes (needs torch).
+
+What is measured, per unit of :func:`profiler.split.split_model` and per micro-batch size:
+
+* **time** of forward and backward: ``warmup`` training steps excluded, then ``repeats``
+  steps run unit by unit (forward in order, backward in reverse, each unit timed apart);
+  per unit the median is recorded, and the interquartile range as the spread.
+  ``time.perf_counter`` on CPU (or the thread's CPU time, ``clock="cpu"``), CUDA events
+  with synchronization on CUDA.  Each unit's backward is fed the *real* upstream gradient
+  of that step (what the next unit's backward produced from the loss), so sparse or
+  masked gradients cost what they cost in training.  The last unit's times include the loss.
+* **activation bytes** kept for backward, through ``torch.autograd.graph.saved_tensors_hooks``:
+  the saved tensors' storages, each counted once (on the first unit that saves it), without
+  parameters and buffers.
+* **output and cut bytes**: the tensors a unit sends to the next one (its own outputs,
+  and also the skip connections passing through, for ``cut_bytes``).
+* **parameter bytes**, tied weights counted once.
+* on CUDA also the per-unit peak of ``torch.cuda.max_memory_allocated`` above the memory in
+  use before the unit (reset before each), to cross-check the hook figure.
+* forward FLOPs from ``torch.utils.flop_counter`` (informational).
+
+The user's model is never touched: everything runs on a deep copy (parameters, buffers such
+as BatchNorm statistics and ``.training`` flags stay as they were), and the global RNG state
+and the torch thread count are restored afterwards.  The copy runs in training mode.
+"""
+
+from __future__ import annotations
+
+import copy
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from planner.errors import InputError
+from planner.schema import LayerProfile, MeasuredOn, Profile
+from profiler.loading import check_example_inputs, default_loss
+from profiler.split import SplitModel, split_model, tensor_bytes
+from profiler.summary import print_summary
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise InputError(f"dtype {dtype} is not supported: use float32, bfloat16 or float16")
+        return dtype
+    if dtype not in DTYPES:
+        raise InputError(f"unknown dtype {dtype!r}: choose one of float32, bfloat16, float16")
+    return DTYPES[dtype]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def resize_batch(inputs: Sequence[Tensor], size: int) -> tuple[Tensor, ...]:
+    """Slice (or repeat, cycling through the samples) every input to ``size`` samples."""
+    out = []
+    for t in inputs:
+        index = torch.arange(size, device=t.device) % t.shape[0]
+        out.append(t.index_select(0, index))  # always a fresh, compact tensor
+    return tuple(out)
+
+
+@contextmanager
+def preserved_global_state(device: torch.device) -> Iterator[None]:
+    """Restore the RNG states and the thread count on exit."""
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if device.type == "cuda" else None
+    threads = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+
+
+CLOCKS = ("wall", "cpu")
+
+
+class _Timer:
+    """CUDA events (synchronized) on CUDA; on CPU ``time.perf_counter`` (``clock="wall"``)
+    or the calling thread's CPU time (``clock="cpu"``, one thread only)."""
+
+    def __init__(self, device: torch.device, clock: str = "wall") -> None:
+        self.cuda = device.type == "cuda"
+        self.now = time.thread_time if clock == "cpu" and not self.cuda else time.perf_counter
+
+    def time(self, fn: Callable[[], Any]) -> tuple[float, Any]:
+        if self.cuda:
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            torch.cuda.synchronize()
+            start.record()
+            out = fn()
+            end.record()
+            torch.cuda.synchronize()
+            return float(start.elapsed_time(end)), out
+        t0 = self.now()
+        out = fn()
+        return (self.now() - t0) * 1e3, out
+
+
+def _grad_inputs(values: Sequence[Any]) -> tuple[Any, ...]:
+    """Fresh leaves for a unit's inputs: floating tensors require grad."""
+    out = []
+    for v in values:
+        if isinstance(v, Tensor):
+            v = v.detach()
+            if v.is_floating_point():
+                v.requires_grad_(True)
+        out.append(v)
+    return tuple(out)
+
+
+def _backward(outputs: Any, grads: Sequence[Tensor | None] | None) -> None:
+    """Backward from a scalar loss (``grads is None``) or from outputs with upstream grads."""
+    if grads is None:
+        outputs.backward()
+        return
+    pairs = [
+        (o, g)
+        for o, g in zip(outputs, grads, strict=True)
+        if isinstance(o, Tensor) and o.requires_grad and g is not None
+    ]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
+
+def _quartile_spread(values: Sequence[float]) -> float:
+    if len(values) < 2:
+        return 0.0
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return max(0.0, q[2] - q[0])
+
+
+class _SavedBytes:
+    """Saved-tensor hook: storages saved for backward, once each, parameters excluded."""
+
+    def __init__(self, exclude: set[int]) -> None:
+        self.seen = set(exclude)
+        self.bytes = 0
+
+    def pack(self, t: Tensor) -> Tensor:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key not in self.seen and storage.nbytes() > 0:
+            self.seen.add(key)
+            self.bytes += storage.nbytes()
+        return t
+
+    @staticmethod
+    def unpack(t: Tensor) -> Tensor:
+        return t
+
+
+def _model_storages(model: nn.Module) -> set[int]:
+    out = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    out |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+    return out
+
+
+def _forward_flops(unit: nn.Module, inputs: Sequence[Any]) -> float | None:
+    try:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            unit(*inputs)
+        return float(counter.get_total_flops())
+    except Exception:
+        return None
+
+
+def profile(
+    model: nn.Module,
+    example_inputs: Tensor | Sequence[Tensor],
+    *,
+    microbatch_sizes: Sequence[int] = (1, 2, 4, 8),
+    device: str = "cpu",
+    dtype: str | torch.dtype = "float32",
+    split_points: Sequence[str] | None = None,
+    loss_fn: Callable[[Any], Tensor] | None = None,
+    warmup: int = 2,
+    repeats: int = 7,
+    num_threads: int | None = None,
+    progress: bool = True,
+    name: str | None = None,
+    clock: str = "wall",
+) -> Profile:
+    """Measure ``model`` per layer at each micro-batch size and return a :class:`Profile`.
+
+    ``example_inputs``: a tensor or a tuple of tensors with a leading batch dimension; it is
+    re-sliced or repeated to every size in ``microbatch_sizes``.  ``loss_fn(output)``
+    defaults to ``output.float().mean()``.  ``num_threads`` fixes torch's intra-op threads
+    (default: the current setting); it is recorded in ``measured_on.num_threads``.
+    ``split_points``: module names to cut before (default: every block).
+
+    ``clock`` (CPU only): ``"wall"`` times with ``time.perf_counter``; ``"cpu"`` counts the
+    CPU time of the measuring thread (``time.thread_time``), which other processes on a
+    busy machine do not inflate.  ``"cpu"`` needs ``num_threads=1``: with one intra-op
+    thread all forward and backward work runs on the calling thread, so its CPU time is
+    the wall time of an idle machine.  Recorded in ``metadata.profiler.clock``.
+    """
+    inputs = check_example_inputs(example_inputs)
+    sizes = sorted({int(b) for b in microbatch_sizes})
+    if not sizes or sizes[0] < 1:
+        raise InputError(f"microbatch sizes must be positive integers, got {list(microbatch_sizes)}")
+    if warmup < 0 or repeats < 1:
+        raise InputError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup} repeats={repeats}")
+    dev = _parse_device(device)
+    torch_dtype = parse_dtype(dtype)
+    if num_threads is not None and num_threads < 1:
+        raise InputError(f"num_threads must be >= 1, got {num_threads}")
+    if clock not in CLOCKS:
+        raise InputError(f"unknown clock {clock!r}: use wall or cpu")
+    if clock == "cpu" and dev.type == "cpu" and num_threads != 1:
+        raise InputError(
+            f"clock 'cpu' needs one thread (num_threads=1 / --threads 1), got {num_threads}: the CPU "
+            "time of one thread is the step time only when it does all the work"
+        )
+    loss = loss_fn or default_loss
+
+    with preserved_global_state(dev):
+        threads = num_threads or torch.get_num_threads()
+        torch.set_num_threads(threads)
+        work = copy.deepcopy(model).to(device=dev, dtype=torch_dtype)
+        work.train()
+        dev_inputs = tuple(
+            (t.to(device=dev, dtype=torch_dtype) if t.is_floating_point() else t.to(device=dev)) for t in inputs
+        )
+        split = split_model(work, dev_inputs, split_points=split_points)
+        layers = _measure(
+            split,
+            dev_inputs,
+            sizes,
+            loss=loss,
+            device=dev,
+            warmup=warmup,
+            repeats=repeats,
+            progress=progress,
+            clock=clock,
+        )
+        input_bytes = [tensor_bytes(resize_batch(dev_inputs, b)) for b in sizes]
+    param_bytes = split.param_bytes()
+    layer_profiles = [
+        LayerProfile(name=split.names[i], param_bytes=param_bytes[i], kind=split.kinds[i], **layers[i])
+        for i in range(len(split))
+    ]
+    result = Profile(
+        model=name or type(model).__name__,
+        measured_on=MeasuredOn(
+            device=dev.type,
+            device_name=_device_name(dev),
+            dtype=dtype_name(torch_dtype),
+            num_threads=threads,
+            torch_version=torch.__version__,
+        ),
+        microbatch_sizes=sizes,
+        input_bytes=input_bytes,
+        layers=layer_profiles,
+        metadata={
+            "profiler": {
+                "warmup": warmup,
+                "repeats": repeats,
+                "clock": "cuda-events" if dev.type == "cuda" else clock,
+                "loss": "custom" if loss_fn is not None else "output.float().mean()",
+                "split_points": list(split_points or []),
+                "anchors": split.anchors,
+                "shared_parameters": [[list(x) for x in g] for g in split.shared_parameters()],
+            }
+        },
+    )
+    if progress:
+        print_summary(result)
+    return result
+
+
+def _parse_device(device: str) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InputError(f"unknown device {device!r}: use cpu or cuda (cuda:N)") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise InputError(f"device {device!r} is not supported: use cpu or cuda")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"device {device!r} asked for, but CUDA is not available here: use --device cpu")
+    return dev
+
+
+def _device_name(dev: torch.device) -> str:
+    if dev.type == "cuda":
+        return str(torch.cuda.get_device_name(dev))
+    return platform.processor() or platform.machine()
+
+
+def _measure(
+    split: SplitModel,
+    inputs: tuple[Tensor, ...],
+    sizes: Sequence[int],
+    *,
+    loss: Callable[[Any], Tensor],
+    device: torch.device,
+    warmup: int,
+    repeats: int,
+    progress: bool,
+    clock: str = "wall",
+) -> list[dict[str, Any]]:
+    n = len(split)
+    cuda = device.type == "cuda"
+    fields = ["forward_ms", "backward_ms", "activation_bytes", "output_bytes", "cut_bytes"]
+    fields += ["forward_ms_spread", "backward_ms_spread", "flops"] + (["peak_memory_bytes"] if cuda else [])
+    out: list[dict[str, Any]] = [{f: [] for f in fields} for _ in range(n)]
+    timer = _Timer(device, clock)
+    model_storages = _model_storages(split.model)
+    bar = _progress(progress, n * len(sizes))
+    try:
+        for b in sizes:
+            batch = resize_batch(inputs, b)
+            try:
+                ref = reference_pass(split, batch, loss, exclude=model_storages)
+            except (RuntimeError, ValueError, TypeError, IndexError) as err:
+                if isinstance(err, InputError):
+                    raise
+                raise InputError(
+                    f"a training step of the model at micro-batch size {b} failed: "
+                    f"{type(err).__name__}: {str(err).strip().splitlines()[0]} -- drop that size from the "
+                    "micro-batch sizes or fix the model/loss for it"
+                ) from err
+            unit_inputs, unit_outputs, upstream, act = ref.inputs, ref.outputs, ref.upstream, ref.activation_bytes
+            for i in range(n):
+                res = unit_outputs[i]
+                if i < n - 1:
+                    mask = split.cut_produced_by_previous[i]
+                    own = [t for t, m in zip(res, mask, strict=True) if m]
+                    out[i]["output_bytes"].append(tensor_bytes(own))
+                    out[i]["cut_bytes"].append(tensor_bytes(res))
+                else:
+                    out[i]["output_bytes"].append(tensor_bytes(res[0]))
+                    out[i]["cut_bytes"].append(tensor_bytes(res[0]))
+                out[i]["activation_bytes"].append(act[i])
+            frozen_inputs = [tuple(t.detach() if isinstance(t, Tensor) else t for t in ins) for ins in unit_inputs]
+            del unit_outputs, unit_inputs, ref  # free the reference pass's activations
+            # --- timing: whole training steps, each unit's forward and backward timed apart
+            fwd: list[list[float]] = [[] for _ in range(n)]
+            bwd: list[list[float]] = [[] for _ in range(n)]
+            for r in range(warmup + repeats):
+                t_f, t_b = _timed_step(split, frozen_inputs[0], loss, timer)
+                if bar is not None:  # the bar counts layers x sizes
+                    bar[0].advance(bar[1], n / (warmup + repeats))
+                if r >= warmup:
+                    for i in range(n):
+                        fwd[i].append(t_f[i])
+                        bwd[i].append(t_b[i])
+            for i, unit in enumerate(split.units):
+                out[i]["forward_ms"].append(statistics.median(fwd[i]))
+                out[i]["backward_ms"].append(statistics.median(bwd[i]))
+                out[i]["forward_ms_spread"].append(_quartile_spread(fwd[i]))
+                out[i]["backward_ms_spread"].append(_quartile_spread(bwd[i]))
+                flops = _forward_flops(unit, frozen_inputs[i])
+                out[i]["flops"].append(flops if flops is not None else 0.0)
+                if cuda:
+                    out[i]["peak_memory_bytes"].append(_cuda_peak(unit, frozen_inputs[i], upstream[i], loss, i == n - 1))
+            split.model.zero_grad(set_to_none=True)
+    finally:
+        if bar is not None:
+            bar[0].stop()
+    if not any(out[i]["flops"] and any(out[i]["flops"]) for i in range(n)):
+        for d in out:
+            d["flops"] = None
+    return out
+
+
+@dataclass
+class ReferencePass:
+    """One forward and backward through all units, unit by unit."""
+
+    #: each unit's inputs (floating tensors are fresh leaves holding their gradient)
+    inputs: list[tuple[Any, ...]]
+    #: each unit's outputs; the last entry is ``(model output, loss)``
+    outputs: list[Any]
+    #: the real gradient arriving at each unit's outputs (``None`` for the last unit)
+    upstream: list[list[Tensor | None] | None]
+    #: bytes saved for backward by each unit (storages counted once, on the first saver)
+    activation_bytes: list[int]
+
+
+def reference_pass(
+    split: SplitModel,
+    batch: tuple[Tensor, ...],
+    loss: Callable[[Any], Tensor],
+    *,
+    exclude: set[int] | None = None,
+) -> ReferencePass:
+    """Forward unit by unit with saved-tensor hooks, then backward from the loss, unit by
+    unit, collecting the upstream gradient each unit receives."""
+    n = len(split)
+    saved = _SavedBytes(exclude if exclude is not None else _model_storages(split.model))
+    unit_inputs: list[tuple[Any, ...]] = []
+    unit_outputs: list[Any] = []
+    act: list[int] = []
+    current: tuple[Any, ...] = batch
+    for i, unit in enumerate(split.units):
+        ins = batch if i == 0 else _grad_inputs(current)
+        before = saved.bytes
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+            res = unit(*ins)
+            if i == n - 1:
+                res = (res, loss(res))
+        act.append(saved.bytes - before)
+        unit_inputs.append(ins)
+        unit_outputs.append(res)
+        current = res if i < n - 1 else ()
+    upstream: list[list[Tensor | None] | None] = [None] * n
+    unit_outputs[-1][1].backward()
+    for i in range(n - 2, -1, -1):
+        grads: list[Tensor | None] = [t.grad if isinstance(t, Tensor) else None for t in unit_inputs[i + 1]]
+        upstream[i] = grads
+        _backward(unit_outputs[i], grads)
+    return ReferencePass(unit_inputs, unit_outputs, upstream, act)
+
+
+def _timed_step(
+    split: SplitModel,
+    batch: tuple[Any, ...],
+    loss: Callable[[Any], Tensor],
+    timer: _Timer,
+) -> tuple[list[float], list[float]]:
+    """One training step through the units in order, then back in reverse, timing each
+    unit's forward and backward.  Each backward gets the gradient the next unit's backward
+    just produced: the real upstream gradient of this step.  The caches hold what they
+    hold in a real step (no unit is repeated back to back)."""
+    n = len(split)
+    unit_inputs: list[tuple[Any, ...]] = []
+    unit_outputs: list[Any] = []
+    t_f: list[float] = []
+    current: tuple[Any, ...] = batch
+    for i, unit in enumerate(split.units):
+        ins = batch if i == 0 else _grad_inputs(current)
+
+        def forward(unit: nn.Module = unit, ins: tuple[Any, ...] = ins, last: bool = i == n - 1) -> Any:
+            res = unit(*ins)
+            return loss(res) if last else res
+
+        ms, res = timer.time(forward)
+        t_f.append(ms)
+        unit_inputs.append(ins)
+        unit_outputs.append(res)
+        current = res if i < n - 1 else ()
+    t_b = [0.0] * n
+    t_b[n - 1], _ = timer.time(lambda: _backward(unit_outputs[n - 1], None))
+    for i in range(n - 2, -1, -1):
+        grads: list[Tensor | None] = [t.grad if isinstance(t, Tensor) else None for t in unit_inputs[i + 1]]
+
+        def backward(res: Any = unit_outputs[i], g: list[Tensor | None] = grads) -> None:
+            _backward(res, g)
+
+        t_b[i], _ = timer.time(backward)
+        unit_outputs[i + 1] = None  # free as a real step does
+    return t_f, t_b
+
+
+def _cuda_peak(
+    unit: nn.Module,
+    inputs: tuple[Any, ...],
+    grads: Sequence[Tensor | None] | None,
+    loss: Callable[[Any], Tensor],
+    last: bool,
+) -> int:
+    """Peak CUDA memory above the baseline during one forward (the backward frees it)."""
+    ins = inputs if not any(isinstance(t, Tensor) and t.is_floating_point() for t in inputs) else _grad_inputs(inputs)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    res = unit(*ins)
+    if last:
+        res = loss(res)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    _backward(res, None if last else grads)
+    del res
+    return max(0, int(peak))
+
+
+def _progress(enabled: bool, total: int) -> tuple[Any, Any] | None:
+    if not enabled:
+        return None
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(
+        TextColumn("profiling layers x sizes"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    )
+    task = bar.add_task("profile", total=total)
+    bar.start()
+    return bar, task
