@@ -1,0 +1,170 @@
+"""Planner benchmark: our plan against the baselines and the lower bound, on a profile suite.
+
+    python benchmarks/planner.py            # the suite and the two scale rows
+    python benchmarks/planner.py --quick    # fewer device counts
+    python benchmarks/planner.py --scale-only --repeat 5
+
+Columns: our predicted step time divided by each baseline's (< 1 is better; "n/f" = the
+baseline does not fit memory), ours divided by the lower bound (total work / devices),
+solver status, proven gap and wall time.  Everything is measured in this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from planner.baselines import BASELINE_NAMES, evaluate_baselines
+from planner.errors import InfeasibleError
+from planner.schema import Cluster, LayerProfile, MeasuredOn, PlanOptions, Profile, TrainingSetup
+from planner.solver import solve
+from profiler.synth import synth_transformer
+
+MiB = 2**20
+
+
+def uniform_transformer(layers: int = 48) -> Profile:
+    return synth_transformer(layers=layers, hidden=2048, heads=16, seq=2048, vocab=2048, name=f"uniform-{layers}l")
+
+
+def heavy_ends_transformer(layers: int = 48) -> Profile:
+    return synth_transformer(layers=layers, hidden=2048, heads=16, seq=2048, vocab=256000, name=f"heavy-ends-{layers}l")
+
+
+def resnet_like(stages: int = 4, blocks: int = 12) -> Profile:
+    """Conv-net-like: activations halve and parameters double at each of ``stages`` stages."""
+    sizes = [1, 2, 4, 8]
+    out = []
+    for s in range(stages):
+        for i in range(blocks):
+            act = 64 * MiB // (2**s)
+            params = 2 * MiB * (4**s)
+            f = 1.0 + 0.1 * s
+            out.append(
+                LayerProfile(
+                    name=f"stage{s}.block{i}",
+                    param_bytes=params,
+                    forward_ms=[f * b for b in sizes],
+                    backward_ms=[2 * f * b for b in sizes],
+                    activation_bytes=[act * 3 * b for b in sizes],
+                    output_bytes=[act // 2 * b for b in sizes],
+                    kind="ResidualBlock",
+                )
+            )
+    return Profile(model="resnet-like", measured_on=MeasuredOn(device="synthetic:a100-80g"), microbatch_sizes=sizes,
+                   input_bytes=[3 * 224 * 224 * 4 * b for b in sizes], layers=out)
+
+
+def random_layers(layers: int = 48, seed: int = 0) -> Profile:
+    rng = random.Random(seed)
+    sizes = [1, 2, 4, 8]
+    out = []
+    for i in range(layers):
+        f = rng.lognormvariate(0, 0.8)
+        act = int(rng.lognormvariate(0, 0.7) * 256 * MiB)
+        out.append(
+            LayerProfile(
+                name=f"layer{i}",
+                param_bytes=int(rng.lognormvariate(0, 1.0) * 200 * MiB),
+                forward_ms=[f * b for b in sizes],
+                backward_ms=[f * rng.uniform(1.5, 2.5) * b for b in sizes],
+                activation_bytes=[act * b for b in sizes],
+                output_bytes=[int(rng.uniform(4, 64) * MiB) * b for b in sizes],
+            )
+        )
+    return Profile(model=f"random-{layers}l", measured_on=MeasuredOn(device="synthetic:a100-80g"),
+                   microbatch_sizes=sizes, input_bytes=[MiB * b for b in sizes], layers=out)
+
+
+def homogeneous(n: int, device_type: str = "a100-80g") -> Cluster:
+    return Cluster.model_validate({"devices": n, "device_type": device_type})
+
+
+def heterogeneous(n: int) -> Cluster:
+    """Half the devices 2x slower (A100 80 GB next to half-speed ones)."""
+    half = n // 2
+    speeds = [1.0] * (n - half) + [0.5] * half
+    return Cluster.model_validate(
+        {
+            "devices": [{"name": "a100-80g", "memory_bytes": "80GiB", "speed": s} for s in speeds],
+            "devices_per_node": min(8, n),
+            "intra_node": "nvlink3",
+            "inter_node": "ib-hdr",
+        }
+    )
+
+
+def run_row(name: str, profile: Profile, cluster: Cluster, training: TrainingSetup, time_limit: float, repeat: int = 1) -> list[str]:
+    walls = []
+    plan = None
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        try:
+            plan = solve(profile, cluster, training, PlanOptions(time_limit_s=time_limit))
+        except InfeasibleError:
+            return [name, str(cluster.num_devices), str(profile.num_layers), "infeasible", *[""] * (len(BASELINE_NAMES) + 4)]
+        walls.append(time.perf_counter() - t0)
+    assert plan is not None
+    ours = plan.predicted.step_time_ms
+    ratios = []
+    for r in evaluate_baselines(profile, cluster, training):
+        ratios.append("n/f" if r.plan is None else f"{ours / r.plan.predicted.step_time_ms:.3f}")
+    mesh = f"D{plan.data_parallel_degree}xK{plan.pipeline_degree}" + (f"v{plan.virtual_stages}" if plan.virtual_stages > 1 else "")
+    return [
+        name,
+        str(cluster.num_devices),
+        str(profile.num_layers),
+        f"{mesh} M{plan.num_microbatches} {plan.schedule}",
+        *ratios,
+        f"{ours / plan.predicted.lower_bound_ms:.3f}",
+        plan.solver.status,
+        f"{plan.solver.gap:.2%}",
+        f"{statistics.median(walls):.2f}",
+    ]
+
+
+def print_table(rows: list[list[str]]) -> None:
+    header = ["profile", "N", "L", "plan", *(f"÷{b}" for b in BASELINE_NAMES), "÷LB", "status", "gap", "wall s"]
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
+    print("  ".join("-" * w for w in widths))
+    for row in rows:
+        print("  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="devices {4, 16} only")
+    parser.add_argument("--scale-only", action="store_true", help="only the 128x8 and 1024x64 rows")
+    parser.add_argument("--repeat", type=int, default=3, help="solves per scale row (median wall time)")
+    parser.add_argument("--time-limit", type=float, default=5.0)
+    args = parser.parse_args()
+    training = TrainingSetup(global_batch_size=256, optimizer="adam-mixed")
+    rows: list[list[str]] = []
+    if not args.scale_only:
+        suite = [
+            ("uniform-transformer", uniform_transformer(), homogeneous),
+            ("heavy-embed-head", heavy_ends_transformer(), homogeneous),
+            ("resnet-like", resnet_like(), homogeneous),
+            ("random-layers", random_layers(), homogeneous),
+            ("heterogeneous", uniform_transformer(), heterogeneous),
+        ]
+        counts = [4, 16] if args.quick else [2, 4, 8, 16, 64]
+        for name, profile, make in suite:
+            for n in counts:
+                rows.append(run_row(name, profile, make(n), training, args.time_limit))
+    rows.append(run_row("scale 128x8", uniform_transformer(126), homogeneous(8), training, args.time_limit, args.repeat))
+    big = synth_transformer(layers=1022, hidden=1024, heads=16, seq=1024, vocab=32000, name="scale-1024l")
+    rows.append(run_row("scale 1024x64", big, homogeneous(64), TrainingSetup(global_batch_size=1024, optimizer="adam-mixed"),
+                        args.time_limit, args.repeat))
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()

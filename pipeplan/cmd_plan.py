@@ -1,0 +1,101 @@
+"""``pipeplan plan``: choose stages, micro-batches, schedule, recompute and the D x K mesh."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+from pipeplan import args as cli_args
+
+if TYPE_CHECKING:
+    from pipeplan.render import Comparison
+    from planner.schema import Plan, PlanOptions
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="find the fastest plan that fits memory",
+        description="Choose stage boundaries, micro-batch count, schedule, recompute and the "
+        "data x pipeline mesh with the lowest predicted step time whose every stage fits, and "
+        "compare it with the usual baselines.  Without PROFILE, plans the bundled "
+        f"{cli_args.DEFAULT_PROFILE} (a synthesized 48-layer, 10B-parameter GPT on H100s).",
+    )
+    cli_args.add_profile_arg(p, optional=True)
+    cli_args.add_cluster_args(p)
+    cli_args.add_training_args(p)
+    g = p.add_argument_group("decisions to fix (the solver chooses the rest)")
+    g.add_argument("--stages", help="a stage count (4) or explicit ranges (0:10,10:24,24:50)")
+    g.add_argument("--microbatches", type=int, help="micro-batches per step (M)")
+    g.add_argument(
+        "--schedule",
+        choices=("auto", *cli_args.schedule_choices()),
+        default="auto",
+        help="pipeline schedule (default auto)",
+    )
+    g.add_argument("--virtual-stages", type=int, help="chunks per device for interleaved-1f1b")
+    g.add_argument("--no-recompute", action="store_true", help="never recompute activations")
+    g.add_argument("--recompute", help="fix recompute per stage, e.g. 0,1,1,0 (needs --stages)")
+    g.add_argument("--data-parallel", type=int, help="data-parallel degree D")
+    g.add_argument("--time-limit", type=float, default=5.0, help="solver time limit in seconds (default 5)")
+    cli_args.add_output_args(p)
+    p.set_defaults(func=run)
+
+
+def options_from_args(args: argparse.Namespace) -> PlanOptions:
+    from planner.errors import InputError
+    from planner.schema import parse_document
+
+    data: dict[str, object] = {"time_limit_s": args.time_limit}
+    if args.stages is not None:
+        stages = cli_args.parse_stages(args.stages)
+        data["stages"] = stages if isinstance(stages, int) else [r.model_dump() for r in stages]
+    if args.microbatches is not None:
+        data["num_microbatches"] = args.microbatches
+    if args.schedule != "auto":
+        data["schedule"] = args.schedule
+    if args.virtual_stages is not None:
+        data["virtual_stages"] = args.virtual_stages
+    if args.no_recompute and args.recompute is not None:
+        raise InputError("give either --no-recompute or --recompute 0,1,..., not both")
+    if args.no_recompute:
+        data["recompute"] = False
+    elif args.recompute is not None:
+        flags = cli_args.parse_bools(args.recompute)
+        data["recompute"] = flags[0] if len(flags) == 1 else flags
+    if args.data_parallel is not None:
+        data["data_parallel"] = args.data_parallel
+    options: PlanOptions = parse_document("options", data, source="(from the command line)")
+    return options
+
+
+def solve_from_args(args: argparse.Namespace) -> tuple[Plan, list[Comparison]]:
+    """Solve locally: the plan and one comparison per baseline."""
+    from pipeplan.render import Comparison
+    from planner.baselines import evaluate_baselines
+    from planner.solver import solve
+
+    profile = cli_args.load_profile_arg(args.profile)
+    cluster = cli_args.cluster_from_args(args, profile)
+    training = cli_args.training_from_args(args)
+    options = options_from_args(args)
+    plan = solve(profile, cluster, training, options)
+    comparisons = []
+    for result in evaluate_baselines(
+        profile, cluster, training, num_microbatches=options.num_microbatches, options=options
+    ):
+        if result.plan is None:
+            comparisons.append(Comparison(f"baseline {result.name}", None, result.note))
+        else:
+            comparisons.append(
+                Comparison(f"baseline {result.name}", result.plan.predicted.step_time_ms, result.note)
+            )
+    return plan, comparisons
+
+
+def run(args: argparse.Namespace) -> int:
+    from pipeplan.cmd_estimate import emit_plan
+
+    plan, comparisons = solve_from_args(args)
+    emit_plan(plan, args, comparisons)
+    return 0

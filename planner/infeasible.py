@@ -1,0 +1,255 @@
+"""Why no plan fits, with numbers: the layer too big for any device, the memory per device
+and the number of devices that would fit.
+
+Feasibility here is decided by the very tests :func:`planner.solver.solve` uses (the
+farthest-reach greedy with the exact memory model, the enumerated small chains, the
+interleaved split), so a suggested fix is one ``solve`` accepts.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+
+from planner.costmodel import LayerCosts, layer_costs, rank_memory_bytes
+from planner.errors import InfeasibleError, InputError
+from planner.schema import Cluster, Device, PlanOptions, Profile, TrainingSetup
+from planner.solver_core import Config, StageModel, make_groups, usable_bytes
+from planner.units import format_bytes, parse_bytes
+
+#: stop scanning device counts after this long (seconds)
+DEVICE_SCAN_BUDGET_S = 3.0
+
+
+def config_fits(
+    profile: Profile,
+    cluster: Cluster,
+    training: TrainingSetup,
+    options: PlanOptions,
+    cfg: Config,
+    costs: LayerCosts,
+) -> bool:
+    """True when the solver would find a split of ``cfg`` that fits memory."""
+    from planner import solver
+
+    search = solver._Search(profile, cluster, training, options, deadline=math.inf)
+    search.costs[costs.microbatch_size] = costs
+    groups = make_groups(cluster, training, cfg.data_parallel, cfg.pipeline_degree)
+    sm = StageModel(costs, cfg, training)
+    orders = solver._orders(groups)
+    n = cfg.num_stages
+    if solver.fixed_ranges(options) is None and math.comb(sm.L - 1, n - 1) * len(orders) <= solver.ENUMERATE_LIMIT:
+        # the solver enumerates such chains: so does this test
+        import itertools
+
+        for order in orders:
+            for cuts in itertools.combinations(range(1, sm.L), n - 1):
+                bounds = (0, *cuts, sm.L)
+                ranges = tuple((bounds[i], bounds[i + 1]) for i in range(n))
+                stage_groups = tuple(order[s % cfg.pipeline_degree] for s in range(n))
+                if solver._with_recompute(search, sm, groups, ranges, stage_groups) is not None:
+                    return True
+        return False
+    for order in orders:
+        if solver.fixed_ranges(options) is not None:
+            split = solver.fixed_split(search, sm, groups, order)
+        elif cfg.virtual_stages > 1:
+            split = solver.interleaved_split(search, sm, groups, order)
+        else:
+            split = solver.greedy_split(search, sm, groups, order, math.inf)
+        if split is not None:
+            return True
+    return False
+
+
+def any_fits(
+    profile: Profile,
+    cluster: Cluster,
+    training: TrainingSetup,
+    options: PlanOptions,
+    *,
+    world: int | None = None,
+) -> bool:
+    """Some configuration fits (only those using exactly ``world`` devices, if given)."""
+    from planner.solver import enumerate_configs
+
+    try:
+        configs = enumerate_configs(profile, cluster, training, options)
+    except InputError:
+        return False
+    cache: dict[int, LayerCosts] = {}
+    for cfg in _memory_order(configs):
+        if world is not None and cfg.data_parallel * cfg.pipeline_degree != world:
+            continue
+        b = cfg.microbatch_size(training.global_batch_size)
+        if b not in cache:
+            cache[b] = layer_costs(profile, b)
+        if config_fits(profile, cluster, training, options, cfg, cache[b]):
+            return True
+    return False
+
+
+def _memory_order(configs: Sequence[Config]) -> list[Config]:
+    """Most promising for memory first: 1F1B, many stages, small micro-batches."""
+    rank = {"1f1b": 0, "interleaved-1f1b": 1, "gpipe": 2}
+    return sorted(configs, key=lambda c: (rank[c.schedule], -c.pipeline_degree, -c.num_microbatches * c.data_parallel, c))
+
+
+def with_memory(cluster: Cluster, memory_bytes: int) -> Cluster:
+    devices = [Device(name=d.name, memory_bytes=memory_bytes, speed=d.speed) for d in cluster.devices]
+    return Cluster(
+        devices=devices,
+        devices_per_node=cluster.devices_per_node,
+        intra_node=cluster.intra_node,
+        inter_node=cluster.inter_node,
+    )
+
+
+def with_count(cluster: Cluster, count: int) -> Cluster:
+    """``count`` devices like the cluster's largest one."""
+    template = max(cluster.devices, key=lambda d: (d.memory_bytes, d.speed))
+    return Cluster(
+        devices=[template] * count,
+        devices_per_node=min(cluster.devices_per_node, count),
+        intra_node=cluster.intra_node,
+        inter_node=cluster.inter_node,
+    )
+
+
+def min_memory_bytes(profile: Profile, cluster: Cluster, training: TrainingSetup, options: PlanOptions) -> int:
+    """Smallest memory per device (same for all) with which some plan fits these devices."""
+    lo = 0
+    hi = max(1, max(d.memory_bytes for d in cluster.devices))
+    while not any_fits(profile, with_memory(cluster, hi), training, options):
+        lo, hi = hi, hi * 2
+        if hi > 2**62:
+            raise InputError("no memory size makes this model fit: check the profile's byte counts")
+    # feasibility is monotone in memory: bisect to 1 MiB, then report the upper end
+    while hi - lo > 2**20:
+        mid = (lo + hi) // 2
+        if any_fits(profile, with_memory(cluster, mid), training, options):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def min_devices(profile: Profile, cluster: Cluster, training: TrainingSetup, options: PlanOptions) -> int | None:
+    """Fewest devices like the cluster's largest that fit, scanning upward (None if none found)."""
+    start = time.perf_counter()
+    n0 = cluster.num_devices
+    limit = max(profile.num_layers, n0) * 2
+    n = n0 + 1
+    while n <= limit and time.perf_counter() - start < DEVICE_SCAN_BUDGET_S:
+        if any_fits(profile, with_count(cluster, n), training, options, world=n):
+            return n
+        n += 1
+    return None
+
+
+def largest_layer(
+    profile: Profile, cluster: Cluster, training: TrainingSetup, options: PlanOptions
+) -> tuple[int, float] | None:
+    """A layer that alone exceeds every device in every configuration: (index, its least bytes)."""
+    from planner.solver import enumerate_configs
+
+    try:
+        configs = enumerate_configs(profile, with_count(cluster, max(cluster.num_devices, 1)), training, options)
+    except InputError:
+        return None
+    limit = max(usable_bytes(d.memory_bytes, training) for d in cluster.devices)
+    seen: dict[tuple[int, int], None] = {}
+    for cfg in configs:
+        sm_inflight = min(StageModel.inflight_of(cfg, r) for r in range(cfg.pipeline_degree))
+        seen.setdefault((cfg.microbatch_size(training.global_batch_size), sm_inflight), None)
+    rc_opts = [options.recompute] if isinstance(options.recompute, bool) else [False, True]
+    need = [math.inf] * profile.num_layers
+    for b, inflight in seen:
+        costs = layer_costs(profile, b)
+        for i in range(profile.num_layers):
+            for rc in rc_opts:
+                need[i] = min(need[i], rank_memory_bytes(costs, [(i, i + 1)], [rc], training, inflight=inflight))
+    worst = max(range(profile.num_layers), key=lambda i: (need[i], -i))
+    if need[worst] > limit:
+        return worst, need[worst]
+    return None
+
+
+def memory_flag(nbytes: int) -> str:
+    """A ``--memory`` value at least ``nbytes``, rounded up to 0.1 GiB (or 1 MiB when small)."""
+    if nbytes < 2**30:
+        text = f"{math.ceil(nbytes / 2**20)}MiB"
+    else:
+        tenths = math.ceil(nbytes * 10 / 2**30)
+        text = f"{tenths / 10:.1f}GiB"
+        while parse_bytes(text) < nbytes:
+            tenths += 1
+            text = f"{tenths / 10:.1f}GiB"
+    return text
+
+
+def diagnose(profile: Profile, cluster: Cluster, training: TrainingSetup, options: PlanOptions) -> InfeasibleError:
+    """The error to raise when no plan fits; its message states the numbers and the fixes."""
+    n = cluster.num_devices
+    usable = max(usable_bytes(d.memory_bytes, training) for d in cluster.devices)
+    memory = max(d.memory_bytes for d in cluster.devices)
+    layer = largest_layer(profile, cluster, training, options)
+    need_mem = min_memory_bytes(profile, cluster, training, options)
+    need_dev = None if layer is not None else min_devices(profile, cluster, training, options)
+    lines = [
+        f"no plan fits the memory of these {n} device(s) ({format_bytes(memory)} each, "
+        f"{format_bytes(usable)} usable after the {training.memory_margin:.0%} margin)."
+    ]
+    if layer is not None:
+        i, nbytes = layer
+        lines.append(
+            f"Layer {profile.layers[i].name!r} (index {i}) alone needs at least {format_bytes(nbytes)} "
+            "on one device (parameters, gradients, optimizer state and one micro-batch of activations), "
+            "so no number of these devices helps."
+        )
+    lines.append(
+        f"The smallest memory per device that fits on these {n} device(s) is {format_bytes(need_mem)} "
+        f"(with the margin): use devices with that much memory (--memory {memory_flag(need_mem)})."
+    )
+    if need_dev is not None:
+        lines.append(f"With {format_bytes(memory)} devices, {need_dev} of them would fit (--devices {need_dev}).")
+    elif layer is None:
+        lines.append("No number of these devices up to the search limit fits.")
+    relaxed = _relaxations(profile, cluster, training, options)
+    if relaxed:
+        lines.append("It would also fit if you " + " or ".join(relaxed) + ".")
+    lines.append(
+        "Other fixes: a smaller global batch or a lighter optimizer (--optimizer sgd) shrink the "
+        "memory per device."
+    )
+    details = {
+        "layer": profile.layers[layer[0]].name if layer else None,
+        "layer_index": layer[0] if layer else None,
+        "layer_bytes": math.ceil(layer[1]) if layer else None,
+        "min_memory_bytes": need_mem,
+        "min_devices": need_dev,
+        "devices": n,
+        "usable_bytes": usable,
+    }
+    return InfeasibleError(" ".join(lines), details)
+
+
+def _relaxations(profile: Profile, cluster: Cluster, training: TrainingSetup, options: PlanOptions) -> list[str]:
+    """Options the user fixed whose release would make a plan fit."""
+    out = []
+    trials = []
+    if options.recompute is False:
+        trials.append(("allow recompute (drop --no-recompute)", options.model_copy(update={"recompute": None})))
+    if options.schedule is not None:
+        trials.append(("let the solver choose the schedule (drop --schedule)", options.model_copy(update={"schedule": None, "virtual_stages": None})))
+    if options.stages is not None:
+        trials.append(("let the solver choose the stages (drop --stages)", options.model_copy(update={"stages": None})))
+    if options.num_microbatches is not None:
+        trials.append(("let the solver choose M (drop --microbatches)", options.model_copy(update={"num_microbatches": None})))
+    if options.data_parallel is not None:
+        trials.append(("let the solver choose D (drop --data-parallel)", options.model_copy(update={"data_parallel": None})))
+    for text, opts in trials:
+        if any_fits(profile, cluster, training, opts):
+            out.append(text)
+    return out

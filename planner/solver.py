@@ -1,0 +1,958 @@
+"""The planner: the fastest plan that fits, with a proven bound on how far from optimal it is.
+
+``solve(profile, cluster, training, options)`` searches the data-parallel degree D, the
+pipeline degree K, the micro-batch count M (and so the micro-batch size), the schedule
+(gpipe, 1f1b, interleaved-1f1b with v chunks), the stage boundaries, recompute per stage,
+and, on heterogeneous clusters, which devices take which pipeline position.
+
+Method (branch and bound over configurations, see :mod:`planner.solver_core` for bounds):
+
+1. Every configuration (D, K, M, schedule, v) allowed by the options gets a closed-form lower
+   bound; configurations are visited in increasing bound order and skipped once the bound
+   reaches the best step time found.
+2. For a visited configuration, an exact bottleneck algorithm (binary search on the bound of
+   the module doc of :mod:`planner.solver_core`, with a farthest-reach greedy that is exact
+   because the relaxed stage test is monotone) gives the configuration's lower bound, or
+   proves that nothing fits its memory.  The same greedy with the exact memory model gives a
+   split; it is simulated (:func:`planner.solver_core.quick_step`).
+3. Small chains (few splits) are enumerated completely, in bound order, so their optimum is
+   exact.
+4. CP-SAT (:mod:`planner.solver_cpsat`) tightens the bounds of configurations left open,
+   with the stage boundaries as integer variables and element constraints on prefix sums,
+   hinted by the greedy split.
+5. The baselines' splits are candidates too, so the plan is never worse than any of them.
+
+The returned plan comes out of :func:`planner.costmodel.estimate`.  ``optimal`` (gap 0) is
+reported only when every configuration was solved to optimality or excluded by a bound;
+otherwise the status is ``feasible`` and ``gap`` is ``(step - bound) / step`` for the
+smallest bound still open.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from planner.costmodel import LayerCosts, boundary_transfer_ms, estimate, layer_costs, static_bytes
+from planner.errors import InputError
+from planner.schema import (
+    SCHEDULES,
+    Cluster,
+    Plan,
+    PlanOptions,
+    Profile,
+    Schedule,
+    SolverInfo,
+    TrainingSetup,
+    check_coverage,
+)
+from planner.solver_core import (
+    CompiledSchedule,
+    Config,
+    Group,
+    Split,
+    StageModel,
+    farthest,
+    make_groups,
+    quick_step,
+    split_lower_bound,
+)
+
+#: enumerate every split of a configuration when there are at most this many
+ENUMERATE_LIMIT = 400
+#: largest number of chunks per device tried for interleaved-1f1b when v is free
+MAX_VIRTUAL_STAGES = 4
+#: share of the work budget the configuration search may use
+SEARCH_SHARE = 0.6
+#: share of the work budget the final boundary polish may use
+POLISH_SHARE = 0.15
+#: work units (about one simulated action, or one stage test) per second of time limit
+WORK_PER_SECOND = 400_000.0
+#: wall-clock safety net: stop searching after this multiple of the time limit regardless
+WALL_SAFETY = 3.0
+#: least time CP-SAT gets to tighten open bounds (seconds, within the time limit)
+TIGHTEN_MIN_S = 0.25
+#: configurations whose schedule has more actions (2 x M x stages) are not simulated
+SIM_ACTION_LIMIT = 100_000
+#: micro-batch sizes beyond this multiple of the largest measured one are not tried (unless M is fixed)
+MAX_EXTRAPOLATION = 2
+#: relative precision of the bottleneck binary searches
+REL_TOL = 1e-6
+
+
+@dataclass
+class _Search:
+    profile: Profile
+    cluster: Cluster
+    training: TrainingSetup
+    options: PlanOptions
+    deadline: float
+    costs: dict[int, LayerCosts] = field(default_factory=dict)
+    best_step: float = math.inf
+    best: tuple[Config, Split, list[Group]] | None = None
+    open_bounds: list[float] = field(default_factory=list)
+    #: configurations whose bound is below the best step, with that bound: CP-SAT's work
+    open_configs: dict[Config, tuple[float, list[Group]]] = field(default_factory=dict)
+    #: best split found per configuration (CP-SAT hints)
+    best_split_of: dict[Config, Split] = field(default_factory=dict)
+    best_step_of: dict[Config, float] = field(default_factory=dict)
+    compiled: dict[tuple[Schedule, int, int, int], CompiledSchedule] = field(default_factory=dict)
+    visited: int = 0
+    pruned: int = 0
+    infeasible: int = 0
+    timed_out: bool = False
+    too_big: int = 0
+    pruned_after_visit: int = 0
+    infeasible_after_visit: int = 0
+    #: work done so far, in units of about one simulated action (deterministic, unlike time)
+    work: float = 0.0
+    work_budget: float = math.inf
+    wall_stop: float = math.inf
+    _param_bytes: int = -1
+
+    @property
+    def profile_param_bytes(self) -> int:
+        if self._param_bytes < 0:
+            self._param_bytes = sum(layer.param_bytes for layer in self.profile.layers)
+        return self._param_bytes
+
+    def costs_at(self, b: int) -> LayerCosts:
+        if b not in self.costs:
+            self.costs[b] = layer_costs(self.profile, b)
+        return self.costs[b]
+
+    def offer(self, cfg: Config, split: Split, groups: list[Group], step: float) -> None:
+        if step < self.best_step_of.get(cfg, math.inf):
+            self.best_step_of[cfg] = step
+            self.best_split_of[cfg] = split
+        key = (step, cfg, split.ranges, split.recompute, split.groups)
+        if self.best is None or key < (self.best_step, self.best[0], self.best[1].ranges, self.best[1].recompute, self.best[1].groups):
+            self.best_step = step
+            self.best = (cfg, split, groups)
+
+
+def consider(search: _Search, sm: StageModel, groups: list[Group], split: Split) -> float:
+    """Simulate ``split`` unless its lower bound already loses; offer it; its step (or inf)."""
+    if split_lower_bound(sm, search.cluster, groups, split) >= search.best_step:
+        return math.inf
+    step = quick_step(sm, search.cluster, groups, split, search.compiled)
+    search.work += 2 * sm.cfg.num_microbatches * sm.cfg.num_stages + 50
+    search.offer(sm.cfg, split, groups, step)
+    return step
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def solve(
+    profile: Profile,
+    cluster: Cluster,
+    training: TrainingSetup,
+    options: PlanOptions | None = None,
+) -> Plan:
+    """The plan with the lowest predicted step time whose every stage fits its device.
+
+    Raises :class:`planner.errors.InputError` for contradictory options and
+    :class:`planner.errors.InfeasibleError` (with ``details``: ``layer``, ``layer_bytes``,
+    ``min_memory_bytes``, ``min_devices``) when nothing fits.
+    """
+    options = options or PlanOptions()
+    start = time.perf_counter()
+    configs = enumerate_configs(profile, cluster, training, options)
+    search = _Search(profile, cluster, training, options, deadline=start + options.time_limit_s)
+    # Budgets count work, not seconds, so that the same input gives the same plan on any
+    # machine and load; WORK_PER_SECOND makes them match the time limit on a 2-core host.
+    # The configuration search stops at SEARCH_SHARE of it, leaving room for the baselines'
+    # candidates, the polish, CP-SAT and the final estimate.
+    search.work_budget = options.time_limit_s * WORK_PER_SECOND
+    search.wall_stop = start + WALL_SAFETY * options.time_limit_s
+    _branch_and_bound(search, configs)
+    _seed_with_baselines(search, configs)
+    _polish(search)
+    if search.best is None:
+        from planner.infeasible import diagnose
+
+        raise diagnose(profile, cluster, training, options)
+    from planner.solver_cpsat import tighten
+
+    # CP-SAT gets what is left of the budget (at least TIGHTEN_MIN_S), in its deterministic time
+    left = max(0.0, search.work_budget - search.work) / WORK_PER_SECOND
+    tighten(search, configs, budget_s=max(TIGHTEN_MIN_S, min(left, options.time_limit_s)))
+    cfg, split, groups = search.best
+    bound = min([search.best_step, *search.open_bounds, *(b for b, _ in search.open_configs.values())])
+    gap = max(0.0, (search.best_step - bound) / search.best_step) if search.best_step > 0 else 0.0
+    if gap <= 1e-9:
+        status, gap = "optimal", 0.0
+    else:
+        status = "feasible"
+    message = (
+        f"{len(configs)} configurations: {search.pruned} excluded by bounds, "
+        f"{search.infeasible} proven not to fit, "
+        f"{max(0, search.visited - search.pruned_after_visit - search.infeasible_after_visit)} solved"
+        + (f"; {search.too_big} too large to simulate" if search.too_big else "")
+        + ("; time limit reached" if search.timed_out else "")
+    )
+    plan = estimate(
+        profile,
+        cluster,
+        training,
+        list(split.ranges),
+        num_microbatches=cfg.num_microbatches,
+        schedule=cfg.schedule,
+        recompute=list(split.recompute),
+        data_parallel=cfg.data_parallel,
+        pipeline_degree=cfg.pipeline_degree,
+        devices=[list(groups[g].devices) for g in split.groups],
+        solver=SolverInfo(status=status, gap=gap, wall_time_s=0.0, message=message),
+    )
+    if abs(plan.predicted.step_time_ms - search.best_step) > 1e-6 * max(1.0, search.best_step):
+        raise AssertionError(  # pragma: no cover - quick_step and estimate are tested equal
+            f"internal error: the solver predicted {search.best_step} ms but estimate gives "
+            f"{plan.predicted.step_time_ms} ms; please report this input"
+        )
+    wall = time.perf_counter() - start
+    return plan.model_copy(
+        update={"solver": SolverInfo(status=status, gap=gap, wall_time_s=wall, message=message)}
+    )
+
+
+# --------------------------------------------------------------------------- configurations
+
+
+def _divisors(x: int) -> list[int]:
+    small = [i for i in range(1, math.isqrt(x) + 1) if x % i == 0]
+    return sorted(set(small + [x // i for i in small]))
+
+
+def fixed_ranges(options: PlanOptions) -> list[tuple[int, int]] | None:
+    if isinstance(options.stages, list):
+        return [(r.start, r.stop) for r in options.stages]
+    return None
+
+
+def enumerate_configs(
+    profile: Profile, cluster: Cluster, training: TrainingSetup, options: PlanOptions
+) -> list[Config]:
+    """Every (D, K, M, schedule, v) the options allow; :class:`InputError` if they contradict."""
+    n, num_layers, g = cluster.num_devices, profile.num_layers, training.global_batch_size
+    ranges = fixed_ranges(options)
+    if ranges is not None:
+        try:
+            check_coverage(ranges, num_layers)
+        except ValueError as err:
+            raise InputError(f"invalid --stages: {err}") from None
+    v_opt = options.virtual_stages
+    if v_opt is not None and v_opt > 1 and options.schedule not in (None, "interleaved-1f1b"):
+        raise InputError(
+            f"virtual_stages={v_opt} needs schedule interleaved-1f1b, not {options.schedule!r}: "
+            "drop the virtual stages or choose interleaved-1f1b"
+        )
+    if isinstance(options.stages, int):
+        k = options.stages
+        if k > n:
+            raise InputError(
+                f"stages={k} needs {k} devices but the cluster has {n}: use --stages {n} or fewer, "
+                "or add devices"
+            )
+        if k > num_layers:
+            raise InputError(
+                f"stages={k} but the model has only {num_layers} layers: use --stages {num_layers} or fewer"
+            )
+    if options.data_parallel is not None:
+        d = options.data_parallel
+        if d > n:
+            raise InputError(f"data_parallel={d} exceeds the {n} devices: use --data-parallel {n} or less")
+        if g % d:
+            raise InputError(
+                f"data_parallel={d} does not divide the global batch {g}: choose one of {_divisors(g)[:12]}"
+            )
+    if options.num_microbatches is not None:
+        m = options.num_microbatches
+        ds = [options.data_parallel] if options.data_parallel else _divisors(g)
+        if not any(g % (d * m) == 0 for d in ds):
+            raise InputError(
+                f"num_microbatches={m} does not split the global batch {g}"
+                + (f" over data_parallel={options.data_parallel}" if options.data_parallel else "")
+                + f": choose M dividing {g // (options.data_parallel or 1)}, e.g. "
+                f"{_divisors(g // (options.data_parallel or 1))[:10]}"
+            )
+    if isinstance(options.recompute, list):
+        count = len(options.recompute)
+        if ranges is not None and count != len(ranges):
+            raise InputError(
+                f"recompute lists {count} flags for {len(ranges)} stages: give one per stage"
+            )
+        if isinstance(options.stages, int) and count != options.stages * (v_opt or 1):
+            raise InputError(
+                f"recompute lists {count} flags but stages={options.stages}: give one per stage"
+            )
+    # micro-batches larger than twice the largest measured size would be extrapolated far
+    max_b = MAX_EXTRAPOLATION * profile.microbatch_sizes[-1]
+    schedules: tuple[Schedule, ...] = (options.schedule,) if options.schedule else SCHEDULES
+    if v_opt is not None and v_opt > 1:
+        schedules = ("interleaved-1f1b",)
+    out: list[Config] = []
+    for d in ([options.data_parallel] if options.data_parallel else _divisors(g)):
+        if d > n:
+            continue
+        for sched in schedules:
+            for k, v in _pipeline_shapes(options, sched, n // d, num_layers, ranges):
+                if k * d > n:
+                    continue
+                ms = [options.num_microbatches] if options.num_microbatches else [
+                    x for x in _divisors(g // d) if g // (d * x) <= max_b
+                ]
+                for m in ms:
+                    if g % (d * m):
+                        continue
+                    if sched == "interleaved-1f1b" and (k < 2 or m % k):
+                        continue
+                    if sched == "gpipe" and k == 1 and options.schedule is None:
+                        continue  # identical to 1f1b with one stage, which keeps less in flight
+                    out.append(Config(d, k, m, sched, v))
+    if not out:
+        raise InputError(_no_config_message(options, n, num_layers, g))
+    return sorted(set(out))
+
+
+def _pipeline_shapes(
+    options: PlanOptions, sched: Schedule, max_k: int, num_layers: int, ranges: list[tuple[int, int]] | None
+) -> list[tuple[int, int]]:
+    """(K, v) pairs for a schedule."""
+    v_opt = options.virtual_stages
+    rc_len = len(options.recompute) if isinstance(options.recompute, list) else None
+    shapes = []
+    if sched != "interleaved-1f1b":
+        if v_opt not in (None, 1):
+            return []
+        if ranges is not None:
+            return [(len(ranges), 1)]
+        ks = [options.stages] if isinstance(options.stages, int) else range(1, min(max_k, num_layers) + 1)
+        return [(k, 1) for k in ks if rc_len is None or rc_len == k]
+    vs = [v_opt] if v_opt else list(range(2, MAX_VIRTUAL_STAGES + 1))
+    for v in vs:
+        if ranges is not None:
+            if len(ranges) % v == 0:
+                shapes.append((len(ranges) // v, v))
+            continue
+        ks = [options.stages] if isinstance(options.stages, int) else range(2, min(max_k, num_layers // v) + 1)
+        for k in ks:
+            if k * v <= num_layers and (rc_len is None or rc_len == k * v):
+                shapes.append((k, v))
+    return shapes
+
+
+def _no_config_message(options: PlanOptions, n: int, num_layers: int, g: int) -> str:
+    fixed = {k: v for k, v in options.model_dump().items() if v is not None and k != "time_limit_s"}
+    hint = "relax one of them"
+    if options.schedule == "interleaved-1f1b":
+        hint = (
+            "interleaved-1f1b needs K >= 2 devices per pipeline, at least 2 chunks of layers per "
+            "device and M a multiple of K: relax --microbatches or --stages, or choose 1f1b"
+        )
+    return (
+        f"no configuration satisfies the options {fixed} on {n} devices, {num_layers} layers and "
+        f"global batch {g}: {hint}"
+    )
+
+
+# --------------------------------------------------------------------------- bounds
+
+
+def _work_total(costs: LayerCosts) -> float:
+    return costs.prefix_forward[-1] + costs.prefix_backward[-1]
+
+
+def cheap_bound(search: _Search, cfg: Config, groups: Sequence[Group]) -> float:
+    """A closed-form lower bound of any split of ``cfg`` (no memory)."""
+    costs = search.costs_at(cfg.microbatch_size(search.training.global_batch_size))
+    w = _work_total(costs)
+    m, k = cfg.num_microbatches, cfg.pipeline_degree
+    smax = max(g.speed for g in groups)
+    ssum = sum(g.speed for g in groups)
+    bound = max(m * w / ssum, w / smax)
+    # every rank r starts after the forward path through the stages before its first
+    # stage (at least r layers) and ends after the backward path back: averaging the ranks'
+    # bounds with weights speed_r / sum(speed) gives
+    smin = min(g.speed for g in groups)
+    first = sum(costs.prefix_forward[r] + costs.prefix_backward[r] for r in range(min(k, costs.num_layers)))
+    bound = max(bound, m * w / ssum + smin * first / (ssum * smax))
+    d = cfg.data_parallel
+    if d > 1:
+        # every rank all-reduces its gradients after its work: averaging finish + all-reduce
+        # over the ranks (weights speed_r / sum(speed)) bounds the slowest from below
+        link = max((g.link for g in groups), key=lambda li: (li.bandwidth_bytes_per_s, -li.latency_s))
+        grads = costs.prefix_param[-1] * search.training.gradient_bytes_per_param_byte
+        ar_all = (2 * (d - 1) / d * grads / link.bandwidth_bytes_per_s + k * 2 * (d - 1) * link.latency_s) * 1e3
+        bound = max(bound, m * w / ssum + smin * ar_all / ssum)
+    if cfg.virtual_stages == 1 and m > 1:
+        # continuous relaxation of min over splits of max_s (P[a_s] + M c_s): the reach
+        # y_{s+1} = y_s + (T - y_s) / M gives T >= W / (1 - ((M-1)/M)^K)
+        q = ((m - 1) / m) ** k
+        bound = max(bound, w / smax / (1 - q))
+    return bound
+
+
+def _rc_options(options: PlanOptions, stage: int) -> tuple[bool, ...]:
+    if isinstance(options.recompute, bool):
+        return (options.recompute,)
+    if isinstance(options.recompute, list):
+        return (options.recompute[stage],)
+    return (False, True)
+
+
+def relaxed_bound(search: _Search, sm: StageModel, groups: Sequence[Group], lo: float) -> float | None:
+    """min over splits (and device orders) of ``max_s LB_s`` with a relaxed memory test.
+
+    Returns None when even the relaxation does not fit memory: then no split of this
+    configuration fits.  Only for v = 1.
+    """
+    cfg = sm.cfg
+    kinds = sorted({g.kind for g in groups}, reverse=True)
+    kind_groups = [next(g for g in groups if g.kind == kd) for kd in kinds]
+    smax = max(g.speed for g in groups)
+    m = cfg.num_microbatches
+
+    def feasible(t: float) -> bool:
+        search.work += cfg.pipeline_degree * len(kind_groups) * 2 * math.log2(sm.L + 1)
+        a = 0
+        for s in range(cfg.pipeline_degree):
+            lo_b, hi_b = a, sm.L
+            reach = a  # an empty stage is allowed in the relaxation
+            in_f = sm.F[a] / smax
+            out_b = sm.B[a] / smax
+            for g in kind_groups:
+                for rc in _rc_options(search.options, s):
+
+                    def ok(
+                b: int, g: Group = g, rc: bool = rc, a: int = a, s: int = s, in_f: float = in_f, out_b: float = out_b
+            ) -> bool:
+                        if b == a:
+                            return True
+                        value = (
+                            in_f + m * sm.work_ms(a, b, rc, g.speed) + _idle_bound(sm, a, b, rc, s, g.speed, smax)
+                            + max(out_b, sm.allreduce(a, b, g))
+                        )
+                        return value <= t and sm.memory_relaxed(a, b, rc, s) <= g.limit_bytes
+
+                    b = farthest(ok, lo_b, hi_b)
+                    if b is not None and b > reach:
+                        reach = b
+            a = reach
+        return a == sm.L
+
+    if not feasible(math.inf):
+        return None
+    return _bisect(feasible, lo)[0]
+
+
+def _idle_bound(sm: StageModel, a: int, b: int, rc: bool, s: int, speed: float, smax: float) -> float:
+    """The schedule's forced wait on stage ``s`` = [a, b) (see :mod:`planner.solver_core`),
+    counted only where it keeps the stage test monotone (so the greedy stays exact).
+
+    1F1B: ``max(0, downstream - w·backward)`` with ``w = min(K-s-1, M)``, monotone when
+    ``M >= w + 1``; GPipe: ``max(0, downstream - (M-1)·forward)``, always monotone.  The
+    downstream path is counted at the fastest speed without recompute or transfers.
+    """
+    cfg = sm.cfg
+    m = cfg.num_microbatches
+    down = (sm.F[-1] + sm.B[-1] - sm.F[b] - sm.B[b]) / smax
+    if cfg.schedule == "1f1b":
+        w = min(cfg.pipeline_degree - s - 1, m)
+        if m < w + 1:
+            return 0.0
+        f = sm.F[b] - sm.F[a]
+        bw = (sm.B[b] - sm.B[a] + (f if rc else 0.0)) / speed
+        return max(0.0, down - w * bw)
+    if cfg.schedule == "gpipe":
+        return max(0.0, down - (m - 1) * (sm.F[b] - sm.F[a]) / speed)
+    return 0.0
+
+
+def relaxed_memory_fits(search: _Search, sm: StageModel, groups: Sequence[Group]) -> bool:
+    """False only when no split of the configuration fits memory (any v).
+
+    Relaxation: each chunk alone must fit its rank's largest device (a rank holds at least
+    that chunk), with the monotone memory lower bound and empty chunks allowed; the
+    farthest-reach greedy decides it exactly.
+    """
+    cfg = sm.cfg
+    k = cfg.pipeline_degree
+    search.work += cfg.num_stages * 2 * math.log2(sm.L + 1)
+    limit = max(g.limit_bytes for g in groups)
+    a = 0
+    for j in range(cfg.num_stages):
+        reach = a
+        for rc in _rc_options(search.options, j):
+
+            def ok(b: int, rc: bool = rc, a: int = a, j: int = j) -> bool:
+                return b == a or sm.memory_relaxed(a, b, rc, j % k) <= limit
+
+            b = farthest(ok, a, sm.L)
+            if b is not None and b > reach:
+                reach = b
+        a = reach
+    return a == sm.L
+
+
+def _bisect(feasible: Callable[[float], bool], lo: float) -> tuple[float, float]:
+    """``(lo, hi)`` within REL_TOL with ``feasible(hi)`` and no feasible value below ``lo``.
+
+    Needs ``feasible(inf)`` and ``lo`` a lower bound of the smallest feasible value.
+    """
+    lo = max(lo, 0.0)
+    if feasible(lo):
+        return lo, lo
+    hi = max(lo * 1.25, 1e-9)
+    while not feasible(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > REL_TOL * hi:
+        mid = (lo + hi) / 2
+        if feasible(mid):
+            hi = mid
+        else:
+            lo = mid
+    return lo, hi
+
+
+# --------------------------------------------------------------------------- primal splits
+
+
+def greedy_split(
+    search: _Search, sm: StageModel, groups: Sequence[Group], order: Sequence[int], t: float
+) -> Split | None:
+    """Farthest-reach split with every stage's bound ``<= t`` and exact memory (v = 1)."""
+    cfg = sm.cfg
+    k, m, n = cfg.pipeline_degree, cfg.num_microbatches, sm.L
+    a = 0
+    in_f = out_b = 0.0
+    out_ranges: list[tuple[int, int]] = []
+    rcs: list[bool] = []
+    for s in range(k):
+        g = groups[order[s]]
+        lo_b, hi_b = (n, n) if s == k - 1 else (a + 1, n - (k - s - 1))
+        best_b, best_rc = None, False
+        for rc in _rc_options(search.options, s):
+
+            def ok(
+                b: int, g: Group = g, rc: bool = rc, a: int = a, s: int = s, in_f: float = in_f, out_b: float = out_b
+            ) -> bool:
+                return (
+                    in_f + m * sm.work_ms(a, b, rc, g.speed) + max(out_b, sm.allreduce(a, b, g)) <= t
+                    and math.ceil(sm.memory(a, b, rc, s)) <= g.limit_bytes
+                )
+
+            b = farthest(ok, lo_b, hi_b)
+            if b is not None and (best_b is None or b > best_b):
+                best_b, best_rc = b, rc
+        if best_b is None:
+            return None
+        out_ranges.append((a, best_b))
+        rcs.append(best_rc)
+        f = (sm.F[best_b] - sm.F[a]) / g.speed
+        bw = (sm.B[best_b] - sm.B[a]) / g.speed + (f if best_rc else 0.0)
+        x = 0.0
+        if s < k - 1:
+            nxt = groups[order[s + 1]]
+            x = boundary_transfer_ms(
+                sm.costs, [(a, best_b), (best_b, best_b + 1)], [list(g.devices), list(nxt.devices)], search.cluster
+            )[0]
+        in_f += f + x
+        out_b += bw + x
+        a = best_b
+    return Split(tuple(out_ranges), tuple(rcs), tuple(order[:k]))
+
+
+def fixed_split(search: _Search, sm: StageModel, groups: Sequence[Group], order: Sequence[int]) -> Split | None:
+    """The user's ranges with the cheapest recompute flags that fit."""
+    ranges = fixed_ranges(search.options)
+    assert ranges is not None
+    k = sm.cfg.pipeline_degree
+    stage_groups = tuple(order[s % k] for s in range(len(ranges)))
+    return _with_recompute(search, sm, groups, tuple(ranges), stage_groups)
+
+
+def _with_recompute(
+    search: _Search, sm: StageModel, groups: Sequence[Group], ranges: tuple[tuple[int, int], ...], stage_groups: tuple[int, ...]
+) -> Split | None:
+    """Recompute only where needed: per stage (v = 1) or per rank (all its chunks, v > 1)."""
+    k = sm.cfg.pipeline_degree
+    n = len(ranges)
+    search.work += n
+    rcs = [False] * n
+    for r in range(k):
+        own = [s for s in range(n) if s % k == r]
+        choices = [tuple(_rc_options(search.options, s)) for s in own]
+        found = False
+        # try no recompute first, then everything the options allow, cheapest first
+        combos = sorted(
+            itertools.product(*choices),
+            key=lambda c: sum(sm.F[ranges[s][1]] - sm.F[ranges[s][0]] for s, x in zip(own, c, strict=True) if x),
+        )
+        for combo in combos[:16]:
+            from planner.costmodel import rank_memory_bytes
+
+            mem = rank_memory_bytes(
+                sm.costs, [ranges[s] for s in own], list(combo), sm.training, inflight=sm.inflight[r]
+            )
+            if math.ceil(mem) <= groups[stage_groups[own[0]]].limit_bytes:
+                for s, x in zip(own, combo, strict=True):
+                    rcs[s] = x
+                found = True
+                break
+        if not found:
+            return None
+    return Split(ranges, tuple(rcs), stage_groups)
+
+
+def interleaved_split(search: _Search, sm: StageModel, groups: Sequence[Group], order: Sequence[int]) -> Split | None:
+    """Balance the K·v chunks' work (min-max), then recompute where memory needs it."""
+    cfg = sm.cfg
+    k, n = cfg.pipeline_degree, cfg.num_stages
+    speeds = [groups[order[s % k]].speed for s in range(n)]
+
+    def cut(t: float) -> tuple[tuple[int, int], ...] | None:
+        a = 0
+        out = []
+        for s in range(n):
+            lo_b, hi_b = (sm.L, sm.L) if s == n - 1 else (a + 1, sm.L - (n - s - 1))
+            sp = speeds[s]
+            def fits(b: int, a: int = a, sp: float = sp) -> bool:
+                return sm.work_ms(a, b, False, sp) <= t
+
+            b = farthest(fits, lo_b, hi_b)
+            if b is None:
+                return None
+            out.append((a, b))
+            a = b
+        return tuple(out)
+
+    def feasible(t: float) -> bool:
+        search.work += n * math.log2(sm.L + 1)
+        return cut(t) is not None
+
+    total = _work_total(sm.costs)
+    t = _bisect(feasible, total / (n * max(speeds)))[1]
+    ranges = cut(t)
+    if ranges is None:  # pragma: no cover - bisect returns a feasible value
+        return None
+    stage_groups = tuple(order[s % k] for s in range(n))
+    split = _with_recompute(search, sm, groups, ranges, stage_groups)
+    if split is not None:
+        return split
+    # the time-balanced chunks do not fit: cut again with each rank's memory in the test,
+    # allowing chunks up to 3x the balanced time
+    for rc in sorted(set(_rc_options(search.options, 0)) & {False, True}):
+        if isinstance(search.options.recompute, list):
+            break
+        for step in range(16):
+            search.work += 2 * n * math.log2(sm.L + 1)
+            ranges_m = _memory_aware_cut(sm, groups, stage_groups, t * 3 ** (step / 15), rc)
+            if ranges_m is not None:
+                return _with_recompute(search, sm, groups, ranges_m, stage_groups)
+    return None
+
+
+def _memory_aware_cut(
+    sm: StageModel, groups: Sequence[Group], stage_groups: tuple[int, ...], t: float, rc: bool
+) -> tuple[tuple[int, int], ...] | None:
+    """Farthest-reach chunks with work <= t whose rank (all its chunks so far) fits memory."""
+    from planner.costmodel import rank_memory_bytes
+
+    k, n = sm.cfg.pipeline_degree, sm.cfg.num_stages
+    own: list[list[tuple[int, int]]] = [[] for _ in range(k)]
+    out = []
+    a = 0
+    for s in range(n):
+        r = s % k
+        g = groups[stage_groups[s]]
+        lo_b, hi_b = (sm.L, sm.L) if s == n - 1 else (a + 1, sm.L - (n - s - 1))
+
+        def fits(b: int, a: int = a, r: int = r, g: Group = g) -> bool:
+            if sm.work_ms(a, b, rc, g.speed) > t:
+                return False
+            chunks = [*own[r], (a, b)]
+            mem = rank_memory_bytes(sm.costs, chunks, [rc] * len(chunks), sm.training, inflight=sm.inflight[r])
+            return math.ceil(mem) <= g.limit_bytes
+
+        b = farthest(fits, lo_b, hi_b)
+        if b is None:
+            return None
+        own[r].append((a, b))
+        out.append((a, b))
+        a = b
+    return tuple(out)
+
+
+def _orders(groups: Sequence[Group]) -> list[tuple[int, ...]]:
+    """Device-group orders to try for the pipeline positions (heterogeneous clusters)."""
+    k = len(groups)
+    base = tuple(range(k))
+    if len({g.kind for g in groups}) == 1:
+        return [base]
+    by_speed = tuple(sorted(base, key=lambda i: (-groups[i].speed, -groups[i].limit_bytes, i)))
+    by_memory = tuple(sorted(base, key=lambda i: (-groups[i].limit_bytes, -groups[i].speed, i)))
+    orders = [by_speed, tuple(reversed(by_speed)), by_memory, tuple(reversed(by_memory))]
+    # alternate kinds (slow devices spread out)
+    kinds = sorted({g.kind for g in groups}, reverse=True)
+    buckets = [[i for i in by_speed if groups[i].kind == kd] for kd in kinds]
+    mixed = []
+    while any(buckets):
+        for bucket in buckets:
+            if bucket:
+                mixed.append(bucket.pop(0))
+    orders.append(tuple(mixed))
+    distinct_perms = _distinct_permutations(groups, limit=24)
+    return list(dict.fromkeys(orders + distinct_perms))
+
+
+def _distinct_permutations(groups: Sequence[Group], *, limit: int) -> list[tuple[int, ...]]:
+    """All orders that differ in the kinds of device at each position, if there are few."""
+    kinds = [g.kind for g in groups]
+    count = math.factorial(len(kinds))
+    for kd in set(kinds):
+        count //= math.factorial(kinds.count(kd))
+    if count > limit:
+        return []
+    seen: dict[tuple[tuple[float, int], ...], tuple[int, ...]] = {}
+    for perm in itertools.permutations(range(len(groups))):
+        key = tuple(kinds[i] for i in perm)
+        seen.setdefault(key, perm)
+    return sorted(seen.values())
+
+
+def _enumerate(search: _Search, sm: StageModel, cfg: Config, groups: list[Group], lb: float) -> bool:
+    """Solve ``cfg`` by enumerating every split in bound order; False if there are too many.
+
+    Exact unless the cluster has too many distinct device orders to try them all, in which
+    case ``lb`` stays open.
+    """
+    n = cfg.num_stages
+    orders = _orders(groups)
+    total = math.comb(sm.L - 1, n - 1) * len(orders)
+    if total > ENUMERATE_LIMIT:
+        return False
+    if len(orders) > 1 and not _distinct_permutations(groups, limit=24):
+        search.open_bounds.append(lb)
+    candidates: list[tuple[float, Split]] = []
+    k = cfg.pipeline_degree
+    for order in orders:
+        for cuts in itertools.combinations(range(1, sm.L), n - 1):
+            bounds = (0, *cuts, sm.L)
+            ranges = tuple((bounds[i], bounds[i + 1]) for i in range(n))
+            split = _with_recompute(search, sm, groups, ranges, tuple(order[s % k] for s in range(n)))
+            if split is None:
+                continue
+            candidates.append((split_lower_bound(sm, search.cluster, groups, split), split))
+    if not candidates:
+        search.infeasible += 1
+        return True
+    candidates.sort(key=lambda c: (c[0], c[1].ranges, c[1].groups))
+    for lb_split, split in candidates:
+        if lb_split >= search.best_step:
+            break
+        consider(search, sm, groups, split)
+        if cfg.virtual_stages > 1 and any(split.recompute):
+            # recompute is chosen per rank by the forward time it adds, not by simulation:
+            # exact only without recompute, so the configuration's bound stays open
+            search.open_bounds.append(lb)
+    return True
+
+
+# --------------------------------------------------------------------------- search
+
+
+def _polish(search: _Search) -> None:
+    """Hill-climb the best plan's boundaries one layer at a time on the simulated step.
+
+    The greedy splits minimise a bound, not the simulated makespan; moving a boundary by
+    one layer, keeping the move when the simulated step drops, closes part of that
+    difference.  Uses at most POLISH_SHARE of the work budget.
+    """
+    if search.best is None:
+        return
+    stop_work = search.work + POLISH_SHARE * search.work_budget
+    cfg, split, groups = search.best
+    sm = StageModel(search.costs_at(cfg.microbatch_size(search.training.global_batch_size)), cfg, search.training)
+    if fixed_ranges(search.options) is not None:
+        return
+    improved = True
+    while improved:
+        improved = False
+        cfg, split, groups = search.best
+        bounds = [r[0] for r in split.ranges] + [sm.L]
+        for i in range(1, len(bounds) - 1):
+            for delta in (-1, 1):
+                if search.work > stop_work or time.perf_counter() > search.wall_stop:
+                    return
+                moved = list(bounds)
+                moved[i] += delta
+                if not moved[i - 1] < moved[i] < moved[i + 1]:
+                    continue
+                ranges = tuple((moved[j], moved[j + 1]) for j in range(len(moved) - 1))
+                candidate = _with_recompute(search, sm, groups, ranges, split.groups)
+                if candidate is None:
+                    continue
+                before = search.best_step
+                search.work += len(ranges)
+                consider(search, sm, groups, candidate)
+                if search.best_step < before * (1 - 1e-12):
+                    improved = True
+                    break
+            if improved:
+                break
+
+
+def _seed_with_baselines(search: _Search, configs: Sequence[Config]) -> None:
+    """The baselines' splits (where the options allow them) as candidates: simulated only
+    when their bound beats the best plan found, so the plan is never worse than them."""
+    from planner.baselines import baseline_splits
+
+    if fixed_ranges(search.options) is not None:
+        return
+    g = search.training.global_batch_size
+    for cfg, ranges in baseline_splits(search.profile, search.cluster, search.training, search.options):
+        # the baselines follow the options; they may use micro-batches larger than the
+        # search tries (MAX_EXTRAPOLATION), which is why they are candidates of their own
+        if (
+            cfg.data_parallel * cfg.pipeline_degree > search.cluster.num_devices
+            or g % (cfg.data_parallel * cfg.num_microbatches)
+            or (cfg.schedule == "interleaved-1f1b" and cfg.num_microbatches % cfg.pipeline_degree)
+        ):
+            continue
+        groups = make_groups(
+            search.cluster, search.training, cfg.data_parallel, cfg.pipeline_degree, default_layout=True
+        )
+        sm = StageModel(search.costs_at(cfg.microbatch_size(search.training.global_batch_size)), cfg, search.training)
+        k = cfg.pipeline_degree
+        split = _with_recompute(search, sm, groups, tuple(ranges), tuple(s % k for s in range(len(ranges))))
+        if split is not None:
+            consider(search, sm, groups, split)
+
+
+def _promise(search: _Search, cfg: Config, groups: Sequence[Group]) -> float:
+    """Step time of a perfectly balanced split: W (M + (K-1)/v) / (K·speed)."""
+    costs = search.costs_at(cfg.microbatch_size(search.training.global_batch_size))
+    w = _work_total(costs)
+    k, m, v = cfg.pipeline_degree, cfg.num_microbatches, cfg.virtual_stages
+    speed = sum(g.speed for g in groups) / len(groups)
+    return w * (m + (k - 1) / v) / (k * speed)
+
+
+def static_fits(search: _Search, cfg: Config, groups: Sequence[Group]) -> bool:
+    """False when the parameters, gradients and optimizer state alone cannot fit the K ranks
+    (each rank's share is at most its largest device's usable memory)."""
+    total = static_bytes(search.profile_param_bytes, search.training)
+    return total <= sum(g.limit_bytes for g in groups)
+
+
+def _branch_and_bound(search: _Search, configs: Sequence[Config]) -> None:
+    g = search.training.global_batch_size
+    entries = []
+    group_cache: dict[tuple[int, int], list[Group]] = {}
+    for cfg in configs:
+        key = (cfg.data_parallel, cfg.pipeline_degree)
+        if key not in group_cache:
+            group_cache[key] = make_groups(search.cluster, search.training, *key)
+        groups = group_cache[key]
+        if not static_fits(search, cfg, groups):
+            search.infeasible += 1
+            continue
+        entries.append((cheap_bound(search, cfg, groups), cfg, groups))
+    # visit the most promising first (the textbook step-time formula of a balanced split),
+    # so that good plans are found early and prune the rest with the valid bounds
+    entries.sort(key=lambda e: (_promise(search, e[1], e[2]), e[1]))
+    fixed = fixed_ranges(search.options) is not None
+    for i, (cheap, cfg, groups) in enumerate(entries):
+        if cheap >= search.best_step:
+            search.pruned += 1
+            continue
+        if 2 * cfg.num_microbatches * cfg.num_stages > SIM_ACTION_LIMIT:
+            search.too_big += 1
+            search.open_configs[cfg] = (cheap, groups)
+            continue
+        if search.best is not None and (
+            search.work > SEARCH_SHARE * search.work_budget or time.perf_counter() > search.wall_stop
+        ):
+            search.timed_out = True
+            for e in entries[i:]:
+                search.open_configs[e[1]] = (e[0], e[2])
+            return
+        search.visited += 1
+        sm = StageModel(search.costs_at(cfg.microbatch_size(g)), cfg, search.training)
+        orders = _orders(groups)
+        if fixed:
+            _solve_fixed(search, sm, cfg, groups, orders, cheap)
+            continue
+        if cfg.virtual_stages == 1:
+            lb = relaxed_bound(search, sm, groups, cheap)
+            if lb is None:
+                search.infeasible += 1
+                search.infeasible_after_visit += 1
+                continue
+            if lb >= search.best_step:
+                search.pruned += 1
+                search.pruned_after_visit += 1
+                continue
+            if _enumerate(search, sm, cfg, groups, lb):
+                continue
+            step = _primal_chain(search, sm, cfg, groups, orders, lb)
+            if step is None or step > lb * (1 + 1e-9):
+                search.open_configs[cfg] = (lb, groups)
+        else:
+            if not relaxed_memory_fits(search, sm, groups):
+                search.infeasible += 1
+                search.infeasible_after_visit += 1
+                continue
+            if _enumerate(search, sm, cfg, groups, cheap):
+                continue
+            best_here = math.inf
+            for order in orders[:3]:
+                split = interleaved_split(search, sm, groups, order)
+                if split is None:
+                    continue
+                best_here = min(best_here, consider(search, sm, groups, split))
+            if best_here > cheap * (1 + 1e-9):
+                search.open_configs[cfg] = (cheap, groups)
+
+
+def _solve_fixed(
+    search: _Search, sm: StageModel, cfg: Config, groups: list[Group], orders: Sequence[tuple[int, ...]], cheap: float
+) -> None:
+    best_here = math.inf
+    for order in orders:
+        split = fixed_split(search, sm, groups, order)
+        if split is None:
+            continue
+        best_here = min(best_here, consider(search, sm, groups, split))
+    if best_here == math.inf:
+        search.infeasible += 1
+    elif len(orders) > 1 and len(orders) < math.factorial(cfg.pipeline_degree):
+        search.open_bounds.append(cheap)  # device orders were not all tried
+
+
+def _primal_chain(
+    search: _Search, sm: StageModel, cfg: Config, groups: list[Group], orders: Sequence[tuple[int, ...]], lb: float
+) -> float | None:
+    """Greedy splits at the smallest feasible bound, per device order; the best is offered."""
+    best_here: float | None = None
+    for order in orders:
+
+        def feasible(t: float, order: tuple[int, ...] = order) -> bool:
+            search.work += cfg.pipeline_degree * 2 * math.log2(sm.L + 1)
+            return greedy_split(search, sm, groups, order, t) is not None
+
+        if not feasible(math.inf):
+            continue
+        t = _bisect(feasible, lb)[1]
+        split = greedy_split(search, sm, groups, order, t)
+        if split is None:
+            split = greedy_split(search, sm, groups, order, math.inf)
+        if split is None:
+            continue
+        step = consider(search, sm, groups, split)
+        best_here = step if best_here is None else min(best_here, step)
+    return best_here

@@ -1,0 +1,259 @@
+"""CP-SAT model of one configuration: prove its lower bound or that nothing fits.
+
+For a configuration (D, K, M, schedule, v) left open by the fast search, the model chooses
+the K·v stage boundaries and the recompute flags jointly and minimises the split's lower
+bound of :mod:`planner.solver_core` (with the schedule's idle term), under the per-rank
+memory limit.  Compact formulation (no layer x stage booleans):
+
+* boundary variables ``x_0 = 0 < x_1 < ... < x_n = L``;
+* element constraints read the prefix sums of forward time, backward time, parameter
+  state bytes, activation bytes and stage-input bytes at every boundary;
+* a stage's work is a difference of two prefix reads (plus the forward again when it
+  recomputes); a rank's memory is its static bytes plus in-flight x stash plus live bytes,
+  stash and live being maxima over its chunks;
+* ``Z >= in_f + M·work + idle + max(out_b, allreduce)`` for every rank, and for every
+  later chunk of an interleaved rank the chunk bound of :mod:`planner.solver_core`;
+  minimise ``Z``.
+
+Numbers are scaled to integers so that the model is a relaxation (times rounded down,
+memory limits rounded up by the rounding error), so CP-SAT's proven objective bound is a
+valid lower bound of the configuration and "infeasible" proves that nothing fits.
+Heterogeneous clusters are relaxed to their fastest speed and largest memory.
+The search's best split of the configuration is the hint.  One worker and a fixed seed
+keep results repeatable.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from planner.costmodel import static_bytes
+from planner.solver_core import Config, Group, Split, StageModel, split_memory_ok
+
+if TYPE_CHECKING:
+    from planner.solver import _Search
+
+#: integer resolution of times: the objective's scale is about this many units
+TIME_UNITS = 10**9
+#: CP-SAT time per configuration, at most
+PER_CONFIG_S = 2.0
+#: skip models with more (stage boundaries x layers) than this: building them alone is slow
+MAX_MODEL_SIZE = 2_000
+
+
+def _scaled_prefix(values: tuple[float, ...], unit: float) -> list[int]:
+    return [math.floor(v / unit) for v in values]
+
+
+def config_bound(
+    sm: StageModel,
+    groups: list[Group],
+    *,
+    hint: Split | None,
+    time_limit_s: float,
+    options_recompute: bool | list[bool] | None,
+) -> tuple[float | None, tuple[tuple[int, int], ...] | None, list[bool] | None, bool, float]:
+    """(lower bound or None if proven infeasible, best ranges, their recompute, proven
+    optimal, deterministic time used)."""
+    from ortools.sat.python import cp_model  # imported only when a model is built (slow import)
+
+    cfg = sm.cfg
+    k, m, v, d = cfg.pipeline_degree, cfg.num_microbatches, cfg.virtual_stages, cfg.data_parallel
+    n = k * v
+    num_layers = sm.L
+    smax = max(g.speed for g in groups)
+    limit = max(g.limit_bytes for g in groups)
+    link = max((g.link for g in groups), key=lambda li: (li.bandwidth_bytes_per_s, -li.latency_s))
+
+    total = (sm.F[-1] + sm.B[-1]) * 2 / smax * (m + n)
+    unit = max(total / TIME_UNITS, 1e-12)
+    fpre = _scaled_prefix(tuple(x / smax for x in sm.F), unit)
+    bpre = _scaled_prefix(tuple(x / smax for x in sm.B), unit)
+    # all-reduce is linear in gradient bytes: ar = alpha * bytes + beta
+    if d > 1:
+        steps = 2 * (d - 1)
+        alpha_ms = steps / d / link.bandwidth_bytes_per_s * 1e3 * sm.grad_factor
+        beta = steps * link.latency_s * 1e3
+    else:
+        alpha_ms = beta = 0.0
+    arpre = [math.floor(p * alpha_ms / unit) for p in sm.PP]
+    beta_u = math.floor(beta / unit)
+
+    mem_unit = max(limit / 10**7, 1.0)
+    spre = [math.floor(static_bytes(p, sm.training) / mem_unit) for p in sm.PP]
+    apre = [math.floor(x / mem_unit) for x in sm.costs.prefix_activation]
+    inp = [math.floor(sm.costs.stage_input_bytes(a) / mem_unit) if a < num_layers else 0 for a in range(num_layers + 1)]
+    limit_u = math.floor(limit / mem_unit)
+
+    model = cp_model.CpModel()
+    x = [model.new_int_var(j, num_layers - n + j, f"x{j}") for j in range(n + 1)]
+    model.add(x[0] == 0)
+    model.add(x[n] == num_layers)
+    for j in range(n):
+        model.add(x[j + 1] >= x[j] + 1)
+
+    def element(arr: list[int], var: cp_model.IntVar, name: str) -> cp_model.IntVar:
+        out = model.new_int_var(min(arr), max(arr), name)
+        model.add_element(var, arr, out)
+        return out
+
+    fx = [element(fpre, x[j], f"f{j}") for j in range(n + 1)]
+    bx = [element(bpre, x[j], f"b{j}") for j in range(n + 1)]
+    sx = [element(spre, x[j], f"s{j}") for j in range(n + 1)]
+    ax = [element(apre, x[j], f"a{j}") for j in range(n + 1)]
+    ix = [element(inp, x[j], f"i{j}") for j in range(n)]
+    rx = [element(arpre, x[j], f"r{j}") for j in range(n + 1)] if d > 1 else None
+
+    rc: list[cp_model.IntVar | int] = []
+    for j in range(n):
+        if isinstance(options_recompute, bool):
+            rc.append(int(options_recompute))
+        elif isinstance(options_recompute, list):
+            rc.append(int(options_recompute[j]))
+        else:
+            rc.append(model.new_bool_var(f"rc{j}"))
+    big_t = fpre[-1] + bpre[-1]
+    fdiff = [fx[j + 1] - fx[j] for j in range(n)]
+    bdiff = [bx[j + 1] - bx[j] for j in range(n)]
+    refw = []
+    for j in range(n):
+        r = rc[j]
+        if isinstance(r, int):
+            refw.append(fdiff[j] if r else 0)
+        else:
+            e = model.new_int_var(0, big_t, f"rf{j}")
+            model.add(e == fdiff[j]).only_enforce_if(r)
+            model.add(e == 0).only_enforce_if(~r)
+            refw.append(e)
+    work = [fdiff[j] + bdiff[j] + refw[j] for j in range(n)]
+    z = model.new_int_var(0, big_t * (m + n + 2) + 10**6 + beta_u, "z")
+    big_m = max(apre[-1], max(inp)) + 1
+    for r in range(k):
+        own = [j for j in range(n) if j % k == r]
+        first = own[0]
+        rank_work = sum(work[j] for j in own)
+        idle: cp_model.LinearExpr | int = 0
+        if v == 1 and cfg.schedule in ("1f1b", "gpipe"):
+            down = (fpre[-1] + bpre[-1]) - (fx[first + 1] + bx[first + 1])
+            if cfg.schedule == "1f1b":
+                credit = min(k - r - 1, m) * (bdiff[first] + refw[first])
+            else:
+                credit = (m - 1) * fdiff[first]
+            ivar = model.new_int_var(0, big_t, f"idle{r}")
+            model.add(ivar >= down - credit)
+            idle = ivar
+        base = fx[first] + m * rank_work + idle
+        tail = model.new_int_var(0, big_t * (m + n + 2) + beta_u, f"tail{r}")
+        model.add(tail >= bx[first])
+        if rx is not None:
+            model.add(tail >= sum(rx[j + 1] - rx[j] for j in own) + beta_u)
+        model.add(z >= base + tail)
+        if v > 1:
+            # chunk j starts after the path through all earlier stages, when the rank has
+            # run only K forwards of each earlier chunk (see planner.solver_core)
+            for jj in range(1, v):
+                s_ = own[jj]
+                done = sum(fdiff[own[q]] for q in range(jj))
+                model.add(z >= fx[s_] + m * rank_work - k * done + tail)
+        # memory of the rank
+        static = sum(sx[j + 1] - sx[j] for j in own)
+        stash = model.new_int_var(0, big_m, f"stash{r}")
+        live = model.new_int_var(0, big_m, f"live{r}")
+        for j in own:
+            acts = ax[j + 1] - ax[j]
+            rj = rc[j]
+            if isinstance(rj, int):
+                if rj:
+                    model.add(stash >= ix[j])
+                    model.add(live >= acts)
+                else:
+                    model.add(stash >= acts)
+            else:
+                model.add(stash >= ix[j]).only_enforce_if(rj)
+                model.add(live >= acts).only_enforce_if(rj)
+                model.add(stash >= acts).only_enforce_if(~rj)
+        inflight = sm.inflight[r]
+        # each floored difference is off by less than one unit
+        model.add(static + inflight * stash + live <= limit_u + v + inflight + 4)
+    model.minimize(z)
+    if hint is not None and len(hint.ranges) == n:
+        for j in range(n):
+            model.add_hint(x[j], hint.ranges[j][0])
+            rj = rc[j]
+            if not isinstance(rj, int):
+                model.add_hint(rj, int(hint.recompute[j]))
+    solver = cp_model.CpSolver()
+    # deterministic time, so that the same input gives the same bound on any machine
+    solver.parameters.max_deterministic_time = max(0.05, time_limit_s)
+    # wall-clock safety net (only binds when the machine is far slower than usual)
+    solver.parameters.max_time_in_seconds = max(0.1, 2 * time_limit_s)
+    solver.parameters.num_workers = 1
+    solver.parameters.random_seed = 0
+    status = solver.solve(model)
+    used = solver.deterministic_time
+    if status == cp_model.INFEASIBLE:
+        return None, None, None, True, used
+    if status == cp_model.MODEL_INVALID:  # pragma: no cover - a bug in this module
+        raise RuntimeError(solver.status_name(status))
+    # rounding: every floored difference is off by less than one unit; a rank's bound sums
+    # M x 3v of them, the idle term fewer than 2K + 2M, the rest a few
+    margin = 3 * v * m + 2 * k + 2 * m + (k + 3) * v + 16
+    bound = (solver.best_objective_bound - margin) * unit
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        # no solution in time; the objective bound is still proven
+        return max(0.0, bound), None, None, False, used
+    xs = [solver.value(x[j]) for j in range(n + 1)]
+    ranges = tuple((xs[j], xs[j + 1]) for j in range(n))
+    rcs = [bool(solver.value(r)) if not isinstance(r, int) else bool(r) for r in rc]
+    return max(0.0, bound), ranges, rcs, status == cp_model.OPTIMAL, used
+
+
+def tighten(search: _Search, configs: object, *, budget_s: float) -> None:
+    """Raise the bounds of open configurations with CP-SAT, best first, within ``budget_s``
+    of CP-SAT's deterministic time (about seconds)."""
+    from planner.solver import _with_recompute, consider
+
+    left = budget_s
+
+    g = search.training.global_batch_size
+    open_items = sorted(search.open_configs.items(), key=lambda e: (e[1][0], e[0]))
+
+    def can_model(cfg: Config) -> bool:
+        # measured: CP-SAT (one worker) neither finds solutions nor moves the bound of
+        # interleaved or large models within seconds; their bounds stay open
+        return cfg.virtual_stages == 1 and cfg.num_stages * (search.profile.num_layers + 1) <= MAX_MODEL_SIZE
+
+    # the global bound cannot rise above the smallest bound CP-SAT cannot work on
+    floor = min([*search.open_bounds, *(b for c, (b, _) in open_items if not can_model(c))], default=math.inf)
+    for cfg, (lb, groups) in open_items:
+        if lb >= floor:
+            break
+        remaining = left
+        if lb >= search.best_step * (1 - 1e-9):
+            del search.open_configs[cfg]
+            continue
+        if remaining <= 0.05:
+            break
+        if not can_model(cfg):
+            continue
+        sm = StageModel(search.costs_at(cfg.microbatch_size(g)), cfg, search.training)
+        hint = search.best_split_of.get(cfg)
+        bound, ranges, _, _, used = config_bound(
+            sm, groups, hint=hint, time_limit_s=min(PER_CONFIG_S, remaining),
+            options_recompute=search.options.recompute,
+        )
+        left -= used
+        if ranges is not None:
+            k = cfg.pipeline_degree
+            split = _with_recompute(search, sm, groups, ranges, tuple(s % k for s in range(len(ranges))))
+            if split is not None and split_memory_ok(sm, groups, split):
+                consider(search, sm, groups, split)
+        if bound is None:
+            search.infeasible += 1
+            del search.open_configs[cfg]
+        elif bound > lb:
+            if bound >= search.best_step * (1 - 1e-9):
+                del search.open_configs[cfg]
+            else:
+                search.open_configs[cfg] = (bound, groups)

@@ -1,0 +1,91 @@
+"""Infeasible input: the numbers in the error, and that the suggested fixes work."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.errors import InfeasibleError
+from planner.infeasible import with_count, with_memory
+from planner.schema import PlanOptions, TrainingSetup
+from planner.solver import solve
+from planner.units import parse_bytes
+from tests.planner.helpers import assert_valid, cluster, random_profile
+
+
+def _error(profile, cl, training, options) -> InfeasibleError:  # type: ignore[no-untyped-def]
+    with pytest.raises(InfeasibleError) as info:
+        solve(profile, cl, training, options)
+    return info.value
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_min_memory_and_min_devices_are_right(seed: int) -> None:
+    profile = random_profile(seed, 10)
+    training = TrainingSetup(global_batch_size=8, optimizer="adam")
+    options = PlanOptions(time_limit_s=2)
+    cl = cluster(2, "100MiB")
+    err = _error(profile, cl, training, options)
+    d = err.details
+    assert d["layer"] is None
+    need = d["min_memory_bytes"]
+    # the number is in the message, with the flag that fixes it
+    assert "--memory" in str(err)
+    # the fix works ...
+    plan = solve(profile, with_memory(cl, need), training, options)
+    assert_valid(plan, profile)
+    # ... and the flag's rounded value too
+    flag = str(err).split("--memory ")[1].split(")")[0]
+    assert parse_bytes(flag) >= need
+    solve(profile, with_memory(cl, parse_bytes(flag)), training, options)
+    # ... and it is the smallest (to the 1 MiB resolution)
+    with pytest.raises(InfeasibleError):
+        solve(profile, with_memory(cl, need - 2**20), training, options)
+    n = d["min_devices"]
+    assert n is not None and n > 2
+    assert f"--devices {n}" in str(err)
+    plan = solve(profile, with_count(cl, n), training, options)
+    assert_valid(plan, profile)
+    with pytest.raises(InfeasibleError):
+        solve(profile, with_count(cl, n - 1), training, options)
+
+
+def test_layer_too_big_for_any_device() -> None:
+    profile = random_profile(5, 6)
+    big = profile.layers[3].model_copy(update={"param_bytes": 600 * 2**20})
+    profile = profile.model_copy(update={"layers": [*profile.layers[:3], big, *profile.layers[4:]]})
+    training = TrainingSetup(global_batch_size=4, optimizer="adam")
+    cl = cluster(4, "1GiB")
+    err = _error(profile, cl, training, PlanOptions())
+    d = err.details
+    assert d["layer"] == "l3" and d["layer_bytes"] >= 600 * 2**20 * 4
+    assert d["min_devices"] is None
+    assert "'l3'" in str(err) and "no number of these devices helps" in str(err)
+    assert d["layer_bytes"] <= d["min_memory_bytes"] * (1 - training.memory_margin) + 2**21
+    solve(profile, with_memory(cl, d["min_memory_bytes"]), training, PlanOptions())
+
+
+def test_fixed_options_that_prevent_a_fit_are_named() -> None:
+    profile = random_profile(2, 8)
+    training = TrainingSetup(global_batch_size=8, optimizer="sgd")
+    from planner.infeasible import min_memory_bytes
+
+    loose = PlanOptions(schedule="1f1b", stages=2, num_microbatches=8)
+    tight = loose.model_copy(update={"recompute": False})
+    a, b = min_memory_bytes(profile, cluster(2), training, loose), min_memory_bytes(profile, cluster(2), training, tight)
+    cl = with_memory(cluster(2), (a + b) // 2)
+    err = _error(profile, cl, training, tight)
+    assert "drop --no-recompute" in str(err)
+
+
+def test_cli_exit_code_2() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "pipeplan", "plan", "examples/profiles/tiny.json", "--devices", "2", "--memory", "10MiB",
+         "--batch-size", "8"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith("error: no plan fits") and "Traceback" not in out.stderr
+    assert "--memory" in out.stderr
