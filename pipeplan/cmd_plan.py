@@ -38,6 +38,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     g.add_argument("--recompute", help="fix recompute per stage, e.g. 0,1,1,0 (needs --stages)")
     g.add_argument("--data-parallel", type=int, help="data-parallel degree D")
     g.add_argument("--time-limit", type=float, default=5.0, help="solver time limit in seconds (default 5)")
+    p.add_argument(
+        "--server",
+        metavar="URL",
+        help="plan on a planning service (pipeplan serve) instead of locally, e.g. http://127.0.0.1:8000; "
+        "sends PIPEPLAN_API_TOKEN as the bearer token when set",
+    )
     cli_args.add_output_args(p)
     p.set_defaults(func=run)
 
@@ -70,16 +76,35 @@ def options_from_args(args: argparse.Namespace) -> PlanOptions:
 
 
 def solve_from_args(args: argparse.Namespace) -> tuple[Plan, list[Comparison]]:
-    """Solve locally: the plan and one comparison per baseline."""
+    """Solve locally, or on the service named by ``--server``: the plan and one comparison per baseline.
+
+    Baselines are evaluated here in both cases (they are cheap), so the output is the same.
+    """
     from pipeplan.render import Comparison
     from planner.baselines import evaluate_baselines
-    from planner.solver import solve
 
     profile = cli_args.load_profile_arg(args.profile)
     cluster = cli_args.cluster_from_args(args, profile)
     training = cli_args.training_from_args(args)
     options = options_from_args(args)
-    plan = solve(profile, cluster, training, options)
+    if getattr(args, "server", None):
+        import os
+
+        from api.client import remote_plan
+
+        _, plan = remote_plan(
+            args.server,
+            profile=profile,
+            cluster=cluster,
+            training=training,
+            options=options,
+            token=os.environ.get("PIPEPLAN_API_TOKEN"),
+            timeout_s=options.time_limit_s + 120,
+        )
+    else:
+        from planner.solver import solve
+
+        plan = solve(profile, cluster, training, options)
     comparisons = []
     for result in evaluate_baselines(
         profile, cluster, training, num_microbatches=options.num_microbatches, options=options

@@ -6,9 +6,9 @@ per direction, in bytes per second; latencies in seconds.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Mapping
 
 GiB = 2**30
 
