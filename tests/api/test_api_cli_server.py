@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from api_testlib import ROOT, LiveServer
 
 TINY = str(ROOT / "examples" / "profiles" / "tiny.json")
