@@ -1,0 +1,6 @@
+"""Runtime: execute a plan on torch.distributed.pipelining (``pipeplan run``).
+
+``runtime.worker`` is the torchrun entry module (one rank); ``runtime.launch`` starts the
+ranks and diagnoses failures; ``runtime.plan_check``, ``runtime.faults`` and
+``runtime.report`` are torch-free.  Importing this package imports nothing heavy.
+"""

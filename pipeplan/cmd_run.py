@@ -1,0 +1,135 @@
+"""``pipeplan run``: execute a plan with torch.distributed.pipelining and measure it."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from typing import Any
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from runtime.worker import add_worker_args
+
+    p = sub.add_parser(
+        "run",
+        help="run a plan on torch.distributed.pipelining and compare with the prediction",
+        description="Launch the processes a plan needs (torchrun-compatible), train --steps steps on "
+        "synthetic data, print measured against predicted step and stage times, and with --check "
+        "prove the pipelined run matches the unsplit model.",
+    )
+    p.add_argument("--plan", required=True, help="plan JSON file, or an http(s):// URL of the planning service")
+    add_worker_args(p, for_launcher=True)
+    g = p.add_argument_group("launch (torchrun rendezvous; default: every rank on this host)")
+    g.add_argument("--nnodes", type=int, default=1, help="hosts taking part (run the same command on each)")
+    g.add_argument("--node-rank", type=int, default=0, help="this host's index, 0..nnodes-1")
+    g.add_argument("--master-addr", help="address of the host with node rank 0")
+    g.add_argument("--master-port", type=int, help="port on the master host (default 29500)")
+    g.add_argument("--nproc-per-node", type=int, help="ranks on this host (default: world size / nnodes)")
+    g.add_argument("--threads", type=int, help="intra-op threads per rank (default: $OMP_NUM_THREADS or 1)")
+    g.add_argument(
+        "--verbose", action="store_true", help="keep torchrun's and the schedules' logs, print rank tracebacks"
+    )
+    p.set_defaults(func=run)
+
+
+def _load_plan(value: str) -> Any:
+    from planner.schema import load_document
+
+    if value.startswith(("http://", "https://")):
+        from api.client import fetch_plan
+
+        return fetch_plan(value, token=os.environ.get("PIPEPLAN_API_TOKEN"))
+    return load_document("plan", value)
+
+
+def _model_spec(spec: str) -> str:
+    """Make a ``file.py:FUNC`` path absolute so every rank finds it."""
+    target, sep, func = spec.rpartition(":")
+    if sep and (target.endswith(".py") or "/" in target) and os.path.exists(target):
+        return f"{os.path.abspath(target)}:{func}"
+    return spec
+
+
+def run(args: argparse.Namespace) -> int:
+    from planner.errors import InputError
+    from profiler.loading import load_entrypoint
+    from profiler.split import split_model
+    from runtime.launch import Rendezvous, launch
+    from runtime.plan_check import check_optimizer_supported, check_plan_matches
+
+    if args.steps < 1:
+        raise InputError(f"--steps {args.steps}: give at least 1")
+    if args.timeout <= 0:
+        raise InputError(f"--timeout {args.timeout}: give a positive number of seconds")
+    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        raise InputError(f"--node-rank {args.node_rank} with --nnodes {args.nnodes}: need 0 <= node rank < nnodes")
+    plan = _load_plan(args.plan)
+    optimizer = args.optimizer or plan.training.optimizer
+    check_optimizer_supported(optimizer)
+    world = plan.world_size
+    nproc = args.nproc_per_node or world // args.nnodes
+    if nproc * args.nnodes != world:
+        raise InputError(
+            f"the plan needs {world} processes (K={plan.pipeline_degree} x D={plan.data_parallel_degree}) "
+            f"but {args.nnodes} host(s) x {nproc} per host = {nproc * args.nnodes}: choose --nnodes and "
+            f"--nproc-per-node whose product is {world}"
+        )
+    model = _model_spec(args.model)
+    # refuse a plan that does not fit the model before starting any process
+    entry = load_entrypoint(model)
+    split = split_model(entry.model, entry.example_inputs)
+    check_plan_matches(
+        plan,
+        layer_names=split.names,
+        param_bytes=split.param_bytes(),
+        sha256=split.sha256(),
+        world_size=nproc * args.nnodes,
+        optimizer=optimizer,
+    )
+    del entry, split
+    k = plan.pipeline_degree
+    stage_of = {
+        r: f"stage{'s' if plan.virtual_stages > 1 else ''} "
+        + ",".join(str(s.index) for s in plan.stages if s.index % k == r % k)
+        + (f", replica {r // k}" if plan.data_parallel_degree > 1 else "")
+        for r in range(world)
+    }
+    with tempfile.TemporaryDirectory(prefix="pipeplan-run-") as run_dir:
+        plan_path = os.path.join(run_dir, "plan.json")
+        with open(plan_path, "w", encoding="utf-8") as f:
+            f.write(plan.model_dump_json())
+        worker_args = [
+            "--plan", plan_path,
+            "--model", model,
+            "--steps", str(args.steps),
+            "--optimizer", optimizer,
+            "--lr", repr(args.lr),
+            "--seed", str(args.seed),
+            "--timeout", repr(args.timeout),
+            "--backend", args.backend,
+            "--tolerance", repr(args.tolerance),
+        ]  # fmt: skip
+        if args.check:
+            worker_args.append("--check")
+        if args.report:
+            worker_args += ["--report", os.path.abspath(args.report)]
+        if args.inject_fault:
+            worker_args += ["--inject-fault", args.inject_fault]
+        launch(
+            worker_args,
+            world_size=world,
+            run_dir=run_dir,
+            timeout_s=args.timeout,
+            nproc_per_node=nproc,
+            rendezvous=Rendezvous(
+                nnodes=args.nnodes,
+                node_rank=args.node_rank,
+                master_addr=args.master_addr,
+                master_port=args.master_port,
+            ),
+            threads=args.threads,
+            stage_of=stage_of,
+            verbose=args.verbose,
+        )
+    return 0

@@ -1,0 +1,186 @@
+"""What the pipelined run and the single-process reference share: data, optimizer, comparison.
+
+Both sides must see the same batches, build the same optimizer and reduce losses the same
+way, or ``--check`` would compare different things.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from runtime.plan_check import check_optimizer_supported
+
+
+def synthetic_batch(example_inputs: Sequence[Tensor], batch_size: int, *, seed: int, step: int) -> tuple[Tensor, ...]:
+    """One global batch shaped like ``example_inputs`` (batch dimension ``batch_size``).
+
+    Floating inputs are standard normal; integer inputs (token ids, labels) are uniform over
+    the range the example spans; booleans are fair coins.  The same ``(seed, step)`` gives
+    the same batch on every rank and in the reference.
+    """
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    out = []
+    for t in example_inputs:
+        shape = (batch_size, *t.shape[1:])
+        if t.dtype == torch.bool:
+            x = torch.randint(0, 2, shape, generator=gen).bool()
+        elif t.is_floating_point() or t.is_complex():
+            x = torch.randn(shape, generator=gen, dtype=torch.float32).to(t.dtype)
+        else:
+            lo, hi = (int(t.min()), int(t.max())) if t.numel() else (0, 1)
+            x = torch.randint(lo, max(hi, lo) + 1, shape, generator=gen, dtype=t.dtype)
+        out.append(x)
+    return tuple(out)
+
+
+def replica_shard(batch: Sequence[Tensor], replica: int, replicas: int) -> tuple[Tensor, ...]:
+    """Rows of data-parallel replica ``replica`` (contiguous, equal shares)."""
+    n = batch[0].shape[0] // replicas
+    return tuple(t[replica * n : (replica + 1) * n] for t in batch)
+
+
+def make_optimizer(name: str, params: Iterable[nn.Parameter], *, lr: float) -> torch.optim.Optimizer:
+    """``sgd``, ``sgd-momentum`` (0.9), ``adam``, ``adamw`` (torch defaults otherwise)."""
+    check_optimizer_supported(name)
+    plist = list(params)
+    if name == "sgd":
+        return torch.optim.SGD(plist, lr=lr)
+    if name == "sgd-momentum":
+        return torch.optim.SGD(plist, lr=lr, momentum=0.9)
+    if name == "adam":
+        return torch.optim.Adam(plist, lr=lr)
+    return torch.optim.AdamW(plist, lr=lr)
+
+
+def unique_parameters(modules: Iterable[nn.Module]) -> list[nn.Parameter]:
+    """Parameters of ``modules``, each tensor once (tied weights are one parameter)."""
+    seen: set[int] = set()
+    out = []
+    for m in modules:
+        for p in m.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+@dataclass(frozen=True)
+class ReferenceResult:
+    losses: list[float]
+    params: dict[str, Tensor]
+
+
+def train_reference(
+    model: nn.Module,
+    example_inputs: Sequence[Tensor],
+    loss: Any,
+    *,
+    steps: int,
+    global_batch_size: int,
+    microbatch_size: int,
+    replicas: int = 1,
+    optimizer: str,
+    lr: float,
+    seed: int,
+    device: torch.device | None = None,
+) -> ReferenceResult:
+    """Train the unsplit ``model`` in this process exactly as GPipe's maths says.
+
+    Each step runs the global batch as ``global_batch_size / microbatch_size`` micro-batches,
+    replica by replica as the pipelined run shards it, averages the gradients in the same
+    order the schedule and the data-parallel all-reduce do (mean over a replica's
+    micro-batches, then mean over replicas), and takes one optimizer step.  Returns per-step mean losses and
+    the final parameters by qualified name (tied weights under every name).
+    """
+    device = device or torch.device("cpu")
+    model.to(device).train()
+    opt = make_optimizer(optimizer, unique_parameters([model]), lr=lr)
+    per_replica = global_batch_size // replicas // microbatch_size
+    params = unique_parameters([model])
+    losses = []
+    for step in range(steps):
+        batch = [t.to(device) for t in synthetic_batch(example_inputs, global_batch_size, seed=seed, step=step)]
+        total = 0.0
+        summed: list[Tensor | None] = [None] * len(params)
+        for d in range(replicas):
+            shard = replica_shard(batch, d, replicas)
+            for i in range(per_replica):
+                mb = [t[i * microbatch_size : (i + 1) * microbatch_size] for t in shard]
+                value = loss(model(*mb))
+                value.backward()
+                total += float(value.detach())
+            # as the schedule does: the replica's gradient is the mean over its micro-batches,
+            # then the data-parallel all-reduce sums the replicas and divides by their number
+            for j, p in enumerate(params):
+                if p.grad is not None:
+                    g = p.grad / per_replica
+                    prev = summed[j]
+                    summed[j] = g if prev is None else prev + g
+                    p.grad = None
+        for p, total_grad in zip(params, summed, strict=True):
+            if total_grad is not None and replicas > 1:
+                total_grad = total_grad / replicas
+            p.grad = total_grad
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total / (per_replica * replicas))
+    final = {name: p.detach().cpu().clone() for name, p in model.named_parameters(remove_duplicate=False)}
+    return ReferenceResult(losses=losses, params=final)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    max_loss_rel_diff: float
+    max_param_rel_diff: float
+    worst_param: str
+    params_compared: int
+    missing: list[str]
+
+
+def relative_difference(a: Tensor, b: Tensor) -> float:
+    """``max|a - b| / max|b|`` (per tensor, so near-zero entries do not blow it up)."""
+    a64, b64 = a.detach().double().cpu(), b.detach().double().cpu()
+    scale = float(b64.abs().max()) if b64.numel() else 0.0
+    diff = float((a64 - b64).abs().max()) if b64.numel() else 0.0
+    if scale == 0.0:
+        return diff
+    return diff / scale
+
+
+def compare(
+    losses: Sequence[float],
+    params: Mapping[str, Tensor],
+    reference: ReferenceResult,
+) -> Comparison:
+    """Max relative differences between a pipelined run and the reference."""
+    loss_diff = 0.0
+    if len(losses) != len(reference.losses):
+        loss_diff = math.inf
+    for a, b in zip(losses, reference.losses, strict=False):
+        loss_diff = max(loss_diff, abs(a - b) / max(abs(b), 1e-12))
+    worst, worst_name = 0.0, ""
+    missing = sorted(set(reference.params) - set(params))
+    for name, value in params.items():
+        ref = reference.params.get(name)
+        if ref is None or ref.shape != value.shape:
+            missing.append(name)
+            continue
+        d = relative_difference(value, ref)
+        if d > worst or not worst_name:
+            worst, worst_name = d, name
+    if missing:
+        worst = math.inf
+        worst_name = f"{len(missing)} parameter(s) not matched, e.g. {missing[0]}"
+    return Comparison(
+        max_loss_rel_diff=loss_diff,
+        max_param_rel_diff=worst,
+        worst_param=worst_name,
+        params_compared=len(params),
+        missing=missing,
+    )

@@ -1,0 +1,135 @@
+"""End to end: ``pipeplan run`` on 2 CPU processes (gloo), against the unsplit model.
+
+Each test launches real ranks through torchrun; OMP_NUM_THREADS=1.  They are the issue's
+acceptance tests: GPipe, 1F1B, interleaved 1F1B (2 stages per rank), recompute and
+D = 2 x K = 1 reproduce the single-process run after 3 steps; a mismatched plan is refused;
+a rank that raises or hangs ends the job promptly with no process left behind (a rank
+that dies is diagnosed from its exit code: see test_faults.py).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+
+from planner.schema import Profile
+from tests.runtime.helpers import (
+    make_plan,
+    processes_mentioning,
+    run_cli,
+    run_torchrun,
+    structure_profile,
+    write_plan,
+)
+
+pytestmark = pytest.mark.slow
+
+GPT = "examples.gpt:tiny"  # embed, blocks.0-3, head (tied to embed)
+RESNET = "examples.resnet:tiny"  # stem, 6 BatchNorm blocks, fc; cross-entropy loss
+TIED = "tests.runtime.tied_model:tiny"  # 6 linear layers, two weights tied across stages
+
+
+@pytest.fixture(scope="module")
+def profiles() -> dict[str, Profile]:
+    return {spec: structure_profile(spec) for spec in (GPT, RESNET, TIED)}
+
+
+CASES = {
+    "gpipe": (GPT, [(0, 3), (3, 6)], dict(schedule="gpipe", optimizer="sgd")),
+    # the tied embedding (stage 0) and LM head (stage 1) sit on different ranks
+    "1f1b": (GPT, [(0, 2), (2, 6)], dict(schedule="1f1b", optimizer="sgd-momentum")),
+    # 6 stages on 2 ranks (v=3) of an example model
+    "interleaved": (
+        GPT,
+        [(i, i + 1) for i in range(6)],
+        dict(schedule="interleaved-1f1b", optimizer="sgd", pipeline_degree=2),
+    ),
+    # rank 0 runs stages 0, 2, 4 and rank 1 stages 1, 3, 5: layers 0 and 2 share a weight on
+    # one rank, layers 1 and 4 share one across the two ranks
+    "interleaved-tied": (
+        TIED,
+        [(i, i + 1) for i in range(6)],
+        dict(schedule="interleaved-1f1b", optimizer="sgd-momentum", pipeline_degree=2),
+    ),
+    "recompute": (RESNET, [(0, 4), (4, 8)], dict(schedule="1f1b", optimizer="sgd-momentum", recompute=True)),
+    "data-parallel": (GPT, [(0, 6)], dict(schedule="gpipe", optimizer="sgd", data_parallel=2)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_pipelined_training_matches_the_unsplit_model(case: str, profiles, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    spec, stages, options = CASES[case]
+    plan = make_plan(profiles[spec], stages, **options)  # type: ignore[arg-type]
+    assert plan.world_size == 2
+    plan_file = write_plan(plan, tmp_path / "plan.json")
+    report_file = tmp_path / "report.json"
+    worker_flags = ["--plan", str(plan_file), "--model", spec, "--steps", "3", "--lr", "0.05",
+                    "--check", "--report", str(report_file), "--timeout", "30"]  # fmt: skip
+    if case == "gpipe":
+        # the entry module directly under torchrun, as on a cluster without pipeplan run
+        proc, elapsed = run_torchrun(2, worker_flags)
+    else:
+        proc, elapsed = run_cli(["run", *worker_flags])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert elapsed < 60
+    report = json.loads(report_file.read_text())
+    check = report["check"]
+    assert check["passed"] and check["max_loss_rel_diff"] <= 1e-5 and check["max_param_rel_diff"] <= 1e-5, check
+    assert check["params_compared"] > 0
+    assert len(report["steps"]) == 3 and all(s["measured_ms"] > 0 for s in report["steps"])
+    # the loss moved: the optimizer really stepped
+    assert check["losses_reference"][0] != check["losses_reference"][-1]
+    assert check["losses_pipelined"] == pytest.approx(check["losses_reference"], rel=1e-5)
+    assert [s["index"] for s in report["stages"]] == list(range(len(stages)))
+    assert all(s["forward_ms"] and s["backward_ms"] for s in report["stages"])
+    assert report["schedule"] == plan.schedule and report["data_parallel_degree"] == plan.data_parallel_degree
+    assert "check PASSED" in proc.stdout
+
+
+def test_mismatched_plan_is_refused_before_launch(profiles, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    plan = make_plan(profiles[RESNET], [(0, 4), (4, 8)])
+    plan_file = write_plan(plan, tmp_path / "plan.json")
+    proc, elapsed = run_cli(["run", "--plan", str(plan_file), "--model", GPT, "--steps", "1"])
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert "does not match the model" in proc.stderr
+    assert "the plan is for 8 layers but the model splits into 6" in proc.stderr
+    assert "layer 0 is 'stem' in the plan but 'embed' in the model" in proc.stderr
+    assert elapsed < 30
+
+
+def test_wrong_process_count_is_refused(profiles, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    plan_file = write_plan(make_plan(profiles[GPT], [(0, 3), (3, 6)]), tmp_path / "plan.json")
+    proc, _ = run_cli(["run", "--plan", str(plan_file), "--model", GPT, "--nproc-per-node", "1"])
+    assert proc.returncode == 1 and "the plan needs 2 processes" in proc.stderr, proc.stderr
+
+
+def _unique_model_file(tmp_path: Path) -> tuple[str, str]:
+    """A model file whose path marks this test's processes."""
+    path = tmp_path / f"gpt_{uuid.uuid4().hex[:12]}.py"
+    path.write_text("from examples.gpt import tiny\n")
+    return f"{path}:tiny", path.name
+
+
+@pytest.mark.parametrize(
+    ("mode", "expect"),
+    [
+        ("raise", "rank 1 (stage 1) raised RuntimeError: injected fault on rank 1 at step 1 (during step 1)"),
+        ("hang", "rank 1 (stage 1) stopped responding during step 1"),
+    ],
+)
+def test_failing_rank_ends_the_job(mode: str, expect: str, profiles, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    spec, marker = _unique_model_file(tmp_path)
+    plan_file = write_plan(make_plan(profiles[GPT], [(0, 3), (3, 6)]), tmp_path / "plan.json")
+    proc, elapsed = run_cli(
+        ["run", "--plan", str(plan_file), "--model", spec, "--steps", "3", "--timeout", "5",
+         "--inject-fault", f"1:1:{mode}"]
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert expect in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert elapsed < 60
+    assert processes_mentioning(marker) == []
