@@ -106,9 +106,10 @@ def solve_from_args(args: argparse.Namespace) -> tuple[Plan, list[Comparison]]:
 
         plan = solve(profile, cluster, training, options)
     comparisons = []
-    for result in evaluate_baselines(
-        profile, cluster, training, num_microbatches=options.num_microbatches, options=options
-    ):
+    # Unless M is fixed, baselines run at the plan's micro-batch size (one pipeline over all the
+    # devices, so M x D micro-batches), which isolates what the split and schedule are worth.
+    baseline_m = options.num_microbatches or plan.num_microbatches * plan.data_parallel_degree
+    for result in evaluate_baselines(profile, cluster, training, num_microbatches=baseline_m, options=options):
         if result.plan is None:
             comparisons.append(Comparison(f"baseline {result.name}", None, result.note))
         else:

@@ -178,7 +178,8 @@ def _baseline_specs(
     mult = k if schedule == "interleaved-1f1b" else 1
     m_fixed = num_microbatches or options.num_microbatches
     m = m_fixed or (g // d if (g // d) % mult == 0 else None)
-    m4 = m_fixed or _smallest_divisor_at_least(g // d, 4 * k, multiple_of=mult) or m
+    # the GPipe rule keeps M = 4K unless the user fixed M
+    m4 = options.num_microbatches or _smallest_divisor_at_least(g // d, 4 * k, multiple_of=mult) or m
     sched4: Schedule = options.schedule or "gpipe"
     out: list[tuple[str, Config | None, list[tuple[int, int]] | None, str]] = []
     if parts > n_layers or m is None:
