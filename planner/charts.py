@@ -17,8 +17,10 @@ global figure registry, no GUI backend, safe in a server thread.
 from __future__ import annotations
 
 import io
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Literal
 
 from planner.errors import InputError
@@ -32,7 +34,7 @@ ChartKind = Literal["gantt", "memory"]
 CHART_KINDS: tuple[ChartKind, ...] = ("gantt", "memory")
 
 #: base colour of each box kind (matplotlib "tab" palette)
-KIND_COLOURS = {
+KIND_COLOURS: Mapping[str, str] = MappingProxyType({
     "forward": "#1f77b4",
     "backward": "#2ca02c",
     "recompute": "#ff7f0e",
@@ -40,13 +42,13 @@ KIND_COLOURS = {
     "send_backward": "#8c564b",
     "idle": "#d62728",
     "allreduce": "#7f7f7f",
-}
-MEMORY_COLOURS = {
+})
+MEMORY_COLOURS: Mapping[str, str] = MappingProxyType({
     "parameters": "#1f77b4",
     "gradients": "#aec7e8",
     "optimizer state": "#ff7f0e",
     "activations": "#2ca02c",
-}
+})
 #: above this many compute boxes the micro-batch numbers are not written in the boxes
 MAX_LABELLED_BOXES = 400
 #: above this many boxes the rows are embedded in the SVG as an image (a small file, fast)

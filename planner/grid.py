@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Mapping
+from types import MappingProxyType
 
 from planner.errors import InputError
 from planner.schema import Plan
 from planner.simulator import Event, Simulation
 
 #: one letter per compute event kind
-KIND_LETTER = {"forward": "F", "backward": "B", "recompute": "R"}
+KIND_LETTER: Mapping[str, str] = MappingProxyType({"forward": "F", "backward": "B", "recompute": "R"})
 IDLE = "."
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -427,13 +428,13 @@ def check_coverage(ranges: Sequence[tuple[int, int]], num_layers: int) -> None:
 # --------------------------------------------------------------------------- loading
 
 
-DOCUMENTS: dict[str, type[BaseModel]] = {
+DOCUMENTS: Mapping[str, type[BaseModel]] = MappingProxyType({
     "profile": Profile,
     "cluster": Cluster,
     "training": TrainingSetup,
     "plan": Plan,
     "options": PlanOptions,
-}
+})
 
 
 def format_validation_error(err: ValidationError, what: str) -> InputError:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import math
 import re
+from types import MappingProxyType
 
-_UNITS = {
+_UNITS = MappingProxyType({
     "": 1,
     "b": 1,
     "kb": 10**3,
@@ -16,7 +17,7 @@ _UNITS = {
     "mib": 2**20,
     "gib": 2**30,
     "tib": 2**40,
-}
+})
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 

@@ -25,11 +25,14 @@ the float32 log-probabilities of the cross-entropy loss).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+
 from planner.presets import DEVICES, unknown_preset
 from planner.schema import LayerProfile, MeasuredOn, Profile
 
-DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
-_CANONICAL = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+DTYPE_BYTES: Mapping[str, int] = MappingProxyType({"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2})
+_CANONICAL: Mapping[str, str] = MappingProxyType({"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"})
 
 
 def synth_transformer(

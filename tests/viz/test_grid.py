@@ -97,6 +97,8 @@ def test_bad_slot_is_a_clear_error(slot: float) -> None:
 )
 def test_integer_durations_fill_exact_cell_counts(schedule: str, k: int, m: int, data: st.DataObject) -> None:
     """With integer event times and 1 ms slots every event fills exactly its duration in cells."""
+    if schedule == "1f1b":
+        m = max(m, k)  # Schedule1F1B needs M >= K
     fwd = data.draw(st.lists(st.integers(1, 3), min_size=k, max_size=k))
     bwd = data.draw(st.lists(st.integers(1, 3), min_size=k, max_size=k))
     rec = data.draw(st.lists(st.sampled_from([0, 1, 2]), min_size=k, max_size=k))
