@@ -89,6 +89,12 @@ def check_schedule_shape(schedule: Schedule, num_ranks: int, num_microbatches: i
         )
     if schedule != "interleaved-1f1b" and virtual_stages != 1:
         raise ScheduleError(f"{virtual_stages} chunks per rank need schedule 'interleaved-1f1b', not {schedule!r}")
+    if schedule == "1f1b" and num_microbatches < num_ranks:
+        raise ScheduleError(
+            f"1f1b needs at least as many micro-batches as pipeline stages (the rule of "
+            f"torch.distributed.pipelining's Schedule1F1B, which runs the plans): M={num_microbatches} < "
+            f"K={num_ranks}; use M >= {num_ranks} or schedule 'gpipe'"
+        )
     if schedule == "interleaved-1f1b" and num_microbatches % num_ranks != 0:
         raise ScheduleError(
             f"interleaved-1f1b needs the micro-batch count to be a multiple of the pipeline degree "

@@ -8,8 +8,11 @@ and, on heterogeneous clusters, which devices take which pipeline position.
 Method (branch and bound over configurations, see :mod:`planner.solver_core` for bounds):
 
 1. Every configuration (D, K, M, schedule, v) allowed by the options gets a closed-form lower
-   bound; configurations are visited in increasing bound order and skipped once the bound
-   reaches the best step time found.
+   bound (work, fill, all-reduce, and :func:`memory_work_bound`: the recompute that memory
+   forces); configurations are visited in order of that bound (or the balanced-split
+   estimate, whichever is larger) and skipped once the bound reaches the best step time
+   found.  Configurations too large to simulate still get their exact relaxed bound (v = 1),
+   and those left when the budget runs out are excluded by their bounds where possible.
 2. For a visited configuration, an exact bottleneck algorithm (binary search on the bound of
    the module doc of :mod:`planner.solver_core`, with a farthest-reach greedy that is exact
    because the relaxed stage test is monotone) gives the configuration's lower bound, or
@@ -30,6 +33,7 @@ smallest bound still open.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import time
@@ -112,6 +116,8 @@ class _Search:
     work_budget: float = math.inf
     wall_stop: float = math.inf
     _param_bytes: int = -1
+    #: per micro-batch size: the fractional-knapsack table of :func:`memory_work_bound`
+    knapsacks: dict[int, _Knapsack] = field(default_factory=dict)
 
     @property
     def profile_param_bytes(self) -> int:
@@ -310,6 +316,8 @@ def enumerate_configs(
                         continue
                     if sched == "interleaved-1f1b" and (k < 2 or m % k):
                         continue
+                    if sched == "1f1b" and m < k:
+                        continue  # torch's Schedule1F1B needs M >= K (simulator.check_schedule_shape)
                     if sched == "gpipe" and k == 1 and options.schedule is None:
                         continue  # identical to 1f1b with one stage, which keeps less in flight
                     out.append(Config(d, k, m, sched, v))
@@ -388,12 +396,269 @@ def cheap_bound(search: _Search, cfg: Config, groups: Sequence[Group]) -> float:
         grads = costs.prefix_param[-1] * search.training.gradient_bytes_per_param_byte
         ar_all = (2 * (d - 1) / d * grads / link.bandwidth_bytes_per_s + k * 2 * (d - 1) * link.latency_s) * 1e3
         bound = max(bound, m * w / ssum + smin * ar_all / ssum)
+    bound = max(bound, memory_work_bound(search, cfg, groups))
+    bound = max(bound, m * busiest_rank_work(search, cfg) / smax)
+    # the last stage holds the last layer and cannot start before micro-batch 0 has gone
+    # forward through every earlier layer; then its rank still works at least M times that
+    # layer (interleaved: its earlier chunks' warm-up forwards come out of its own work, see
+    # solver_core), and without interleaving the gradient must also flow back through them
+    n_l = costs.num_layers
+    last = costs.prefix_forward[n_l] - costs.prefix_forward[n_l - 1] + costs.prefix_backward[n_l] - costs.prefix_backward[n_l - 1]
+    path = costs.prefix_forward[n_l - 1] + (costs.prefix_backward[n_l - 1] if cfg.virtual_stages == 1 else 0.0)
+    bound = max(bound, (path + m * last) / smax)
     if cfg.virtual_stages == 1 and m > 1:
         # continuous relaxation of min over splits of max_s (P[a_s] + M c_s): the reach
         # y_{s+1} = y_s + (T - y_s) / M gives T >= W / (1 - ((M-1)/M)^K)
         q = ((m - 1) / m) ** k
         bound = max(bound, w / smax / (1 - q))
     return bound
+
+
+@dataclass(frozen=True)
+class _Knapsack:
+    """Layers sorted by work per activation byte (zero-activation layers first), with prefix
+    sums: ``value(A)`` is the most forward + backward work (at speed 1) of any set of layers
+    whose activations total at most ``A`` bytes, layers taken fractionally (an upper bound)."""
+
+    acts: tuple[float, ...]
+    prefix_acts: tuple[float, ...]
+    prefix_work: tuple[float, ...]
+    #: least recompute overhead per unit of work: min over layers of f / (f + b)
+    phi: float
+    work: float
+    #: every layer's forward + backward, largest first
+    desc_work: tuple[float, ...] = ()
+
+    @staticmethod
+    def of(costs: LayerCosts) -> _Knapsack:
+        items = []
+        phi = math.inf
+        for f, b, a in zip(costs.forward_ms, costs.backward_ms, costs.activation_bytes, strict=True):
+            w = f + b
+            if w > 0:
+                phi = min(phi, f / w)
+            items.append((-(w / a) if a > 0 else -math.inf, a, w))
+        items.sort()
+        pa, pw = [0.0], [0.0]
+        for _, a, w in items:
+            pa.append(pa[-1] + a)
+            pw.append(pw[-1] + w)
+        return _Knapsack(
+            tuple(a for _, a, _ in items), tuple(pa), tuple(pw), 0.0 if phi == math.inf else phi, pw[-1],
+            tuple(sorted((w for _, _, w in items), reverse=True)),
+        )
+
+    def value(self, capacity: float) -> float:
+        i = bisect.bisect_right(self.prefix_acts, capacity) - 1  # prefix_acts[i] <= capacity
+        if i >= len(self.acts):
+            return self.prefix_work[-1]
+        left = capacity - self.prefix_acts[i]
+        a = self.acts[i]
+        part = (self.prefix_work[i + 1] - self.prefix_work[i]) * min(1.0, left / a) if a > 0 else 0.0
+        return self.prefix_work[i] + part
+
+
+def busiest_rank_work(search: _Search, cfg: Config) -> float:
+    """Least forward + backward per micro-batch (speed 1) of the busiest rank, whatever the split.
+
+    Layers cannot be divided: among the ``j·K + 1`` largest layers some rank holds ``j + 1``,
+    so some rank works at least the sum of the ``j + 1`` smallest of them (``j = 0``: the
+    largest layer).  That rank runs all M micro-batches, so ``T >= M · this / fastest speed``.
+    """
+    b = cfg.microbatch_size(search.training.global_batch_size)
+    if b not in search.knapsacks:
+        search.knapsacks[b] = _Knapsack.of(search.costs_at(b))
+    desc = search.knapsacks[b].desc_work
+    k = cfg.pipeline_degree
+    best = 0.0
+    j = 0
+    while j * k + 1 <= len(desc):
+        top = j * k + 1
+        best = max(best, sum(desc[top - j - 1 : top]))
+        j += 1
+    return best
+
+
+def memory_work_bound(search: _Search, cfg: Config, groups: Sequence[Group]) -> float:
+    """A lower bound of any split of ``cfg`` that counts the recompute memory forces.
+
+    Rank ``r`` holds ``n_r`` micro-batches in flight, so each of its chunks that does not
+    recompute keeps at most ``limit / n_r`` activation bytes, and its (at most v) such chunks
+    at most ``A_r = v · limit / n_r`` (``limit``: the largest usable memory of any group).
+    Work of a recomputed layer costs ``1 + phi`` times its forward + backward
+    (``phi = min f / (f + b)``).  Rank ``r`` runs ``M`` micro-batches within ``T``, so it
+    does at most ``t_r = T · speed_r / M`` of work (counting recompute).  For any set ``S`` of
+    ranks, the work done without recompute is at most ``sum_{r in S} t_r`` plus the knapsack
+    value (most work per activation byte, fractional) of the other ranks' capacities
+    ``sum_{r not in S} A_r``; the rest of the model ``W`` is recomputed.  Taking ``S`` = the j
+    ranks with the largest ``A_r`` and the j fastest speeds (valid for every assignment of
+    groups to positions), covering ``W`` needs, for every j,
+
+        T >= M · ((1 + phi)·W - phi·kappa_j) / (sum(speed) + phi·sigma_j)
+
+    with ``kappa_j`` the knapsack value of the K - j smallest capacities and ``sigma_j`` the
+    sum of the j largest speeds.  Without recompute allowed, ``T >= M (W - kappa_j) / sigma_j``
+    (infinite when ``kappa_0 < W``: nothing fits).  Transfers, bubbles and all-reduce only
+    add to the step time, so they are left out.
+    """
+    b = cfg.microbatch_size(search.training.global_batch_size)
+    if b not in search.knapsacks:
+        search.knapsacks[b] = _Knapsack.of(search.costs_at(b))
+    knap = search.knapsacks[b]
+    k, m, v = cfg.pipeline_degree, cfg.num_microbatches, cfg.virtual_stages
+    limit = max(g.limit_bytes for g in groups)
+    caps = sorted(
+        (v * limit / max(1, StageModel.inflight_of(cfg, r)) for r in range(k)), reverse=True
+    )
+    speeds = sorted((g.speed for g in groups), reverse=True)
+    ssum = sum(speeds)
+    rc_opt = search.options.recompute
+    allow_rc = rc_opt is None or (isinstance(rc_opt, bool) and rc_opt) or (isinstance(rc_opt, list) and any(rc_opt))
+    all_rc = (isinstance(rc_opt, bool) and rc_opt) or (isinstance(rc_opt, list) and all(rc_opt))
+    w, phi = knap.work, knap.phi
+    if all_rc:
+        return m * (1 + phi) * w / ssum
+    best = 0.0
+    suffix = 0.0  # sum of the K - j smallest capacities, j from K down to 0
+    sigma = [0.0]
+    for sp in speeds:
+        sigma.append(sigma[-1] + sp)
+    # every rank's parameters, gradients and optimizer state take memory that its
+    # activations cannot use: the ranks outside S hold at least static - j·limit of it, which
+    # costs them at least v / n_max activation bytes per byte
+    static = static_bytes(search.profile_param_bytes, search.training)
+    n_max = max(StageModel.inflight_of(cfg, r) for r in range(k))
+    for j in range(k, -1, -1):
+        if j < k:
+            suffix += caps[j]
+        kappa = knap.value(max(0.0, suffix - v * max(0.0, static - j * limit) / max(1, n_max)))
+        if allow_rc:
+            best = max(best, m * ((1 + phi) * w - phi * kappa) / (ssum + phi * sigma[j]))
+        elif kappa < w * (1 - 1e-12):
+            if sigma[j] <= 0:
+                return math.inf
+            best = max(best, m * (w - kappa) / sigma[j])
+    return best
+
+
+def static_memory_bound(search: _Search, cfg: Config, groups: Sequence[Group]) -> float:
+    """:func:`memory_work_bound` with each rank's parameter state taken out of its memory.
+
+    A rank holding work ``y_r`` (forward + backward at speed 1 of its layers) keeps at least
+    ``sigma·y_r`` bytes of parameters, gradients and optimizer state (``sigma``: least state
+    bytes per unit of work over the layers), so its chunks without recompute keep at most
+    ``a_r = v (limit - sigma·y_r) / n_r`` activation bytes.  The work done without recompute,
+    over all ranks, is at most the knapsack value of ``sum a_r``, and so at most
+    ``alpha + beta·sum a_r`` for any line ``(alpha, beta)`` of the concave knapsack curve.
+    A rank with work ``y_r`` of which ``z_r`` is recomputed needs ``y_r + phi·z_r <= t_r =
+    T·speed/M``.  Hence ``sum_r (y_r - z_r) + gamma_r·y_r <= C`` with ``gamma_r = beta·v·sigma/n_r``
+    and ``C = alpha + beta·v·limit·sum 1/n_r``: each rank's use of ``C`` is convex piecewise
+    linear in ``y_r`` (``gamma_r`` per unit up to ``t_r/(1+phi)``, all recomputed, then
+    ``1 + gamma_r + 1/phi``), so the most work the ranks can cover within ``T`` is a
+    fractional greedy over those pieces.  The bound is the least ``T`` (bisection) at which
+    it reaches the model's work ``W``; the largest over a few knapsack lines is returned
+    (infinite when no ``T`` covers ``W``: nothing fits).  Heterogeneous speeds use the
+    fastest for every rank.
+    """
+    b = cfg.microbatch_size(search.training.global_batch_size)
+    if b not in search.knapsacks:
+        search.knapsacks[b] = _Knapsack.of(search.costs_at(b))
+    knap = search.knapsacks[b]
+    costs = search.costs_at(b)
+    k, m, v = cfg.pipeline_degree, cfg.num_microbatches, cfg.virtual_stages
+    limit = max(g.limit_bytes for g in groups)
+    smax = max(g.speed for g in groups)
+    inflight = [max(1, StageModel.inflight_of(cfg, r)) for r in range(k)]
+    sigma = math.inf
+    for f, bw, pb in zip(costs.forward_ms, costs.backward_ms, costs.param_bytes, strict=True):
+        if f + bw > 0:
+            sigma = min(sigma, static_bytes(pb, search.training) / (f + bw))
+    if sigma == math.inf:
+        sigma = 0.0
+    rc_opt = search.options.recompute
+    allow_rc = rc_opt is None or (isinstance(rc_opt, bool) and rc_opt) or (isinstance(rc_opt, list) and any(rc_opt))
+    if (isinstance(rc_opt, bool) and rc_opt) or (isinstance(rc_opt, list) and all(rc_opt)):
+        return 0.0  # everything recomputed: memory_work_bound already counts it exactly
+    w, phi = knap.work, knap.phi
+    if w <= 0:
+        return 0.0
+    inv = sum(1.0 / n for n in inflight)
+    a_star = v * limit * inv
+    lines: set[tuple[float, float]] = set()
+    for theta in (1.0, 0.5, 0.15):
+        i = min(max(0, bisect.bisect_right(knap.prefix_acts, a_star * theta) - 1), len(knap.acts) - 1)
+        while i < len(knap.acts) and knap.acts[i] <= 0:
+            i += 1
+        if i >= len(knap.acts):
+            continue
+        beta = (knap.prefix_work[i + 1] - knap.prefix_work[i]) / knap.acts[i]
+        alpha = knap.prefix_work[i] - beta * knap.prefix_acts[i]
+        lines.add((alpha, beta))
+
+    best = 0.0
+    for alpha, beta in sorted(lines):
+        cap = alpha + beta * v * limit * inv
+        gammas = [beta * v * sigma / n for n in inflight]
+
+        def coverable(t: float, cap: float = cap, gammas: list[float] = gammas) -> float:
+            pieces: list[tuple[float, float]] = []
+            for g_r in gammas:
+                if not allow_rc:
+                    pieces.append((1 + g_r, t))
+                elif phi <= 0:
+                    pieces.append((g_r, t))
+                else:
+                    pieces.append((g_r, t / (1 + phi)))
+                    pieces.append((1 + g_r + 1 / phi, t - t / (1 + phi)))
+            pieces.sort()
+            left, total = cap, 0.0
+            for cost, amount in pieces:
+                if cost <= 0:
+                    total += amount
+                    continue
+                take = min(amount, left / cost)
+                total += take
+                left -= take * cost
+                if left <= 0:
+                    break
+            return total
+
+        def per_rank(t: float, alpha: float = alpha, beta: float = beta) -> float:
+            total = 0.0
+            for n in inflight:
+                big_p = alpha + beta * v * limit / n
+                big_q = beta * v * sigma / n
+                y_cap = limit / sigma if sigma > 0 else math.inf
+                if big_p - big_q * t >= t:
+                    y = t
+                elif not allow_rc:
+                    y = big_p / (1 + big_q)
+                elif phi <= 0:
+                    y = t
+                else:
+                    y = (t + phi * big_p) / (1 + phi + phi * big_q)
+                    if big_p - big_q * y < 0:
+                        y = t / (1 + phi)
+                total += max(0.0, min(y, t, y_cap))
+            return total
+
+        for cover in (coverable, per_rank):
+            # per-rank budget t = T·smax/M; coverage is nondecreasing in t
+            lo, hi = 0.0, w / k
+            while cover(hi) < w * (1 - 1e-12):
+                if hi > w * 1e6:
+                    return math.inf
+                lo, hi = hi, hi * 2
+            for _ in range(40):
+                if hi - lo <= 1e-9 * hi:
+                    break
+                mid = (lo + hi) / 2
+                if cover(mid) >= w * (1 - 1e-12):
+                    hi = mid
+                else:
+                    lo = mid
+            best = max(best, lo * m / smax)
+    return best
 
 
 def _rc_options(options: PlanOptions, stage: int) -> tuple[bool, ...]:
@@ -608,8 +873,15 @@ def _with_recompute(
     return Split(ranges, tuple(rcs), stage_groups)
 
 
-def interleaved_split(search: _Search, sm: StageModel, groups: Sequence[Group], order: Sequence[int]) -> Split | None:
-    """Balance the K·v chunks' work (min-max), then recompute where memory needs it."""
+def interleaved_split(
+    search: _Search, sm: StageModel, groups: Sequence[Group], order: Sequence[int], *, memory_aware: bool = False
+) -> Split | None:
+    """Balance the K·v chunks' work (min-max), then recompute where memory needs it.
+
+    ``memory_aware``: when the balanced chunks need recompute, cut instead with each rank's
+    memory in the test (without recompute first), so that ranks holding many micro-batches
+    take smaller chunks rather than recomputing.
+    """
     cfg = sm.cfg
     k, n = cfg.pipeline_degree, cfg.num_stages
     speeds = [groups[order[s % k]].speed for s in range(n)]
@@ -641,10 +913,10 @@ def interleaved_split(search: _Search, sm: StageModel, groups: Sequence[Group], 
         return None
     stage_groups = tuple(order[s % k] for s in range(n))
     split = _with_recompute(search, sm, groups, ranges, stage_groups)
-    if split is not None:
+    if split is not None and not (memory_aware and any(split.recompute)):
         return split
-    # the time-balanced chunks do not fit: cut again with each rank's memory in the test,
-    # allowing chunks up to 3x the balanced time
+    # the time-balanced chunks do not fit (or need recompute): cut again with each rank's
+    # memory in the test, allowing chunks up to 3x the balanced time
     for rc in sorted(set(_rc_options(search.options, 0)) & {False, True}):
         if isinstance(search.options.recompute, list):
             break
@@ -652,6 +924,18 @@ def interleaved_split(search: _Search, sm: StageModel, groups: Sequence[Group], 
             search.work += 2 * n * math.log2(sm.L + 1)
             ranges_m = _memory_aware_cut(sm, groups, stage_groups, t * 3 ** (step / 15), rc)
             if ranges_m is not None:
+                if step > 0 and memory_aware:
+                    # the scan overshoots: a larger budget than needed lets the early chunks
+                    # run far and starves the last ones, so bisect back to the smallest budget
+                    lo, hi = t * 3 ** ((step - 1) / 15), t * 3 ** (step / 15)
+                    for _ in range(10):
+                        mid = (lo + hi) / 2
+                        search.work += 2 * n * math.log2(sm.L + 1)
+                        found = _memory_aware_cut(sm, groups, stage_groups, mid, rc)
+                        if found is None:
+                            lo = mid
+                        else:
+                            hi, ranges_m = mid, found
                 return _with_recompute(search, sm, groups, ranges_m, stage_groups)
     return None
 
@@ -821,6 +1105,7 @@ def _seed_with_baselines(search: _Search, configs: Sequence[Config]) -> None:
             cfg.data_parallel * cfg.pipeline_degree > search.cluster.num_devices
             or g % (cfg.data_parallel * cfg.num_microbatches)
             or (cfg.schedule == "interleaved-1f1b" and cfg.num_microbatches % cfg.pipeline_degree)
+            or (cfg.schedule == "1f1b" and cfg.num_microbatches < cfg.pipeline_degree)
         ):
             continue
         groups = make_groups(
@@ -864,7 +1149,7 @@ def _branch_and_bound(search: _Search, configs: Sequence[Config]) -> None:
         entries.append((cheap_bound(search, cfg, groups), cfg, groups))
     # visit the most promising first (the textbook step-time formula of a balanced split),
     # so that good plans are found early and prune the rest with the valid bounds
-    entries.sort(key=lambda e: (_promise(search, e[1], e[2]), e[1]))
+    entries.sort(key=lambda e: (max(e[0], _promise(search, e[1], e[2])), e[1]))
     fixed = fixed_ranges(search.options) is not None
     for i, (cheap, cfg, groups) in enumerate(entries):
         if cheap >= search.best_step:
@@ -872,14 +1157,27 @@ def _branch_and_bound(search: _Search, configs: Sequence[Config]) -> None:
             continue
         if 2 * cfg.num_microbatches * cfg.num_stages > SIM_ACTION_LIMIT:
             search.too_big += 1
-            search.open_configs[cfg] = (cheap, groups)
+            lb_big: float | None = cheap
+            if cfg.virtual_stages == 1 and not fixed and search.work <= SEARCH_SHARE * search.work_budget:
+                # not simulated, but its exact relaxed bound may still exclude it
+                sm_big = StageModel(search.costs_at(cfg.microbatch_size(g)), cfg, search.training)
+                lb_big = relaxed_bound(search, sm_big, groups, cheap)
+            if lb_big is None:
+                search.infeasible += 1
+            elif lb_big >= search.best_step:
+                search.pruned += 1
+            else:
+                search.open_configs[cfg] = (lb_big, groups)
             continue
         if search.best is not None and (
             search.work > SEARCH_SHARE * search.work_budget or time.perf_counter() > search.wall_stop
         ):
             search.timed_out = True
             for e in entries[i:]:
-                search.open_configs[e[1]] = (e[0], e[2])
+                if e[0] >= search.best_step:
+                    search.pruned += 1
+                else:
+                    search.open_configs[e[1]] = (e[0], e[2])
             return
         search.visited += 1
         sm = StageModel(search.costs_at(cfg.microbatch_size(g)), cfg, search.training)
@@ -903,6 +1201,16 @@ def _branch_and_bound(search: _Search, configs: Sequence[Config]) -> None:
             if step is None or step > lb * (1 + 1e-9):
                 search.open_configs[cfg] = (lb, groups)
         else:
+            search.work += 200 * cfg.pipeline_degree
+            cheap = max(cheap, static_memory_bound(search, cfg, groups))
+            if cheap == math.inf:
+                search.infeasible += 1
+                search.infeasible_after_visit += 1
+                continue
+            if cheap >= search.best_step:
+                search.pruned += 1
+                search.pruned_after_visit += 1
+                continue
             if not relaxed_memory_fits(search, sm, groups):
                 search.infeasible += 1
                 search.infeasible_after_visit += 1
@@ -911,10 +1219,13 @@ def _branch_and_bound(search: _Search, configs: Sequence[Config]) -> None:
                 continue
             best_here = math.inf
             for order in orders[:3]:
-                split = interleaved_split(search, sm, groups, order)
-                if split is None:
-                    continue
-                best_here = min(best_here, consider(search, sm, groups, split))
+                tried: list[Split] = []
+                for memory_aware in (False, True):
+                    split = interleaved_split(search, sm, groups, order, memory_aware=memory_aware)
+                    if split is None or split in tried:
+                        continue
+                    tried.append(split)
+                    best_here = min(best_here, consider(search, sm, groups, split))
             if best_here > cheap * (1 + 1e-9):
                 search.open_configs[cfg] = (cheap, groups)
 

@@ -19,8 +19,11 @@ from planner.simulator import (
 )
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize(("k", "m"), [(1, 1), (2, 4), (4, 8), (4, 4), (8, 32), (3, 7), (5, 2)])
+@pytest.mark.parametrize(
+    ("schedule", "k", "m"),
+    [(s, k, m) for s in ("gpipe", "1f1b") for k, m in [(1, 1), (2, 4), (4, 8), (4, 4), (8, 32), (3, 7)]]
+    + [("gpipe", 5, 2)],
+)
 def test_uniform_closed_form(schedule: str, k: int, m: int) -> None:
     f, b = 1.5, 3.0
     sim = simulate_schedule(schedule, k, m, [f] * k, [b] * k)  # type: ignore[arg-type]
@@ -46,6 +49,8 @@ def test_text_form() -> None:
 def test_bad_shapes() -> None:
     with pytest.raises(ScheduleError, match="multiple of the pipeline degree"):
         build_orders("interleaved-1f1b", 4, 6, 2)
+    with pytest.raises(ScheduleError, match="M=2 < K=3; use M >= 3 or schedule 'gpipe'"):
+        build_orders("1f1b", 3, 2)
     with pytest.raises(ScheduleError, match="need schedule 'interleaved-1f1b'"):
         build_orders("1f1b", 2, 4, 2)
     deadlock = [[Action(0, "B", 0), Action(0, "F", 0)], [Action(1, "F", 0), Action(1, "B", 0)]]
@@ -59,6 +64,8 @@ def cases(draw):  # type: ignore[no-untyped-def]
     k = draw(st.integers(1, 5))
     v = draw(st.integers(1, 3)) if schedule == "interleaved-1f1b" else 1
     m = draw(st.integers(1, 6)) * (k if schedule == "interleaved-1f1b" else 1)
+    if schedule == "1f1b":
+        m = max(m, k)  # Schedule1F1B's rule
     s = k * v
     times = st.floats(0.01, 10.0, allow_nan=False)
     fwd = draw(st.lists(times, min_size=s, max_size=s))

@@ -1,0 +1,210 @@
+"""The configuration bounds that prune the search and set reported gaps are valid.
+
+Each bound is compared against the exhaustive optimum (every split, every recompute choice,
+every device order) of small instances, for every schedule including interleaved-1f1b.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from planner.costmodel import estimate, plan_fits
+from planner.schema import Cluster, PlanOptions, Profile, TrainingSetup
+from planner.solver import _Search, cheap_bound, memory_work_bound, static_memory_bound
+from planner.solver_core import Config, make_groups
+from tests.planner.helpers import cluster, random_profile
+
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def exhaustive(
+    profile: Profile, cl: Cluster, training: TrainingSetup, cfg: Config, *, recompute: bool | None = None
+) -> float:
+    """Best fitting step time of ``cfg`` over every split, recompute choice and device order."""
+    return exhaustive_both(profile, cl, training, cfg, recompute=recompute)[0]
+
+
+def exhaustive_both(
+    profile: Profile, cl: Cluster, training: TrainingSetup, cfg: Config, *, recompute: bool | None = None
+) -> tuple[float, float]:
+    """(best fitting step time, least busiest-rank work ``M · max_r work_r`` over fitting plans).
+
+    The second is what the memory bounds relax (they leave out fill, drain and transfers),
+    so they come close to it and a wrong bound is caught."""
+    n, k, v = profile.num_layers, cfg.pipeline_degree, cfg.virtual_stages
+    stages = k * v
+    groups = make_groups(cl, training, cfg.data_parallel, k)
+    orders = sorted(set(itertools.permutations(range(k)))) if not cl.homogeneous else [tuple(range(k))]
+    rc_choices = [(recompute,) * stages] if recompute is not None else list(itertools.product((False, True), repeat=stages))
+    best = least_busy = math.inf
+    for order in orders:
+        devices = [list(groups[order[s % k]].devices) for s in range(stages)]
+        for cuts in itertools.combinations(range(1, n), stages - 1):
+            bounds = (0, *cuts, n)
+            ranges = [(bounds[i], bounds[i + 1]) for i in range(stages)]
+            for rc in rc_choices:
+                plan = estimate(
+                    profile, cl, training, ranges, num_microbatches=cfg.num_microbatches, schedule=cfg.schedule,
+                    recompute=list(rc), data_parallel=cfg.data_parallel, pipeline_degree=k, devices=devices,
+                )
+                if plan_fits(plan):
+                    best = min(best, plan.predicted.step_time_ms)
+                    busy = [0.0] * k
+                    for st_ in plan.stages:
+                        busy[st_.index % k] += st_.forward_ms + st_.backward_ms
+                    least_busy = min(least_busy, cfg.num_microbatches * max(busy))
+    return best, least_busy
+
+
+SHAPES = [
+    (2, 1, "gpipe"), (3, 1, "gpipe"), (2, 1, "1f1b"), (3, 1, "1f1b"),
+    (2, 2, "interleaved-1f1b"), (3, 2, "interleaved-1f1b"),
+]
+
+
+@SETTINGS
+@given(
+    seed=st.integers(0, 10_000),
+    shape=st.sampled_from(SHAPES),
+    m=st.sampled_from([1, 2, 4, 8]),
+    memory=st.sampled_from(["48MiB", "96MiB", "256MiB", "1GiB"]),
+    slow=st.booleans(),
+    recompute=st.sampled_from([None, False, True]),
+)
+def test_cheap_bound_never_exceeds_the_exhaustive_optimum(
+    seed: int, shape: tuple[int, int, str], m: int, memory: str, slow: bool, recompute: bool | None
+) -> None:
+    k, v, schedule = shape
+    if schedule == "interleaved-1f1b" and m % k:
+        m = k * m
+    if schedule == "1f1b" and m < k:
+        m = k  # Schedule1F1B needs M >= K
+    layers = 6 if k * v < 6 else 7
+    profile = random_profile(seed, layers)
+    speeds = [1.0] + [0.5] * (k - 1) if slow else None
+    cl = cluster(k, memory, speeds=speeds)
+    training = TrainingSetup(global_batch_size=8 * m, optimizer="sgd")
+    cfg = Config(1, k, m, schedule, v)  # type: ignore[arg-type]
+    search = _Search(profile, cl, training, PlanOptions(recompute=recompute), deadline=math.inf)
+    groups = make_groups(cl, training, 1, k)
+    oracle = exhaustive(profile, cl, training, cfg, recompute=recompute)
+    for name, bound in (
+        ("cheap", cheap_bound(search, cfg, groups)),
+        ("static", static_memory_bound(search, cfg, groups)),
+    ):
+        if math.isinf(bound):
+            assert math.isinf(oracle), f"the {name} bound claims nothing fits, but a plan fits"
+        elif not math.isinf(oracle):
+            assert bound <= oracle * (1 + 1e-9), (name, bound, oracle)
+
+
+def activation_heavy_profile(seed: int, layers: int) -> Profile:
+    """Random layers whose activations dwarf their parameters, so memory decides recompute."""
+    import random
+
+    from planner.schema import LayerProfile, MeasuredOn
+    from tests.planner.helpers import MiB
+
+    rng = random.Random(seed)
+    sizes = [1, 2, 4]
+    out = []
+    for i in range(layers):
+        f = rng.uniform(0.5, 3.0)
+        act = rng.randint(4, 32) * MiB
+        out.append(
+            LayerProfile(
+                name=f"l{i}", param_bytes=rng.randint(1, 8) * MiB // 8, forward_ms=[f * b for b in sizes],
+                backward_ms=[f * rng.uniform(1.5, 2.5) * b for b in sizes], activation_bytes=[act * b for b in sizes],
+                output_bytes=[MiB // 4 * b for b in sizes],
+            )
+        )
+    return Profile(model=f"act-{seed}", measured_on=MeasuredOn(device="cpu"), microbatch_sizes=sizes,
+                   input_bytes=[MiB // 8 * b for b in sizes], layers=out)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    shape=st.sampled_from(SHAPES),
+    m=st.sampled_from([2, 4, 8]),
+    fraction=st.floats(0.05, 1.2),
+    recompute=st.sampled_from([None, None, False]),
+)
+def test_memory_bounds_never_exceed_the_optimum_when_memory_binds(
+    seed: int, shape: tuple[int, int, str], m: int, fraction: float, recompute: bool | None
+) -> None:
+    """Memory between 5 % and 120 % of what keeping every activation would take."""
+    k, v, schedule = shape
+    if schedule == "interleaved-1f1b" and m % k:
+        m = k * m
+    if schedule == "1f1b" and m < k:
+        m = k  # Schedule1F1B needs M >= K
+    profile = activation_heavy_profile(seed, 6 if k * v < 6 else 7)
+    training = TrainingSetup(global_batch_size=4 * m, optimizer="sgd")
+    acts = sum(layer.activation_bytes[-1] for layer in profile.layers)  # at micro-batch size 4
+    need = acts * min(m, k * v + k) / k
+    cl = cluster(k, f"{max(1, int(need * fraction / 0.9))}B")
+    cfg = Config(1, k, m, schedule, v)  # type: ignore[arg-type]
+    search = _Search(profile, cl, training, PlanOptions(recompute=recompute), deadline=math.inf)
+    groups = make_groups(cl, training, 1, k)
+    oracle, busiest = exhaustive_both(profile, cl, training, cfg, recompute=recompute)
+    for name, bound, target in (
+        ("memory", memory_work_bound(search, cfg, groups), busiest),
+        ("static", static_memory_bound(search, cfg, groups), busiest),
+        ("cheap", cheap_bound(search, cfg, groups), oracle),
+    ):
+        if math.isinf(bound):
+            assert math.isinf(oracle), f"the {name} bound claims nothing fits, but a plan fits"
+        elif not math.isinf(oracle):
+            assert bound <= target * (1 + 1e-9), (name, bound, target)
+
+
+def _activation_heavy_case(memory: str, *, recompute: bool | None = None) -> tuple[_Search, Config, list]:  # type: ignore[type-arg]
+    """8 equal layers whose activations, not parameters, decide what fits."""
+    from planner.schema import LayerProfile, MeasuredOn
+    from tests.planner.helpers import MiB
+
+    sizes = [1, 8]
+    layers = [
+        LayerProfile(name=f"l{i}", param_bytes=MiB, forward_ms=[1.0 * b for b in sizes],
+                     backward_ms=[2.0 * b for b in sizes], activation_bytes=[32 * MiB * b for b in sizes],
+                     output_bytes=[MiB * b for b in sizes])
+        for i in range(8)
+    ]
+    profile = Profile(model="act-heavy", measured_on=MeasuredOn(device="cpu"), microbatch_sizes=sizes, layers=layers)
+    cl = cluster(2, memory)
+    training = TrainingSetup(global_batch_size=32, optimizer="sgd")
+    cfg = Config(1, 2, 4, "1f1b")
+    search = _Search(profile, cl, training, PlanOptions(recompute=recompute), deadline=math.inf)
+    return search, cfg, make_groups(cl, training, 1, 2)
+
+
+def test_memory_bound_counts_forced_recompute_and_only_then() -> None:
+    """Ample memory: the bound is the plain M·W/sum(speed); tight memory: strictly above it,
+    and still below the exhaustive optimum."""
+    search, cfg, groups = _activation_heavy_case("64GiB")
+    plain = cfg.num_microbatches * 8 * 3.0 * 8 / 2  # M x (8 layers x 3 ms x b=8) / 2 devices
+    assert math.isclose(memory_work_bound(search, cfg, groups), plain, rel_tol=1e-9)
+    assert math.isclose(static_memory_bound(search, cfg, groups), plain, rel_tol=1e-6)
+    tight, cfg_t, groups_t = _activation_heavy_case("1200MiB")
+    bound = memory_work_bound(tight, cfg_t, groups_t)
+    assert bound > plain * 1.01
+    oracle = exhaustive(tight.profile, tight.cluster, tight.training, cfg_t)
+    assert not math.isinf(oracle)
+    assert bound <= oracle
+    assert plain * 1.01 < static_memory_bound(tight, cfg_t, groups_t) <= oracle
+
+
+def test_memory_bound_proves_infeasible_without_recompute() -> None:
+    search, cfg, groups = _activation_heavy_case("1200MiB", recompute=False)
+    assert math.isinf(memory_work_bound(search, cfg, groups))
+    assert math.isinf(exhaustive(search.profile, search.cluster, search.training, cfg, recompute=False))
+    # with recompute allowed the same memory fits, and the bound is finite and below the optimum
+    free, _, _ = _activation_heavy_case("1200MiB")
+    oracle = exhaustive(free.profile, free.cluster, free.training, cfg)
+    assert not math.isinf(oracle)
+    assert memory_work_bound(free, cfg, groups) <= oracle
