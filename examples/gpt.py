@@ -5,7 +5,8 @@ It exercises what the splitter must handle: a ``ModuleList`` of blocks (not a
 the LM head's weight being the embedding's (shared across the first and last layer).
 
 Entry points (no arguments, for ``pipeplan profile --model examples.gpt:tiny``):
-``tiny`` (4 blocks, hidden 64), ``small`` (8 blocks, hidden 256).  Dropout is off by default
+``tiny`` (4 blocks, hidden 64), ``small`` (8 blocks, hidden 256), ``tiny_with_data`` (``tiny``
+plus a data function: a deterministic toy token stream, see :func:`token_stream`).  Dropout is off by default
 so runs are exactly repeatable; ``build(GPTConfig(dropout=0.1))`` turns it on.
 """
 
@@ -161,3 +162,32 @@ def small() -> tuple[GPT, tuple[Tensor], Callable[[Tensor], Tensor]]:
     """8 blocks, hidden 256, 8 heads, sequence 128, vocabulary 4096 (7.4M parameters); LM loss."""
     model, inputs = build(GPTConfig(vocab=4096, seq=128, layers=8, hidden=256, heads=8))
     return model, inputs, lm_loss
+
+
+def token_stream(cfg: GPTConfig) -> Callable[[int, int], Tensor]:
+    """A data function over a deterministic toy token stream, for ``pipeplan run``.
+
+    The stream is one endless sequence of tokens ``(7 * p + (p // cfg.seq) ** 2) % cfg.vocab``
+    at positions ``p = 0, 1, ...``, cut into rows of ``cfg.seq`` tokens; step ``s`` with batch
+    size ``B`` takes rows ``s * B ... s * B + B - 1``.  Any rank can compute any step's batch on
+    its own, and the same ``(step, batch_size)`` always gives the same tokens.
+    """
+
+    def data_fn(step: int, batch_size: int) -> Tensor:
+        rows = torch.arange(step * batch_size, (step + 1) * batch_size, dtype=torch.long)
+        pos = rows[:, None] * cfg.seq + torch.arange(cfg.seq, dtype=torch.long)[None, :]
+        return (7 * pos + rows[:, None] ** 2) % cfg.vocab
+
+    return data_fn
+
+
+def tiny_with_data() -> tuple[GPT, tuple[Tensor], Callable[[Tensor], Tensor], Callable[[int, int], Tensor]]:
+    """``tiny`` (same weights, same layers) trained on :func:`token_stream` instead of synthetic data.
+
+    The loss is :func:`lm_loss` on the model output; the data function returns model inputs
+    only (token ids), no labels.
+    """
+    cfg = GPTConfig()
+    model, _ = build(cfg)
+    data = token_stream(cfg)
+    return model, (data(0, cfg.batch),), lm_loss, data

@@ -15,8 +15,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "run",
         help="run a plan on torch.distributed.pipelining and compare with the prediction",
         description="Launch the processes a plan needs (torchrun-compatible), train --steps steps on "
-        "synthetic data, print measured against predicted step and stage times, and with --check "
-        "prove the pipelined run matches the unsplit model.",
+        "the data function FUNC returns as its 4th element, data_fn(step, batch_size) -> the step's global "
+        "batch (else on synthetic data shaped like the example inputs), print measured against predicted "
+        "step and stage times, and with --check prove the pipelined run matches the unsplit model.",
     )
     p.add_argument("--plan", required=True, help="plan JSON file, or an http(s):// URL of the planning service")
     add_worker_args(p, for_launcher=True)

@@ -1,14 +1,25 @@
 """Load a model from a ``MODULE:FUNC`` or ``path/to/file.py:FUNC`` entry point.
 
-``FUNC`` takes no arguments and returns ``(model, example_inputs)`` or
-``(model, example_inputs, loss_fn)``:
+``FUNC`` takes no arguments and returns ``(model, example_inputs)``,
+``(model, example_inputs, loss_fn)`` or ``(model, example_inputs, loss_fn, data_fn)``:
 
 * ``model`` is a ``torch.nn.Module``;
 * ``example_inputs`` is a tensor or a tuple/list of tensors, each with a leading batch
   dimension (the profiler re-slices or repeats them to each micro-batch size);
 * ``loss_fn(output) -> scalar tensor`` is optional.  Without it the loss is
   :func:`default_loss`: ``output.float().mean()`` (for a tuple/list/dict output, the sum of
-  that over every floating-point tensor in it).
+  that over every floating-point tensor in it).  ``None`` also means the default;
+* ``data_fn(step, batch_size) -> tensor | tuple of tensors`` is optional: the *global* batch
+  of training step ``step`` (0, 1, ...), i.e. the model's positional inputs with leading
+  dimension ``batch_size`` and otherwise the shapes and dtypes of ``example_inputs``.  It
+  must be deterministic in ``(step, batch_size)``: every rank of ``pipeplan run`` calls it
+  for the same step and keeps its own data-parallel shard and micro-batches, and the
+  ``--check`` reference calls it again.  Without it the runtime trains on synthetic batches
+  shaped like ``example_inputs``.
+
+  Targets: the loss sees only the model output, so ``data_fn`` returns model inputs only
+  (no labels).  A loss that needs labels must get them from the output (e.g. a last layer
+  that computes the loss itself); the pipeline carries no side channel for them.
 
 The CLI (``pipeplan profile --model``), the profiler and the runtime all use this loader.
 """
@@ -19,7 +30,7 @@ import importlib
 import importlib.util
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -29,6 +40,7 @@ from torch import Tensor, nn
 from planner.errors import InputError
 
 _FORM = "write MODULE:FUNC (e.g. examples.gpt:tiny) or path/to/file.py:FUNC"
+_RESULT_FORMS = "(model, example_inputs), (model, example_inputs, loss_fn) or (model, example_inputs, loss_fn, data_fn)"
 
 
 def default_loss(output: Any) -> Tensor:
@@ -67,10 +79,21 @@ class Entrypoint:
     #: ``loss(output) -> scalar``; ``None`` means :func:`default_loss`
     loss_fn: Callable[[Any], Tensor] | None
     spec: str
+    #: ``data_fn(step, batch_size)`` -> the global batch of a step; ``None``: synthetic data
+    data_fn: Callable[[int, int], Any] | None = None
 
     def loss(self, output: Any) -> Tensor:
         """The entry point's loss, or :func:`default_loss`."""
         return (self.loss_fn or default_loss)(output)
+
+    def batch(self, step: int, batch_size: int) -> tuple[Tensor, ...]:
+        """``data_fn(step, batch_size)``, checked against the example inputs.
+
+        Raises :class:`InputError` when there is no data function or it misbehaves.
+        """
+        if self.data_fn is None:
+            raise InputError(f"{self.spec!r} gives no data function: return (model, example_inputs, loss_fn, data_fn)")
+        return call_data_fn(self.data_fn, self.example_inputs, step=step, batch_size=batch_size, spec=self.spec)
 
 
 def load_entrypoint(spec: str) -> Entrypoint:
@@ -102,20 +125,19 @@ def load_entrypoint(spec: str) -> Entrypoint:
     except Exception as err:
         raise InputError(
             f"calling {spec!r} raised {type(err).__name__}: {err} -- FUNC must take no arguments "
-            "and return (model, example_inputs) or (model, example_inputs, loss_fn)"
+            f"and return {_RESULT_FORMS}"
         ) from err
     return check_entrypoint_result(result, spec=spec)
 
 
 def check_entrypoint_result(result: Any, *, spec: str) -> Entrypoint:
     """Validate what FUNC returned and wrap it in an :class:`Entrypoint`."""
-    if not isinstance(result, (tuple, list)) or len(result) not in (2, 3):
-        raise InputError(
-            f"{spec!r} returned {_describe(result)}: it must return (model, example_inputs) or "
-            "(model, example_inputs, loss_fn)"
-        )
+    if not isinstance(result, (tuple, list)) or len(result) not in (2, 3, 4):
+        got = f"a {len(result)}-element {type(result).__name__}" if isinstance(result, (tuple, list)) else _describe(result)
+        raise InputError(f"{spec!r} returned {got}: it must return {_RESULT_FORMS}")
     model, inputs = result[0], result[1]
-    loss_fn = result[2] if len(result) == 3 else None
+    loss_fn = result[2] if len(result) >= 3 else None
+    data_fn = result[3] if len(result) == 4 else None
     if not isinstance(model, nn.Module):
         raise InputError(
             f"{spec!r} returned {_describe(model)} as the model: the first element must be a torch.nn.Module"
@@ -124,9 +146,71 @@ def check_entrypoint_result(result: Any, *, spec: str) -> Entrypoint:
     if loss_fn is not None and not callable(loss_fn):
         raise InputError(
             f"{spec!r} returned {_describe(loss_fn)} as the loss: the third element must be a "
-            "function loss(output) -> scalar tensor, or leave it out for output.float().mean()"
+            "function loss(output) -> scalar tensor, or None (or leave it out) for output.float().mean()"
         )
-    return Entrypoint(model=model, example_inputs=example_inputs, loss_fn=loss_fn, spec=spec)
+    if len(result) == 4:
+        if data_fn is None or not callable(data_fn):
+            raise InputError(
+                f"{spec!r} returned {_describe(data_fn)} as the data function: the fourth element must "
+                "be a function data_fn(step, batch_size) -> tensor or tuple of tensors (the global batch "
+                "of that step), or return only (model, example_inputs, loss_fn) for synthetic data"
+            )
+        # one call now, so a data function that does not fit the model fails before any rank starts
+        call_data_fn(data_fn, example_inputs, step=0, batch_size=int(example_inputs[0].shape[0]), spec=spec)
+    return Entrypoint(model=model, example_inputs=example_inputs, loss_fn=loss_fn, spec=spec, data_fn=data_fn)
+
+
+def call_data_fn(
+    data_fn: Callable[[int, int], Any],
+    example_inputs: Sequence[Tensor],
+    *,
+    step: int,
+    batch_size: int,
+    spec: str = "the entry point",
+) -> tuple[Tensor, ...]:
+    """Call ``data_fn(step, batch_size)`` and check its batch against ``example_inputs``.
+
+    The batch must be a tensor or a tuple/list of tensors, one per example input, each of
+    shape ``(batch_size, *example.shape[1:])`` and the example's dtype.  Anything else (or
+    an exception inside the data function) is an :class:`InputError` saying what was
+    expected and what came back.
+    """
+    call = f"data_fn(step={step}, batch_size={batch_size}) of {spec!r}"
+    try:
+        batch = data_fn(step, batch_size)
+    except InputError:
+        raise
+    except Exception as err:
+        raise InputError(
+            f"{call} raised {type(err).__name__}: {err} -- the data function must take (step, batch_size) "
+            "and return that step's global batch"
+        ) from err
+    want = ", ".join(_layout(batch_size, t) for t in example_inputs)
+    if isinstance(batch, Tensor):
+        batch = (batch,)
+    if not isinstance(batch, (tuple, list)) or not all(isinstance(t, Tensor) for t in batch):
+        raise InputError(
+            f"{call} returned {_describe(batch)}; expected a tensor or a tuple of tensors like the "
+            f"example inputs: {want} (model inputs only; the loss takes no labels)"
+        )
+    if len(batch) != len(example_inputs):
+        raise InputError(
+            f"{call} returned {len(batch)} tensor(s) but the model takes {len(example_inputs)} input(s): "
+            f"expected {want} (model inputs only; the loss takes no labels)"
+        )
+    for i, (got, example) in enumerate(zip(batch, example_inputs, strict=True)):
+        expected_shape = (batch_size, *example.shape[1:])
+        if tuple(got.shape) != expected_shape or got.dtype != example.dtype:
+            raise InputError(
+                f"{call} returned input {i} as {_layout(None, got)}; expected {_layout(batch_size, example)} "
+                f"(leading dimension = batch_size, the rest and the dtype as example_inputs[{i}])"
+            )
+    return tuple(batch)
+
+
+def _layout(batch_size: int | None, t: Tensor) -> str:
+    shape = tuple(t.shape) if batch_size is None else (batch_size, *t.shape[1:])
+    return f"shape {shape} {str(t.dtype).removeprefix('torch.')}"
 
 
 def check_example_inputs(inputs: Any, *, spec: str = "the example inputs") -> tuple[Tensor, ...]:
@@ -204,4 +288,4 @@ def _import_target(target: str, spec: str) -> ModuleType:
         raise InputError(f"importing {target!r} (from {spec!r}) raised {type(err).__name__}: {err}") from err
 
 
-__all__ = ["Entrypoint", "check_entrypoint_result", "check_example_inputs", "default_loss", "load_entrypoint"]
+__all__ = ["Entrypoint", "call_data_fn", "check_entrypoint_result", "check_example_inputs", "default_loss", "load_entrypoint"]

@@ -6,8 +6,9 @@ way, or ``--check`` would compare different things.
 
 from __future__ import annotations
 
+import hashlib
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,37 @@ def synthetic_batch(example_inputs: Sequence[Tensor], batch_size: int, *, seed: 
             x = torch.randint(lo, max(hi, lo) + 1, shape, generator=gen, dtype=t.dtype)
         out.append(x)
     return tuple(out)
+
+
+def global_batch(
+    example_inputs: Sequence[Tensor],
+    batch_size: int,
+    *,
+    seed: int,
+    step: int,
+    data_fn: Callable[[int, int], Any] | None = None,
+    spec: str = "the entry point",
+) -> tuple[Tensor, ...]:
+    """The global batch of ``step``: ``data_fn(step, batch_size)`` when given, else synthetic.
+
+    The data function's batch is checked against ``example_inputs`` (shapes, dtypes) and an
+    :class:`~planner.errors.InputError` says what came back instead.  ``seed`` only shapes
+    the synthetic data: a data function depends on ``(step, batch_size)`` alone.
+    """
+    if data_fn is None:
+        return synthetic_batch(example_inputs, batch_size, seed=seed, step=step)
+    from profiler.loading import call_data_fn
+
+    return call_data_fn(data_fn, example_inputs, step=step, batch_size=batch_size, spec=spec)
+
+
+def batch_fingerprint(batch: Sequence[Tensor]) -> int:
+    """A 63-bit hash of a batch's shapes, dtypes and bytes (to check that ranks agree)."""
+    h = hashlib.blake2b(digest_size=8)
+    for t in batch:
+        h.update(f"{tuple(t.shape)}{t.dtype};".encode())
+        h.update(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return int.from_bytes(h.digest(), "little") >> 1
 
 
 def replica_shard(batch: Sequence[Tensor], replica: int, replicas: int) -> tuple[Tensor, ...]:
@@ -89,14 +121,17 @@ def train_reference(
     lr: float,
     seed: int,
     device: torch.device | None = None,
+    data_fn: Callable[[int, int], Any] | None = None,
 ) -> ReferenceResult:
     """Train the unsplit ``model`` in this process exactly as GPipe's maths says.
 
     Each step runs the global batch as ``global_batch_size / microbatch_size`` micro-batches,
     replica by replica as the pipelined run shards it, averages the gradients in the same
     order the schedule and the data-parallel all-reduce do (mean over a replica's
-    micro-batches, then mean over replicas), and takes one optimizer step.  Returns per-step mean losses and
-    the final parameters by qualified name (tied weights under every name).
+    micro-batches, then mean over replicas), and takes one optimizer step.  The batches come
+    from :func:`global_batch` (``data_fn`` when given, else synthetic with ``seed``), as on
+    every rank.  Returns per-step mean losses and the final parameters by qualified name
+    (tied weights under every name).
     """
     device = device or torch.device("cpu")
     model.to(device).train()
@@ -105,7 +140,10 @@ def train_reference(
     params = unique_parameters([model])
     losses = []
     for step in range(steps):
-        batch = [t.to(device) for t in synthetic_batch(example_inputs, global_batch_size, seed=seed, step=step)]
+        batch = [
+            t.to(device)
+            for t in global_batch(example_inputs, global_batch_size, seed=seed, step=step, data_fn=data_fn)
+        ]
         total = 0.0
         summed: list[Tensor | None] = [None] * len(params)
         for d in range(replicas):

@@ -7,7 +7,9 @@
 Each rank rebuilds the model from the entry point, splits it with the profiler's splitter
 (the same code that produced the profile, so layer ``i`` of the plan is unit ``i``), checks
 the plan against it, builds its ``PipelineStage`` (s) and the schedule the plan names from
-``torch.distributed.pipelining``, and trains ``--steps`` steps on synthetic batches.  With
+``torch.distributed.pipelining``, and trains ``--steps`` steps on the entry point's data
+function when FUNC returns one (every rank computes the same global batch of a step and
+keeps its replica's shard; the ranks check that they agree), else on synthetic batches.  With
 ``D > 1`` the ranks form a ``DeviceMesh`` of shape ``(D, K)`` (rank = d * K + k); gradients
 are averaged over the data axis, and tied parameters whose copies sit on different pipeline
 ranks have their gradients summed between those ranks.  Rank 0 gathers the measurements,
@@ -47,7 +49,12 @@ def add_worker_args(p: argparse.ArgumentParser, *, for_launcher: bool = False) -
     """Flags shared by ``pipeplan run`` and ``python -m runtime.worker``."""
     if not for_launcher:
         p.add_argument("--plan", required=True, help="plan JSON file")
-    p.add_argument("--model", required=True, help="MODULE:FUNC or path/to/file.py:FUNC (the profiled model)")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="MODULE:FUNC or path/to/file.py:FUNC (the profiled model); FUNC returns (model, example_inputs"
+        "[, loss_fn[, data_fn]]), data_fn(step, batch_size) -> that step's global batch of model inputs",
+    )
     p.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
     p.add_argument(
         "--optimizer",
@@ -55,7 +62,12 @@ def add_worker_args(p: argparse.ArgumentParser, *, for_launcher: bool = False) -
         help="sgd, sgd-momentum, adam, adamw; must match the plan's training optimizer (default: the plan's)",
     )
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic data (default 0)")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the model set-up and of the synthetic data (a data function from FUNC ignores it; default 0)",
+    )
     p.add_argument(
         "--timeout",
         type=float,
@@ -245,7 +257,13 @@ def _train(
     )
 
     from runtime.modules import Recompute
-    from runtime.training import make_optimizer, replica_shard, synthetic_batch, unique_parameters
+    from runtime.training import (
+        batch_fingerprint,
+        global_batch,
+        make_optimizer,
+        replica_shard,
+        unique_parameters,
+    )
 
     if not os.environ.get("PIPEPLAN_VERBOSE"):
         # the interleaved schedule logs its whole action table when a rank fails; the status
@@ -321,7 +339,11 @@ def _train(
         progress.beat = time.monotonic()
         progress.training = True
         step_box[0] = step
-        batch = synthetic_batch(entry.example_inputs, plan.global_batch_size, seed=args.seed, step=step)
+        batch = global_batch(
+            entry.example_inputs, plan.global_batch_size, seed=args.seed, step=step, data_fn=entry.data_fn, spec=args.model
+        )
+        if entry.data_fn is not None:
+            _check_same_batch(batch_fingerprint(batch), step, rank, world, device)
         shard = [t.to(device) for t in replica_shard(batch, replica, d_deg)]
         dist.barrier()
         _sync(device)
@@ -414,6 +436,8 @@ def _finish(
             if g["peak"] is not None:
                 peak[s] = max(peak.get(s) or 0, g["peak"])
     notes = []
+    if entry.data_fn is not None:
+        notes.append(f"data: the data function of {args.model} (global batch {plan.global_batch_size} per step)")
     if any(isinstance(mod, torch.nn.Dropout) and mod.p > 0 for mod in entry.model.modules()):
         notes.append("the model has dropout: --check can only match if both runs draw the same masks")
     report = build_report(
@@ -450,6 +474,7 @@ def _finish(
             lr=args.lr,
             seed=args.seed,
             device=device,
+            data_fn=ref_entry.data_fn,
         )
         params: dict[str, Any] = {}
         for g in gathered:
@@ -492,6 +517,25 @@ def _finish(
     if failed:
         raise CheckFailedError(failed)
     return 0
+
+
+def _check_same_batch(fingerprint: int, step: int, rank: int, world: int, device: Any) -> None:
+    """Refuse to train when the data function gave the ranks different batches for a step."""
+    import torch
+    import torch.distributed as dist
+
+    mine = torch.tensor([fingerprint], dtype=torch.int64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    values = [int(t.item()) for t in every]
+    differ = [r for r, v in enumerate(values) if v != values[0]]
+    if differ:
+        raise InputError(
+            f"the data function gave rank {differ[0]} a different global batch than rank 0 at step {step} "
+            f"(rank {rank} sees {len(differ)} of {world} ranks differ): data_fn(step, batch_size) must be "
+            "deterministic in its arguments (seed a torch.Generator from step, do not use the global RNG "
+            "or the rank)"
+        )
 
 
 def _sync(device: Any) -> None:

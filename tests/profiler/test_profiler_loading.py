@@ -124,3 +124,92 @@ def test_file_spec_can_import_its_siblings(tmp_path: Path) -> None:
     import sys
 
     assert str(tmp_path) not in sys.path
+
+
+# ---- the data function (FUNC's optional 4th element)
+
+_DATA_MODEL = """
+import torch
+def model_and_inputs():
+    return torch.nn.Linear(3, 2), torch.zeros(4, 3)
+"""
+
+
+def test_data_function_is_loaded_and_checked() -> None:
+    entry = load_entrypoint("examples.gpt:tiny_with_data")
+    assert entry.data_fn is not None
+    (ids,) = entry.batch(2, 5)
+    assert ids.shape == (5, entry.example_inputs[0].shape[1]) and ids.dtype == torch.long
+    # deterministic in (step, batch_size), and steps differ
+    assert torch.equal(entry.batch(2, 5)[0], ids)
+    assert not torch.equal(entry.batch(3, 5)[0], ids)
+
+
+def test_old_forms_have_no_data_function(tmp_path: Path) -> None:
+    assert load_entrypoint("examples.gpt:tiny").data_fn is None
+    with pytest.raises(InputError, match="no data function"):
+        load_entrypoint("examples.gpt:tiny").batch(0, 2)
+
+
+def test_data_function_with_no_loss(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path,
+        _DATA_MODEL
+        + """
+def f():
+    m, x = model_and_inputs()
+    return m, x, None, lambda step, n: torch.full((n, 3), float(step))
+""",
+        name="data_no_loss.py",
+    )
+    entry = load_entrypoint(f"{path}:f")
+    assert entry.loss_fn is None and entry.data_fn is not None
+    (x,) = entry.batch(7, 2)
+    assert torch.equal(x, torch.full((2, 3), 7.0))
+
+
+@pytest.mark.parametrize(
+    ("data_fn", "needles"),
+    [
+        ("'tokens.bin'", ["fourth element", "data_fn(step, batch_size)", "'tokens.bin'"]),
+        ("None", ["fourth element", "return only (model, example_inputs, loss_fn)"]),
+        ("lambda: torch.zeros(4, 3)", ["raised TypeError", "must take (step, batch_size)"]),
+        ("lambda s, n: [[0.0] * 3] * n", ["returned a list", "shape (4, 3) float32"]),
+        ("lambda s, n: {'x': torch.zeros(n, 3)}", ["returned a dict", "shape (4, 3) float32"]),
+        ("lambda s, n: torch.zeros(n, 5)", ["input 0 as shape (4, 5) float32", "expected shape (4, 3) float32"]),
+        ("lambda s, n: torch.zeros(n + 1, 3)", ["input 0 as shape (5, 3) float32", "expected shape (4, 3)"]),
+        ("lambda s, n: torch.zeros(n, 3, dtype=torch.float64)", ["float64", "expected shape (4, 3) float32"]),
+        ("lambda s, n: (torch.zeros(n, 3), torch.zeros(n))", ["returned 2 tensor(s)", "takes 1 input(s)", "no labels"]),
+        ("lambda s, n: 1 / 0", ["ZeroDivisionError", "step=0, batch_size=4"]),
+    ],
+)
+def test_bad_data_functions_say_what_was_expected_and_got(tmp_path: Path, data_fn: str, needles: list[str]) -> None:
+    body = _DATA_MODEL + f"\ndef f():\n    m, x = model_and_inputs()\n    return m, x, None, {data_fn}\n"
+    path = _write(tmp_path, body, name=f"d{abs(hash(body)) % 10**8}.py")
+    with pytest.raises(InputError) as err:
+        load_entrypoint(f"{path}:f")
+    for needle in needles:
+        assert needle in str(err.value)
+
+
+def test_data_function_that_breaks_later_is_caught_at_that_step(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path,
+        _DATA_MODEL
+        + """
+def f():
+    m, x = model_and_inputs()
+    return m, x, None, lambda step, n: torch.zeros(n, 3 if step < 3 else 4)
+""",
+        name="data_breaks_later.py",
+    )
+    entry = load_entrypoint(f"{path}:f")
+    assert entry.batch(2, 8)[0].shape == (8, 3)
+    with pytest.raises(InputError, match=r"step=3, batch_size=8.*shape \(8, 4\)"):
+        entry.batch(3, 8)
+
+
+def test_five_elements_are_refused(tmp_path: Path) -> None:
+    path = _write(tmp_path, _DATA_MODEL + "\ndef f():\n    m, x = model_and_inputs()\n    return m, x, None, None, 1\n", name="five.py")
+    with pytest.raises(InputError, match="returned a 5-element tuple.*loss_fn, data_fn"):
+        load_entrypoint(f"{path}:f")
