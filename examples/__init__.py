@@ -2,6 +2,7 @@
 
 * ``examples.gpt:tiny`` / ``:small`` -- GPT-style decoder: ``ModuleList`` of blocks called
   with keyword arguments, LM head tied to the token embedding, cross-entropy loss;
+  ``examples.gpt:tiny_with_data`` is ``tiny`` plus a data function (a toy token stream);
 * ``examples.resnet:tiny`` / ``:small`` -- residual network with BatchNorm and downsampling
   shortcuts, nested ``Sequential`` stages, a cross-entropy loss;
 * ``examples.amoebanet:tiny`` / ``:small`` -- cell network whose cells read the two previous
