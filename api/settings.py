@@ -12,19 +12,25 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from api.store import parse_database_url
+
 DEFAULT_DB = "sqlite:///pipeplan-plans.db"
 
 
 def database_url(value: str) -> str:
-    """A SQLAlchemy URL from a URL or a plain file path (``plans.db`` -> ``sqlite:///plans.db``)."""
+    """A SQLite URL from a URL or a plain file path (``plans.db`` -> ``sqlite:///plans.db``).
+
+    Raises ``ValueError`` (naming the value and the accepted forms) for other databases."""
     value = value.strip()
     if not value:
         raise ValueError("the database is empty: give a path such as plans.db or a URL such as sqlite:///plans.db")
     if "://" in value:
+        parse_database_url(value)
         return value
     if value == ":memory:":
         return "sqlite://"
-    return f"sqlite:///{Path(value).expanduser()}"
+    path = str(Path(value).expanduser()).replace("%", "%25").replace("?", "%3F")
+    return f"sqlite:///{path}"
 
 
 class ApiSettings(BaseSettings):
@@ -38,7 +44,8 @@ class ApiSettings(BaseSettings):
     )
     db: str = Field(
         default=DEFAULT_DB,
-        description="SQLAlchemy URL or SQLite file path where plans and their requests are stored",
+        description="SQLite file path or URL (sqlite:///plans.db, sqlite:// for memory) where plans and their "
+        "requests are stored",
     )
     max_time_limit_s: float = Field(
         default=60.0, gt=0, description="cap on the solver time limit a request may ask for"

@@ -22,7 +22,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--workers", type=int, default=1, help="uvicorn worker processes (default 1)")
-    p.add_argument("--db", help="SQLite file or SQLAlchemy URL for stored plans (default: PIPEPLAN_DB or "
+    p.add_argument("--db", help="SQLite file or sqlite:/// URL for stored plans (default: PIPEPLAN_DB or "
                    "sqlite:///pipeplan-plans.db)")
     p.add_argument("--solver-workers", type=int, help="solves that run at once per server process")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _check_database(url: str) -> None:
     """Open (and create or migrate) the store once here, so a bad path is a clear error."""
-    from sqlalchemy.exc import SQLAlchemyError
+    import sqlite3
 
     from api.store import PlanStore
     from planner.errors import InputError
@@ -107,7 +107,7 @@ def _check_database(url: str) -> None:
             store.migrate()
         finally:
             store.close()
-    except (SQLAlchemyError, OSError, RuntimeError) as err:
+    except (sqlite3.Error, OSError, RuntimeError, ValueError) as err:
         detail = str(err).splitlines()[0]
         raise InputError(
             f"cannot open the plan database {url}: {detail}: check that its folder exists and is "
