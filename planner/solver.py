@@ -16,8 +16,12 @@ Method (branch and bound over configurations, see :mod:`planner.solver_core` for
 2. For a visited configuration, an exact bottleneck algorithm (binary search on the bound of
    the module doc of :mod:`planner.solver_core`, with a farthest-reach greedy that is exact
    because the relaxed stage test is monotone) gives the configuration's lower bound, or
-   proves that nothing fits its memory.  The same greedy with the exact memory model gives a
-   split; it is simulated (:func:`planner.solver_core.quick_step`).
+   proves that nothing fits its memory; once a plan is known, one test at its step time
+   decides whether the configuration can beat it at all.  The same greedy with the exact
+   memory model gives a split, once with and once without the schedule's fill and drain
+   waits in the stage test; both are simulated (:func:`planner.solver_core.quick_step`).
+   Interleaved configurations get time-balanced chunks, memory-aware chunks, and chunks
+   with recompute chosen per chunk (:func:`interleaved_mixed_split`).
 3. Small chains (few splits) are enumerated completely, in bound order, so their optimum is
    exact.
 4. CP-SAT (:mod:`planner.solver_cpsat`) tightens the bounds of configurations left open,
@@ -85,6 +89,8 @@ SIM_ACTION_LIMIT = 100_000
 MAX_EXTRAPOLATION = 2
 #: relative precision of the bottleneck binary searches
 REL_TOL = 1e-6
+#: relative precision of the configuration bounds' binary search (the bound only loses this much)
+BOUND_REL_TOL = 2e-5
 
 
 @dataclass
@@ -669,11 +675,15 @@ def _rc_options(options: PlanOptions, stage: int) -> tuple[bool, ...]:
     return (False, True)
 
 
-def relaxed_bound(search: _Search, sm: StageModel, groups: Sequence[Group], lo: float) -> float | None:
+def relaxed_bound(
+    search: _Search, sm: StageModel, groups: Sequence[Group], lo: float, *, cutoff: float = math.inf
+) -> float | None:
     """min over splits (and device orders) of ``max_s LB_s`` with a relaxed memory test.
 
     Returns None when even the relaxation does not fit memory: then no split of this
-    configuration fits.  Only for v = 1.
+    configuration fits.  Only for v = 1.  With a finite ``cutoff`` (the best step time so
+    far), a bound at or above it is returned as ``cutoff`` after one test, since then only
+    "not better" matters.
     """
     cfg = sm.cfg
     kinds = sorted({g.kind for g in groups}, reverse=True)
@@ -711,7 +721,10 @@ def relaxed_bound(search: _Search, sm: StageModel, groups: Sequence[Group], lo: 
 
     if not feasible(math.inf):
         return None
-    return _bisect(feasible, lo)[0]
+    if cutoff < math.inf and cutoff > lo and not feasible(cutoff):
+        return cutoff  # no split reaches below the cutoff (the greedy test is exact)
+    # only ``lo`` is used (a valid bound at any precision), so a coarser tolerance is enough
+    return _bisect(feasible, lo, rel_tol=BOUND_REL_TOL)[0]
 
 
 def _idle_bound(sm: StageModel, a: int, b: int, rc: bool, s: int, speed: float, smax: float) -> float:
@@ -719,7 +732,9 @@ def _idle_bound(sm: StageModel, a: int, b: int, rc: bool, s: int, speed: float, 
     counted only where it keeps the stage test monotone (so the greedy stays exact).
 
     1F1B: ``max(0, downstream - w·backward)`` with ``w = min(K-s-1, M)``, monotone when
-    ``M >= w + 1``; GPipe: ``max(0, downstream - (M-1)·forward)``, always monotone.  The
+    ``M >= w + 1``, plus the wait for the first backward ``max(0, downstream - w·forward)``
+    when ``M >= w + 2`` (then one more layer adds ``M·c_l`` to the work and takes at most
+    ``(2 + w)·c_l`` off the two waits, so the test stays monotone); GPipe: ``max(0, downstream - (M-1)·forward)``, always monotone.  The
     downstream path is counted at the fastest speed without recompute or transfers.
     """
     cfg = sm.cfg
@@ -731,7 +746,10 @@ def _idle_bound(sm: StageModel, a: int, b: int, rc: bool, s: int, speed: float, 
             return 0.0
         f = sm.F[b] - sm.F[a]
         bw = (sm.B[b] - sm.B[a] + (f if rc else 0.0)) / speed
-        return max(0.0, down - w * bw)
+        idle = max(0.0, down - w * bw)
+        if m >= w + 2:
+            idle += max(0.0, down - w * f / speed)
+        return idle
     if cfg.schedule == "gpipe":
         return max(0.0, down - (m - 1) * (sm.F[b] - sm.F[a]) / speed)
     return 0.0
@@ -763,8 +781,8 @@ def relaxed_memory_fits(search: _Search, sm: StageModel, groups: Sequence[Group]
     return a == sm.L
 
 
-def _bisect(feasible: Callable[[float], bool], lo: float) -> tuple[float, float]:
-    """``(lo, hi)`` within REL_TOL with ``feasible(hi)`` and no feasible value below ``lo``.
+def _bisect(feasible: Callable[[float], bool], lo: float, *, rel_tol: float = REL_TOL) -> tuple[float, float]:
+    """``(lo, hi)`` within ``rel_tol`` with ``feasible(hi)`` and no feasible value below ``lo``.
 
     Needs ``feasible(inf)`` and ``lo`` a lower bound of the smallest feasible value.
     """
@@ -774,7 +792,7 @@ def _bisect(feasible: Callable[[float], bool], lo: float) -> tuple[float, float]
     hi = max(lo * 1.25, 1e-9)
     while not feasible(hi):
         lo, hi = hi, hi * 2
-    while hi - lo > REL_TOL * hi:
+    while hi - lo > rel_tol * hi:
         mid = (lo + hi) / 2
         if feasible(mid):
             hi = mid
@@ -787,10 +805,15 @@ def _bisect(feasible: Callable[[float], bool], lo: float) -> tuple[float, float]
 
 
 def greedy_split(
-    search: _Search, sm: StageModel, groups: Sequence[Group], order: Sequence[int], t: float
+    search: _Search, sm: StageModel, groups: Sequence[Group], order: Sequence[int], t: float, *, idle: bool = False
 ) -> Split | None:
-    """Farthest-reach split with every stage's bound ``<= t`` and exact memory (v = 1)."""
+    """Farthest-reach split with every stage's bound ``<= t`` and exact memory (v = 1).
+
+    ``idle``: count the schedule's forced waits (:func:`_idle_bound`) in each stage's bound,
+    so that stages with long downstream paths take less work.
+    """
     cfg = sm.cfg
+    smax = max(g.speed for g in groups)
     k, m, n = cfg.pipeline_degree, cfg.num_microbatches, sm.L
     a = 0
     in_f = out_b = 0.0
@@ -805,8 +828,9 @@ def greedy_split(
             def ok(
                 b: int, g: Group = g, rc: bool = rc, a: int = a, s: int = s, in_f: float = in_f, out_b: float = out_b
             ) -> bool:
+                wait = _idle_bound(sm, a, b, rc, s, g.speed, smax) if idle else 0.0
                 return (
-                    in_f + m * sm.work_ms(a, b, rc, g.speed) + max(out_b, sm.allreduce(a, b, g)) <= t
+                    in_f + m * sm.work_ms(a, b, rc, g.speed) + wait + max(out_b, sm.allreduce(a, b, g)) <= t
                     and math.ceil(sm.memory(a, b, rc, s)) <= g.limit_bytes
                 )
 
@@ -938,6 +962,89 @@ def interleaved_split(
                             hi, ranges_m = mid, found
                 return _with_recompute(search, sm, groups, ranges_m, stage_groups)
     return None
+
+
+def interleaved_mixed_split(
+    search: _Search, sm: StageModel, groups: Sequence[Group], order: Sequence[int]
+) -> Split | None:
+    """Interleaved chunks cut with recompute chosen per chunk (:func:`_mixed_cut`), at the
+    smallest per-chunk budget (scan, then bisection) for which the cut covers every layer."""
+    if search.options.recompute is not None:
+        return None  # the user fixed recompute: the other splits follow it
+    cfg = sm.cfg
+    k, n = cfg.pipeline_degree, cfg.num_stages
+    stage_groups = tuple(order[s % k] for s in range(n))
+    speeds = [groups[g].speed for g in stage_groups]
+    t0 = _work_total(sm.costs) / (n * max(speeds))
+    found: tuple[tuple[tuple[int, int], ...], tuple[bool, ...]] | None = None
+    prev = t0
+    for step in range(9):
+        t = t0 * 2 ** (step / 3)
+        search.work += 4 * n * math.log2(sm.L + 1)
+        found = _mixed_cut(sm, groups, stage_groups, t)
+        if found is not None:
+            if step > 0:
+                lo, hi = prev, t
+                for _ in range(10):
+                    mid = (lo + hi) / 2
+                    search.work += 4 * n * math.log2(sm.L + 1)
+                    again = _mixed_cut(sm, groups, stage_groups, mid)
+                    if again is None:
+                        lo = mid
+                    else:
+                        hi, found = mid, again
+            break
+        prev = t
+    if found is None:
+        return None
+    return _with_recompute(search, sm, groups, found[0], stage_groups)
+
+
+def _mixed_cut(
+    sm: StageModel, groups: Sequence[Group], stage_groups: tuple[int, ...], t: float
+) -> tuple[tuple[tuple[int, int], ...], tuple[bool, ...]] | None:
+    """Farthest-reach chunks, each with or without recompute (whichever reaches farther),
+    such that rank ``r``'s work after its j-th chunk is at most ``(j + 1)·t`` (a chunk that
+    memory keeps small leaves its slack to the rank's later chunks) and the rank fits memory."""
+    from planner.costmodel import rank_memory_bytes
+
+    k, n = sm.cfg.pipeline_degree, sm.cfg.num_stages
+    own: list[list[tuple[int, int]]] = [[] for _ in range(k)]
+    own_rc: list[list[bool]] = [[] for _ in range(k)]
+    done = [0.0] * k
+    out: list[tuple[int, int]] = []
+    rcs: list[bool] = []
+    a = 0
+    for s in range(n):
+        r = s % k
+        g = groups[stage_groups[s]]
+        lo_b, hi_b = (sm.L, sm.L) if s == n - 1 else (a + 1, sm.L - (n - s - 1))
+        budget = (len(own[r]) + 1) * t - done[r]
+        best_b, best_rc = None, False
+        for rc in (False, True):
+
+            def fits(
+                b: int, a: int = a, r: int = r, g: Group = g, rc: bool = rc, budget: float = budget
+            ) -> bool:
+                if sm.work_ms(a, b, rc, g.speed) > budget:
+                    return False
+                mem = rank_memory_bytes(
+                    sm.costs, [*own[r], (a, b)], [*own_rc[r], rc], sm.training, inflight=sm.inflight[r]
+                )
+                return math.ceil(mem) <= g.limit_bytes
+
+            b = farthest(fits, lo_b, hi_b)
+            if b is not None and (best_b is None or b > best_b):
+                best_b, best_rc = b, rc
+        if best_b is None:
+            return None
+        own[r].append((a, best_b))
+        own_rc[r].append(best_rc)
+        done[r] += sm.work_ms(a, best_b, best_rc, g.speed)
+        out.append((a, best_b))
+        rcs.append(best_rc)
+        a = best_b
+    return tuple(out), tuple(rcs)
 
 
 def _memory_aware_cut(
@@ -1161,7 +1268,7 @@ def _branch_and_bound(search: _Search, configs: Sequence[Config]) -> None:
             if cfg.virtual_stages == 1 and not fixed and search.work <= SEARCH_SHARE * search.work_budget:
                 # not simulated, but its exact relaxed bound may still exclude it
                 sm_big = StageModel(search.costs_at(cfg.microbatch_size(g)), cfg, search.training)
-                lb_big = relaxed_bound(search, sm_big, groups, cheap)
+                lb_big = relaxed_bound(search, sm_big, groups, cheap, cutoff=search.best_step)
             if lb_big is None:
                 search.infeasible += 1
             elif lb_big >= search.best_step:
@@ -1186,7 +1293,7 @@ def _branch_and_bound(search: _Search, configs: Sequence[Config]) -> None:
             _solve_fixed(search, sm, cfg, groups, orders, cheap)
             continue
         if cfg.virtual_stages == 1:
-            lb = relaxed_bound(search, sm, groups, cheap)
+            lb = relaxed_bound(search, sm, groups, cheap, cutoff=search.best_step)
             if lb is None:
                 search.infeasible += 1
                 search.infeasible_after_visit += 1
@@ -1218,10 +1325,15 @@ def _branch_and_bound(search: _Search, configs: Sequence[Config]) -> None:
             if _enumerate(search, sm, cfg, groups, cheap):
                 continue
             best_here = math.inf
-            for order in orders[:3]:
+            for i_order, order in enumerate(orders[:3]):
                 tried: list[Split] = []
-                for memory_aware in (False, True):
-                    split = interleaved_split(search, sm, groups, order, memory_aware=memory_aware)
+                for memory_aware in (False, True, None):
+                    if memory_aware is None:
+                        if i_order > 0:
+                            continue  # the per-chunk recompute split only for the first order
+                        split = interleaved_mixed_split(search, sm, groups, order)
+                    else:
+                        split = interleaved_split(search, sm, groups, order, memory_aware=memory_aware)
                     if split is None or split in tried:
                         continue
                     tried.append(split)
@@ -1250,20 +1362,24 @@ def _primal_chain(
 ) -> float | None:
     """Greedy splits at the smallest feasible bound, per device order; the best is offered."""
     best_here: float | None = None
+    # with the schedule's waits in the stage test (1F1B, GPipe) as a second candidate: the
+    # plain test ignores the fill and drain, which the simulated step pays
+    idles = (False, True) if cfg.schedule != "interleaved-1f1b" and cfg.pipeline_degree > 1 else (False,)
     for order in orders:
+        for idle in idles:
 
-        def feasible(t: float, order: tuple[int, ...] = order) -> bool:
-            search.work += cfg.pipeline_degree * 2 * math.log2(sm.L + 1)
-            return greedy_split(search, sm, groups, order, t) is not None
+            def feasible(t: float, order: tuple[int, ...] = order, idle: bool = idle) -> bool:
+                search.work += cfg.pipeline_degree * 2 * math.log2(sm.L + 1)
+                return greedy_split(search, sm, groups, order, t, idle=idle) is not None
 
-        if not feasible(math.inf):
-            continue
-        t = _bisect(feasible, lb)[1]
-        split = greedy_split(search, sm, groups, order, t)
-        if split is None:
-            split = greedy_split(search, sm, groups, order, math.inf)
-        if split is None:
-            continue
-        step = consider(search, sm, groups, split)
-        best_here = step if best_here is None else min(best_here, step)
+            if not feasible(math.inf):
+                continue
+            t = _bisect(feasible, lb)[1]
+            split = greedy_split(search, sm, groups, order, t, idle=idle)
+            if split is None:
+                split = greedy_split(search, sm, groups, order, math.inf, idle=idle)
+            if split is None:
+                continue
+            step = consider(search, sm, groups, split)
+            best_here = step if best_here is None else min(best_here, step)
     return best_here

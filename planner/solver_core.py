@@ -16,8 +16,10 @@ rank all-reduces its gradients, whichever is longer):
     LB_r = in_f(r) + M·c_r + idle_r + max(out_b(r), allreduce_r)
 
 ``idle_r`` is the wait the schedule's fixed order forces between the last forward and the
-last backward of rank ``r`` (1F1B: the downstream path minus the ``min(K-r-1, M)``
-backwards the rank can run meanwhile; GPipe: the downstream path of the first micro-batch
+last backward of rank ``r`` (1F1B: the downstream path minus the ``w = min(K-r-1, M)``
+backwards the rank can run meanwhile, plus, when ``M >= w + 2``, the wait between the first
+forward and the first backward: the downstream path minus the ``w`` warm-up forwards run
+meanwhile; the two intervals are disjoint because ``F(M-1)`` comes after ``B(0)``; GPipe: the downstream path of the first micro-batch
 minus the ``M-1`` forwards that follow it; interleaved: 0).  Interleaved ranks also get
 one bound per chunk j: the forward of chunk j on micro-batch 0 waits for the path through
 every earlier stage, and the rank has by then run only K forwards of each earlier chunk.  The simulator's makespan can
@@ -364,7 +366,12 @@ def split_lower_bound(sm: StageModel, cluster: Cluster, groups: Sequence[Group],
         tail = max(out_b[first], ar)
         idle = 0.0
         if cfg.schedule == "1f1b":
-            idle = max(0.0, down[first] - min(k - r - 1, m) * bw[first])
+            w = min(k - r - 1, m)
+            idle = max(0.0, down[first] - w * bw[first])
+            if m >= w + 2:
+                # the wait for the first backward too: between F(0) and B(0) the rank runs
+                # only its w warm-up forwards, and that interval ends before F(M-1) starts
+                idle += max(0.0, down[first] - w * f[first])
         elif cfg.schedule == "gpipe":
             idle = max(0.0, down[first] - (m - 1) * f[first])
         else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import math
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -16,7 +17,7 @@ from planner.costmodel import estimate, plan_fits
 from planner.schema import Cluster, PlanOptions, Profile, TrainingSetup
 from planner.solver import _Search, cheap_bound, memory_work_bound, static_memory_bound
 from planner.solver_core import Config, make_groups
-from tests.planner.helpers import cluster, random_profile
+from tests.planner.helpers import brute_force, cluster, random_profile
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -208,3 +209,194 @@ def test_memory_bound_proves_infeasible_without_recompute() -> None:
     oracle = exhaustive(free.profile, free.cluster, free.training, cfg)
     assert not math.isinf(oracle)
     assert memory_work_bound(free, cfg, groups) <= oracle
+
+
+# --------------------------------------------------------------------------- 1F1B fill and drain
+
+
+def _uniform_profile(layers: int, *, f: float = 1.0, b: float = 2.0) -> Profile:
+    """Equal layers with no activations passed on (no transfer bytes), so a 1F1B pipeline
+    of equal stages has the textbook makespan (M + K - 1)·(f + b) up to link latency."""
+    from planner.schema import LayerProfile, MeasuredOn
+    from tests.planner.helpers import MiB
+
+    sizes = [1, 2]
+    return Profile(
+        model="uniform", measured_on=MeasuredOn(device="cpu"), microbatch_sizes=sizes, input_bytes=[0, 0],
+        layers=[
+            LayerProfile(name=f"l{i}", param_bytes=MiB, forward_ms=[f * s for s in sizes],
+                         backward_ms=[b * s for s in sizes], activation_bytes=[MiB * s for s in sizes],
+                         output_bytes=[0, 0])
+            for i in range(layers)
+        ],
+    )
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    k=st.integers(2, 5),
+    extra=st.integers(0, 6),
+    d=st.sampled_from([1, 2]),
+    slow=st.booleans(),
+    rc_share=st.sampled_from([0.0, 0.3, 1.0]),
+)
+def test_split_bound_with_fill_and_drain_is_below_the_simulated_step(
+    seed: int, k: int, extra: int, d: int, slow: bool, rc_share: float
+) -> None:
+    """Random 1F1B splits from M = K (where the two waits overlap) upwards, any speeds,
+    recompute and data parallelism: the split bound never exceeds the simulated step."""
+    import random
+
+    from planner.costmodel import layer_costs
+    from planner.solver_core import Split, StageModel, quick_step, split_lower_bound
+
+    rng = random.Random(seed)
+    m = k + extra
+    layers = k + rng.randint(0, 6)
+    profile = random_profile(seed, layers)
+    n_dev = d * k
+    cl = cluster(n_dev, "64GiB", speeds=[rng.choice([0.5, 1.0]) for _ in range(n_dev)] if slow else None)
+    training = TrainingSetup(global_batch_size=d * m * 2, optimizer="sgd")
+    cfg = Config(d, k, m, "1f1b")
+    groups = make_groups(cl, training, d, k)
+    sm = StageModel(layer_costs(profile, 2), cfg, training)
+    cuts = sorted(rng.sample(range(1, layers), k - 1))
+    bounds = [0, *cuts, layers]
+    ranges = tuple((bounds[i], bounds[i + 1]) for i in range(k))
+    split = Split(ranges, tuple(rng.random() < rc_share for _ in ranges), tuple(range(k)))
+    step = quick_step(sm, cl, groups, split)
+    plan = estimate(
+        profile, cl, training, list(ranges), num_microbatches=m, schedule="1f1b", recompute=list(split.recompute),
+        data_parallel=d, pipeline_degree=k, devices=[list(g.devices) for g in groups],
+    )
+    assert math.isclose(step, plan.predicted.step_time_ms, rel_tol=1e-9)
+    assert split_lower_bound(sm, cl, groups, split) <= step * (1 + 1e-12)
+
+
+@settings(max_examples=20, deadline=None)
+@given(k=st.integers(2, 6), extra=st.integers(1, 12))
+def test_split_bound_is_tight_when_the_first_stage_is_the_bottleneck(k: int, extra: int) -> None:
+    """Stage 0 holds two equal layers (f = 2, b = 4 per micro-batch), the others one: rank 0
+    idles ``down - (K-1)·f = K - 1`` ms waiting for its first backward and never again, so the
+    simulated step is ``6·M + K - 1`` (up to link latency).  The bound must reach it; without
+    the wait for the first backward (only the last-backward wait, which is 0 here) every
+    rank's bound stays at most ``6·M``."""
+    from planner.costmodel import layer_costs
+    from planner.solver_core import Split, StageModel, quick_step, split_lower_bound
+
+    m = k + extra  # M >= K + 1, so both waits count on rank 0
+    profile = _uniform_profile(k + 1)
+    cl = cluster(k, "64GiB")
+    training = TrainingSetup(global_batch_size=m, optimizer="sgd")
+    cfg = Config(1, k, m, "1f1b")
+    groups = make_groups(cl, training, 1, k)
+    sm = StageModel(layer_costs(profile, 1), cfg, training)
+    ranges = ((0, 2), *((s + 1, s + 2) for s in range(1, k)))
+    split = Split(ranges, (False,) * k, tuple(range(k)))
+    step = quick_step(sm, cl, groups, split)
+    assert step == pytest.approx(6 * m + k - 1, abs=0.05 * k)
+    bound = split_lower_bound(sm, cl, groups, split)
+    assert bound <= step * (1 + 1e-12)
+    assert bound >= 6 * m + k - 1 - 1e-9
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    k=st.integers(2, 5),
+    extra=st.integers(0, 5),
+    schedule=st.sampled_from(["1f1b", "gpipe"]),
+    rc=st.booleans(),
+    speed=st.sampled_from([0.5, 1.0]),
+)
+def test_relaxed_stage_test_is_monotone(seed: int, k: int, extra: int, schedule: str, rc: bool, speed: float) -> None:
+    """The relaxed bound's farthest-reach greedy is exact only if each stage's time test
+    ``M·work + idle`` grows with the stage's end; the waits must never break that."""
+    from planner.costmodel import layer_costs
+    from planner.solver import _idle_bound
+    from planner.solver_core import StageModel
+
+    m = k + extra
+    layers = 9
+    profile = random_profile(seed, layers)
+    training = TrainingSetup(global_batch_size=2 * m, optimizer="sgd")
+    sm = StageModel(layer_costs(profile, 2), Config(1, k, m, schedule), training)  # type: ignore[arg-type]
+    for s in range(k):
+        for a in range(layers):
+            values = [m * sm.work_ms(a, b, rc, speed) + _idle_bound(sm, a, b, rc, s, speed, 1.0)
+                      for b in range(a + 1, layers + 1)]
+            assert all(x <= y * (1 + 1e-12) for x, y in itertools.pairwise(values)), (s, a, values)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    k=st.integers(2, 3),
+    m=st.sampled_from([3, 4, 8]),
+    memory=st.sampled_from(["64MiB", "1GiB"]),
+    fraction=st.floats(0.9, 1.3),
+)
+def test_relaxed_bound_cutoff_agrees_with_the_full_bound(seed: int, k: int, m: int, memory: str, fraction: float) -> None:
+    """With a cutoff the bound answers ">= cutoff" exactly when the full bound does, and
+    below the cutoff it is the same value."""
+    from planner.solver import _Search, relaxed_bound
+    from planner.solver_core import StageModel
+
+    if m < k:
+        m = k
+    profile = random_profile(seed, 7)
+    cl = cluster(k, memory)
+    training = TrainingSetup(global_batch_size=2 * m, optimizer="sgd")
+    cfg = Config(1, k, m, "1f1b")
+    search = _Search(profile, cl, training, PlanOptions(), deadline=math.inf)
+    groups = make_groups(cl, training, 1, k)
+    sm = StageModel(search.costs_at(2), cfg, training)
+    full = relaxed_bound(search, sm, groups, 0.0)
+    if full is None:
+        assert relaxed_bound(search, sm, groups, 0.0, cutoff=1.0) is None
+        return
+    cutoff = full * fraction
+    cut = relaxed_bound(search, sm, groups, 0.0, cutoff=cutoff)
+    assert cut is not None
+    if full >= cutoff * (1 + 1e-4):
+        assert cut == cutoff
+    elif full < cutoff * (1 - 1e-4):
+        assert cut == pytest.approx(full, rel=1e-4)
+    assert cut <= brute_force(profile, cl, training, k=k, m=m, schedule="1f1b") * (1 + 1e-9)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    k=st.integers(2, 3),
+    v=st.integers(2, 3),
+    fraction=st.floats(0.1, 1.5),
+)
+def test_mixed_interleaved_split_covers_and_fits(seed: int, k: int, v: int, fraction: float) -> None:
+    """The per-chunk recompute split is contiguous, covers every layer, and fits memory
+    exactly as estimate checks it, whenever it returns one."""
+    from planner.costmodel import plan_fits
+    from planner.solver import interleaved_mixed_split
+    from planner.solver_core import StageModel
+
+    m = 2 * k
+    profile = activation_heavy_profile(seed, k * v + 3)
+    training = TrainingSetup(global_batch_size=4 * m, optimizer="sgd")
+    acts = sum(layer.activation_bytes[-1] for layer in profile.layers)
+    cl = cluster(k, f"{max(1, int(acts * 2 * fraction))}B")
+    cfg = Config(1, k, m, "interleaved-1f1b", v)
+    search = _Search(profile, cl, training, PlanOptions(), deadline=math.inf)
+    groups = make_groups(cl, training, 1, k)
+    sm = StageModel(search.costs_at(4), cfg, training)
+    split = interleaved_mixed_split(search, sm, groups, tuple(range(k)))
+    if split is None:
+        return
+    assert split.ranges[0][0] == 0 and split.ranges[-1][1] == profile.num_layers
+    assert all(a < b for a, b in split.ranges)
+    assert all(x[1] == y[0] for x, y in itertools.pairwise(split.ranges))
+    plan = estimate(
+        profile, cl, training, list(split.ranges), num_microbatches=m, schedule="interleaved-1f1b",
+        recompute=list(split.recompute), pipeline_degree=k, devices=[list(groups[g].devices) for g in split.groups],
+    )
+    assert plan_fits(plan)
