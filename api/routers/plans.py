@@ -7,7 +7,7 @@ import hashlib
 import json
 import time
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
@@ -19,7 +19,7 @@ from api.deps import SettingsDep, SolverDep, StoreDep, require_token
 from api.limits import check_limits
 from api.models import ErrorBody, PlanRequest, PlanResponse
 from api.settings import ApiSettings
-from api.store import StoredPlan
+from api.store import PlanStore, StoredPlan
 from api.version import service_version
 from planner.errors import InputError
 from planner.schema import Plan, PlanOptions
@@ -264,10 +264,7 @@ _SVG: dict[int | str, dict[str, Any]] = {200: {"content": {"image/svg+xml": {}},
     summary="the plan's schedule as a Gantt chart",
 )
 async def get_gantt(plan_id: str, store: StoreDep) -> Response:
-    stored = await _stored_or_404(store, plan_id)
-    plan = Plan.model_validate_json(stored.plan_json)
-    svg = await run_in_threadpool(_svg, "gantt", plan)
-    return Response(content=svg, media_type="image/svg+xml")
+    return await _chart(store, plan_id, "gantt")
 
 
 @router.get(
@@ -277,7 +274,12 @@ async def get_gantt(plan_id: str, store: StoreDep) -> Response:
     summary="each stage's predicted memory against its limit",
 )
 async def get_memory(plan_id: str, store: StoreDep) -> Response:
+    return await _chart(store, plan_id, "memory")
+
+
+async def _chart(store: PlanStore, plan_id: str, kind: Literal["gantt", "memory"]) -> Response:
+    """A stored plan's chart, drawn off the event loop."""
     stored = await _stored_or_404(store, plan_id)
     plan = Plan.model_validate_json(stored.plan_json)
-    svg = await run_in_threadpool(_svg, "memory", plan)
+    svg = await run_in_threadpool(_svg, kind, plan)
     return Response(content=svg, media_type="image/svg+xml")
