@@ -67,7 +67,7 @@ def _check_suffix(path: str) -> None:
 
 def reevaluate(plan: Plan, profile_path: str) -> Plan:
     """The plan's decisions re-evaluated by the cost model on another profile of the same model."""
-    from planner.costmodel import estimate
+    from planner.costmodel import reestimate
     from planner.errors import PlanMismatchError
     from planner.schema import Profile, load_document
 
@@ -79,19 +79,7 @@ def reevaluate(plan: Plan, profile_path: str) -> Plan:
             f"fingerprint {profile.sha256()[:12]}... differs from the plan's {plan.profile_sha256[:12]}...; "
             "give a profile of the same model, or make a new plan for this one"
         )
-    new = estimate(
-        profile,
-        plan.cluster,
-        plan.training,
-        [(s.start, s.stop) for s in plan.stages],
-        num_microbatches=plan.num_microbatches,
-        schedule=plan.schedule,
-        recompute=[s.recompute for s in plan.stages],
-        data_parallel=plan.data_parallel_degree,
-        pipeline_degree=plan.pipeline_degree,
-        devices=[s.devices for s in plan.stages],
-        solver=plan.solver,
-    )
+    new = reestimate(plan, profile, solver=plan.solver)
     print(
         f"re-evaluated on {profile_path}: predicted step {plan.predicted.step_time_ms:.2f} ms in the plan, "
         f"{new.predicted.step_time_ms:.2f} ms with this profile"

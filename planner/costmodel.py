@@ -373,6 +373,31 @@ def estimate(
     )
 
 
+def reestimate(
+    plan: Plan,
+    profile: Profile,
+    *,
+    cluster: Cluster | None = None,
+    training: TrainingSetup | None = None,
+    solver: SolverInfo | None = None,
+) -> Plan:
+    """Re-run :func:`estimate` for the decisions ``plan`` made (stages, M, schedule, recompute,
+    mesh, placement), with ``profile`` and the plan's own cluster and training setup unless given."""
+    return estimate(
+        profile,
+        cluster or plan.cluster,
+        training or plan.training,
+        [(s.start, s.stop) for s in plan.stages],
+        num_microbatches=plan.num_microbatches,
+        schedule=plan.schedule,
+        recompute=[s.recompute for s in plan.stages],
+        data_parallel=plan.data_parallel_degree,
+        pipeline_degree=plan.pipeline_degree,
+        devices=[s.devices for s in plan.stages],
+        solver=solver,
+    )
+
+
 def plan_fits(plan: Plan) -> bool:
     """True when every stage's predicted peak fits its device's usable memory."""
     return all(s.memory_bytes <= s.memory_limit_bytes for s in plan.stages)

@@ -210,3 +210,13 @@ def test_step_time_bounds(times: list[float], k: int, schedule: str) -> None:
     assert 0 <= plan.predicted.bubble_fraction < 1
     costs = layer_costs(p, 1)
     assert sum(s.forward_ms for s in plan.stages) == pytest.approx(costs.prefix_forward[-1])
+
+
+def test_reestimate_reproduces_a_plan_and_follows_a_new_profile() -> None:
+    from planner.costmodel import reestimate
+
+    p = uniform_profile(4)
+    plan = estimate(p, cluster(2), TrainingSetup(global_batch_size=4), [(0, 1), (1, 4)], num_microbatches=2, recompute=[True, False])
+    assert reestimate(plan, p) == plan
+    slower = uniform_profile(4, f=2.0, b=4.0)
+    assert reestimate(plan, slower).predicted.step_time_ms == pytest.approx(2 * plan.predicted.step_time_ms)

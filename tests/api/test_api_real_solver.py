@@ -10,7 +10,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from planner.costmodel import estimate, plan_fits
+from planner.costmodel import plan_fits, reestimate
 from planner.schema import Cluster, Plan, Profile, TrainingSetup
 
 pytest.importorskip("planner.solver")
@@ -31,17 +31,11 @@ def test_real_solver_round_trip(make_app: Callable[..., FastAPI], plan_body: dic
     assert plan_fits(plan)
     assert plan.solver.status in ("optimal", "feasible")
     # the numbers are the cost model's for the chosen split
-    again = estimate(
+    again = reestimate(
+        plan,
         Profile.model_validate(body["profile"]),
-        Cluster.model_validate(body["cluster"]),
-        TrainingSetup.model_validate(body["training"]),
-        [(s.start, s.stop) for s in plan.stages],
-        num_microbatches=plan.num_microbatches,
-        schedule=plan.schedule,
-        recompute=[s.recompute for s in plan.stages],
-        data_parallel=plan.data_parallel_degree,
-        pipeline_degree=plan.pipeline_degree,
-        devices=[s.devices for s in plan.stages],
+        cluster=Cluster.model_validate(body["cluster"]),
+        training=TrainingSetup.model_validate(body["training"]),
     )
     assert again.predicted.step_time_ms == pytest.approx(plan.predicted.step_time_ms)
 

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from planner.baselines import evaluate_baselines
-from planner.costmodel import estimate
+from planner.costmodel import estimate, reestimate
 from planner.errors import InputError
 from planner.schema import PlanOptions, StageRange, TrainingSetup
 from planner.solver import solve
@@ -51,12 +51,7 @@ def test_plan_is_valid_and_never_worse_than_baselines(
         if r.plan is not None:
             assert plan.predicted.step_time_ms <= r.plan.predicted.step_time_ms * (1 + 1e-9), r.name
     # the plan's numbers are estimate's numbers
-    again = estimate(
-        profile, cl, training, [(s.start, s.stop) for s in plan.stages],
-        num_microbatches=plan.num_microbatches, schedule=plan.schedule,
-        recompute=[s.recompute for s in plan.stages], data_parallel=plan.data_parallel_degree,
-        pipeline_degree=plan.pipeline_degree, devices=[s.devices for s in plan.stages],
-    )
+    again = reestimate(plan, profile, cluster=cl, training=training)
     assert again.predicted == plan.predicted
 
 
