@@ -104,51 +104,50 @@ def check_schedule_shape(schedule: Schedule, num_ranks: int, num_microbatches: i
 
 
 def build_orders(schedule: Schedule, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> list[list[Action]]:
-    """Per-rank ordered action lists of a schedule."""
+    """Per-rank ordered action lists of a schedule (:func:`schedule_orders` as actions)."""
     check_schedule_shape(schedule, num_ranks, num_microbatches, virtual_stages)
-    k, m, v = num_ranks, num_microbatches, virtual_stages
+    return [
+        [Action(s, "B" if is_b else "F", mb) for s, is_b, mb in order]
+        for order in schedule_orders(schedule, num_ranks, num_microbatches, virtual_stages)
+    ]
+
+
+def schedule_orders(schedule: Schedule, k: int, m: int, v: int = 1) -> list[list[tuple[int, bool, int]]]:
+    """Per-rank ordered actions as ``(stage, backward?, micro-batch)`` tuples.
+
+    * GPipe (Huang et al. 2019): all forwards, then all backwards.
+    * 1F1B / PipeDream-Flush (Narayanan et al. 2021): ``K-r-1`` warm-up forwards, then one
+      forward and one backward in turn, then the remaining backwards.
+    * Interleaved 1F1B (Megatron-LM): micro-batches in groups of K go through chunk 0, then
+      chunk 1, ...; backwards visit the chunks in reverse; ``(K-r-1)·2 + (v-1)·K`` warm-up
+      forwards, then 1F1B.
+    """
     if schedule == "gpipe":
-        # GPipe (Huang et al. 2019): all forwards, then all backwards.
-        return [
-            [Action(r, "F", i) for i in range(m)] + [Action(r, "B", i) for i in range(m)] for r in range(k)
-        ]
-    if schedule == "1f1b":
-        # PipeDream-Flush / 1F1B (Narayanan et al. 2021): K-r-1 warm-up forwards, then
-        # one forward and one backward in turn, then the remaining backwards.
-        orders = []
-        for r in range(k):
-            warmup = min(k - r - 1, m)
-            fwd = [Action(r, "F", i) for i in range(m)]
-            bwd = [Action(r, "B", i) for i in range(m)]
-            orders.append(_one_f_one_b(fwd, bwd, warmup))
-        return orders
-    # Interleaved 1F1B (Megatron-LM): micro-batches in groups of K go through chunk 0, then
-    # chunk 1, ...; backwards visit the chunks in reverse.
-    orders = []
-    total = m * v
+        return [[(r, False, i) for i in range(m)] + [(r, True, i) for i in range(m)] for r in range(k)]
+    out = []
     for r in range(k):
-        fwd, bwd = [], []
-        for i in range(total):
-            group, within = divmod(i, k * v)
-            chunk = (i // k) % v
-            mb = group * k + within % k
-            fwd.append(Action(chunk * k + r, "F", mb))
-            bwd.append(Action((v - 1 - chunk) * k + r, "B", mb))
-        warmup = min((k - r - 1) * 2 + (v - 1) * k, total)
-        orders.append(_one_f_one_b(fwd, bwd, warmup))
-    return orders
-
-
-def _one_f_one_b(fwd: list[Action], bwd: list[Action], warmup: int) -> list[Action]:
-    order = fwd[:warmup]
-    f, b = warmup, 0
-    while f < len(fwd):
-        order.append(fwd[f])
-        order.append(bwd[b])
-        f += 1
-        b += 1
-    order.extend(bwd[b:])
-    return order
+        if schedule == "1f1b":
+            fwd = [(r, False, i) for i in range(m)]
+            bwd = [(r, True, i) for i in range(m)]
+            warmup = min(k - r - 1, m)
+        else:
+            fwd, bwd = [], []
+            for i in range(m * v):
+                group, within = divmod(i, k * v)
+                chunk = (i // k) % v
+                mb = group * k + within % k
+                fwd.append((chunk * k + r, False, mb))
+                bwd.append(((v - 1 - chunk) * k + r, True, mb))
+            warmup = min((k - r - 1) * 2 + (v - 1) * k, m * v)
+        order = fwd[:warmup]
+        f = warmup
+        for b in range(len(bwd)):
+            if f < len(fwd):
+                order.append(fwd[f])
+                f += 1
+            order.append(bwd[b])
+        out.append(order)
+    return out
 
 
 def format_orders(orders: Sequence[Sequence[Action]]) -> str:
@@ -290,3 +289,103 @@ def simulate_schedule(
     """Build the schedule's action lists and simulate them."""
     orders = build_orders(schedule, num_ranks, num_microbatches, virtual_stages)
     return simulate(orders, forward_ms, backward_ms, recompute_ms=recompute_ms, transfer_ms=transfer_ms)
+
+
+# --------------------------------------------------------------------------- fast path
+
+
+@dataclass(frozen=True)
+class CompiledSchedule:
+    """A schedule as a flat program: every action once, in an order where its dependencies
+    come first, with the indices :func:`makespans` reads.
+
+    Action ``i`` runs on rank ``r`` and starts after ``max(free[r], end[dep_a] + x[xa],
+    end[dep_b] + x[xb])``; it lasts ``dur[di]`` (``di`` indexes forward times, then backward
+    times).  Missing dependencies point at a sentinel slot (index ``len(program)``) that ends
+    at time 0, with the zero transfer that pads the transfer list (index ``stages - 1``).
+    """
+
+    program: tuple[tuple[int, int, int, int, int, int], ...]
+    num_ranks: int
+    num_stages: int
+    num_microbatches: int
+
+
+def compile_schedule(schedule: Schedule, k: int, m: int, v: int = 1) -> CompiledSchedule:
+    """The schedule's flat program (checks the shape like :func:`build_orders`)."""
+    check_schedule_shape(schedule, k, m, v)
+    orders = schedule_orders(schedule, k, m, v)
+    n_stages = k * v
+    last = n_stages - 1
+    total = sum(len(o) for o in orders)
+    sentinel = total
+    zero_x = n_stages - 1
+    f_idx = [-1] * (n_stages * m)
+    b_idx = [-1] * (n_stages * m)
+    program: list[tuple[int, int, int, int, int, int]] = []
+    pos = [0] * k
+    while len(program) < total:
+        progressed = False
+        for r in range(k):
+            order = orders[r]
+            p = pos[r]
+            while p < len(order):
+                s_, is_b, mb = order[p]
+                i = len(program)
+                if not is_b:
+                    if s_ > 0:
+                        dep = f_idx[(s_ - 1) * m + mb]
+                        if dep < 0:
+                            break
+                        program.append((r, dep, s_ - 1, sentinel, zero_x, s_))
+                    else:
+                        program.append((r, sentinel, zero_x, sentinel, zero_x, s_))
+                    f_idx[s_ * m + mb] = i
+                else:
+                    own = f_idx[s_ * m + mb]
+                    if own < 0:
+                        break
+                    if s_ < last:
+                        nxt = b_idx[(s_ + 1) * m + mb]
+                        if nxt < 0:
+                            break
+                        program.append((r, own, zero_x, nxt, s_, n_stages + s_))
+                    else:
+                        program.append((r, own, zero_x, sentinel, zero_x, n_stages + s_))
+                    b_idx[s_ * m + mb] = i
+                p += 1
+                progressed = True
+            pos[r] = p
+        if not progressed:  # pragma: no cover - schedule_orders gives runnable orders
+            raise ScheduleError("the schedule deadlocks")
+    return CompiledSchedule(tuple(program), k, n_stages, m)
+
+
+def makespans(
+    cs: CompiledSchedule, fwd: Sequence[float], bwd: Sequence[float], xfer: Sequence[float]
+) -> list[float]:
+    """Each rank's finish time (``bwd`` includes recompute).
+
+    Same semantics as :func:`simulate` (a rank runs its list in order; a forward waits for
+    the previous stage's forward plus the transfer, a backward for its own forward and the
+    next stage's backward plus the transfer), without building events: the fast path of
+    the planner and of :func:`planner.costmodel.estimate`.
+    """
+    dur = [*fwd, *bwd]
+    x = [*xfer, 0.0]
+    end = [0.0] * (len(cs.program) + 1)
+    free = [0.0] * cs.num_ranks
+    i = 0
+    for r, da, xa, db, xb, di in cs.program:
+        t = free[r]
+        a = end[da] + x[xa]
+        if a > t:
+            t = a
+        b = end[db] + x[xb]
+        if b > t:
+            t = b
+        t += dur[di]
+        end[i] = t
+        free[r] = t
+        i += 1
+    return free

@@ -41,7 +41,7 @@ from planner.costmodel import (
     static_bytes,
 )
 from planner.schema import Cluster, Interconnect, Schedule, TrainingSetup
-from planner.simulator import build_orders
+from planner.simulator import CompiledSchedule, compile_schedule, makespans
 
 
 @dataclass(frozen=True, order=True)
@@ -201,83 +201,6 @@ def farthest(ok: Callable[[int], bool], lo: int, hi: int) -> int | None:
 
 
 # --------------------------------------------------------------------------- exact evaluation
-
-
-@dataclass(frozen=True)
-class CompiledSchedule:
-    """A schedule's per-rank action lists as flat integers (stage, backward?, micro-batch)."""
-
-    orders: tuple[tuple[tuple[int, bool, int], ...], ...]
-    num_stages: int
-    num_microbatches: int
-
-
-def compile_schedule(schedule: Schedule, k: int, m: int, v: int) -> CompiledSchedule:
-    orders = build_orders(schedule, k, m, v)
-    return CompiledSchedule(
-        tuple(tuple((a.stage, a.kind == "B", a.microbatch) for a in o) for o in orders), k * v, m
-    )
-
-
-def makespans(
-    cs: CompiledSchedule, fwd: Sequence[float], bwd: Sequence[float], xfer: Sequence[float]
-) -> list[float]:
-    """Each rank's finish time (``bwd`` includes recompute).
-
-    Same semantics as :func:`planner.simulator.simulate` (a rank runs its list in order; a
-    forward waits for the previous stage's forward plus the transfer, a backward for its own
-    forward and the next stage's backward plus the transfer), without building events.
-    """
-    m, last = cs.num_microbatches, cs.num_stages - 1
-    f_end = [-1.0] * (cs.num_stages * m)
-    b_end = [-1.0] * (cs.num_stages * m)
-    orders = cs.orders
-    k = len(orders)
-    pos = [0] * k
-    free = [0.0] * k
-    remaining = sum(len(o) for o in orders)
-    while remaining:
-        progressed = False
-        for r in range(k):
-            order = orders[r]
-            p = pos[r]
-            t_free = free[r]
-            n = len(order)
-            while p < n:
-                s_, is_b, mb = order[p]
-                if not is_b:
-                    if s_ > 0:
-                        dep = f_end[(s_ - 1) * m + mb]
-                        if dep < 0:
-                            break
-                        ready = dep + xfer[s_ - 1]
-                        if ready > t_free:
-                            t_free = ready
-                    t_free += fwd[s_]
-                    f_end[s_ * m + mb] = t_free
-                else:
-                    dep = f_end[s_ * m + mb]
-                    if dep < 0:
-                        break
-                    if s_ < last:
-                        nxt = b_end[(s_ + 1) * m + mb]
-                        if nxt < 0:
-                            break
-                        nxt += xfer[s_]
-                        if nxt > dep:
-                            dep = nxt
-                    if dep > t_free:
-                        t_free = dep
-                    t_free += bwd[s_]
-                    b_end[s_ * m + mb] = t_free
-                p += 1
-                remaining -= 1
-                progressed = True
-            pos[r] = p
-            free[r] = t_free
-        if not progressed:  # pragma: no cover - build_orders gives runnable orders
-            raise ValueError("the schedule deadlocks")
-    return free
 
 
 def quick_step(

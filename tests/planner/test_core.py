@@ -21,6 +21,7 @@ from planner.solver_core import (
     quick_step,
     split_lower_bound,
 )
+from planner.simulator import build_orders, compile_schedule, makespans, schedule_orders, simulate
 from tests.planner.helpers import brute_force, cluster, random_profile
 
 SETTINGS = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -59,6 +60,23 @@ def test_quick_step_equals_estimate_and_bound_is_below(seed: int, shape: tuple, 
     )
     assert quick_step(sm, cl, groups, split) == pytest.approx(plan.predicted.step_time_ms, rel=1e-12)
     assert split_lower_bound(sm, cl, groups, split) <= plan.predicted.step_time_ms * (1 + 1e-12)
+
+
+@pytest.mark.parametrize(
+    "shape", [("gpipe", 3, 4, 1), ("1f1b", 4, 4, 1), ("1f1b", 3, 7, 1), ("interleaved-1f1b", 2, 4, 2), ("interleaved-1f1b", 3, 6, 3)]
+)
+def test_compiled_program_runs_the_simulators_orders(shape: tuple[str, int, int, int]) -> None:
+    sched, k, m, v = shape
+    orders = build_orders(sched, k, m, v)  # type: ignore[arg-type]
+    assert schedule_orders(sched, k, m, v) == [[(a.stage, a.kind == "B", a.microbatch) for a in o] for o in orders]  # type: ignore[arg-type]
+    rng = random.Random(k * m)
+    n = k * v
+    fwd = [rng.uniform(0.5, 2) for _ in range(n)]
+    bwd = [rng.uniform(1, 4) for _ in range(n)]
+    xfer = [rng.uniform(0, 0.5) for _ in range(n - 1)]
+    sim = simulate(orders, fwd, bwd, transfer_ms=xfer)
+    finish = makespans(compile_schedule(sched, k, m, v), fwd, bwd, xfer)  # type: ignore[arg-type]
+    assert finish == pytest.approx([max(e.end_ms for e in t) for t in sim.timelines], rel=1e-12)
 
 
 @SETTINGS
