@@ -38,6 +38,7 @@ smallest bound still open.
 from __future__ import annotations
 
 import bisect
+import heapq
 import itertools
 import math
 import time
@@ -57,8 +58,8 @@ from planner.schema import (
     TrainingSetup,
     check_coverage,
 )
+from planner.simulator import CompiledSchedule
 from planner.solver_core import (
-    CompiledSchedule,
     Config,
     Group,
     Split,
@@ -71,6 +72,8 @@ from planner.solver_core import (
 
 #: enumerate every split of a configuration when there are at most this many
 ENUMERATE_LIMIT = 400
+#: configurations solved in order of promise before the search turns best-first
+INCUMBENT_TRIES = 6
 #: largest number of chunks per device tried for interleaved-1f1b when v is free
 MAX_VIRTUAL_STAGES = 4
 #: share of the work budget the configuration search may use
@@ -84,7 +87,9 @@ WALL_SAFETY = 3.0
 #: least time CP-SAT gets to tighten open bounds (seconds, within the time limit)
 TIGHTEN_MIN_S = 0.25
 #: configurations whose schedule has more actions (2 x M x stages) are not simulated
-SIM_ACTION_LIMIT = 100_000
+SIM_ACTION_LIMIT = 300_000
+#: work units per simulated action (the compiled program runs about 5 actions per unit)
+SIM_WORK = 0.2
 #: micro-batch sizes beyond this multiple of the largest measured one are not tried (unless M is fixed)
 MAX_EXTRAPOLATION = 2
 #: relative precision of the bottleneck binary searches
@@ -150,8 +155,12 @@ def consider(search: _Search, sm: StageModel, groups: list[Group], split: Split)
     """Simulate ``split`` unless its lower bound already loses; offer it; its step (or inf)."""
     if split_lower_bound(sm, search.cluster, groups, split) >= search.best_step:
         return math.inf
+    cfg = sm.cfg
+    actions = 2 * cfg.num_microbatches * cfg.num_stages
+    if (cfg.schedule, cfg.pipeline_degree, cfg.num_microbatches, cfg.virtual_stages) not in search.compiled:
+        search.work += actions  # compiling the schedule costs about 5 simulations
     step = quick_step(sm, search.cluster, groups, split, search.compiled)
-    search.work += 2 * sm.cfg.num_microbatches * sm.cfg.num_stages + 50
+    search.work += SIM_WORK * actions + 50
     search.offer(sm.cfg, split, groups, step)
     return step
 
@@ -667,6 +676,162 @@ def static_memory_bound(search: _Search, cfg: Config, groups: Sequence[Group]) -
     return best
 
 
+def chunk_memory_bound(search: _Search, cfg: Config, groups: Sequence[Group]) -> float:
+    """A lower bound of any split of ``cfg`` from each rank's memory, chunk by chunk.
+
+    Rank ``r`` holds ``n_r`` micro-batches in flight and v chunks.  With ``y_r`` its work
+    (forward + backward at speed 1) and ``u_r`` the work of its chunks that keep their
+    activations, the cost model gives, for every split:
+
+    * its parameter state is at least ``sigma·y_r`` (``sigma``: least state bytes per unit
+      of work over the layers), so every chunk that keeps its activations keeps at most
+      ``A_r = (limit - sigma·y_r) / n_r`` activation bytes, and works at most ``kappa(A_r)``
+      (the fractional knapsack of :class:`_Knapsack`: most work per activation byte);
+    * either no chunk recomputes (``u_r = y_r <= v·kappa(A_r)``) or at least one does, and
+      then ``u_r <= (v - 1)·kappa(A_r)``: this is what the whole-model bounds cannot see, a
+      rank that recomputes anything gives up a whole chunk's share of its memory;
+    * the rank works ``y_r + phi·(y_r - u_r) <= t = T·speed / M`` (recompute costs at least
+      ``phi = min f / (f + b)`` of the work it repeats);
+    * globally the chunks that keep activations hold at most ``sum_r j_r·A_r`` bytes
+      (``j_r`` of them on rank r), so ``sum_r u_r <= alpha + beta·sum_r j_r·A_r`` for every
+      tangent ``(alpha, beta)`` of the concave knapsack curve (one rank's knapsack alone
+      would let every rank claim the same best layers);
+    * ``sum_r y_r = W``.
+
+    For a multiplier ``lambda >= 0`` on the global constraint, ``lambda·alpha + sum_r max
+    (y - lambda·(u - beta·j·A_r(y)))`` over each rank's choices bounds the work the ranks
+    can cover (weak duality); each rank's maximum is a concave piecewise-linear function of
+    ``y`` on an interval, so it is read at its breakpoints.  ``T`` is infeasible when any
+    multiplier's cover falls short of W; the bound is the least ``T`` (bisection) that no
+    multiplier excludes (infinite when none fits).  Heterogeneous clusters use the fastest
+    speed and the largest memory for every rank.  Fill, drain, transfers and all-reduce only
+    add to the step time and are left out.
+    """
+    b = cfg.microbatch_size(search.training.global_batch_size)
+    if b not in search.knapsacks:
+        search.knapsacks[b] = _Knapsack.of(search.costs_at(b))
+    knap = search.knapsacks[b]
+    costs = search.costs_at(b)
+    k, m, v = cfg.pipeline_degree, cfg.num_microbatches, cfg.virtual_stages
+    w, phi = knap.work, knap.phi
+    if w <= 0:
+        return 0.0
+    limit = float(max(g.limit_bytes for g in groups))
+    smax = max(g.speed for g in groups)
+    sigma = math.inf
+    for f, bw, pb in zip(costs.forward_ms, costs.backward_ms, costs.param_bytes, strict=True):
+        if f + bw > 0:
+            sigma = min(sigma, static_bytes(pb, search.training) / (f + bw))
+    if sigma == math.inf:
+        sigma = 0.0
+    rc_opt = search.options.recompute
+    keep_allowed = not (isinstance(rc_opt, bool) and rc_opt) and not (isinstance(rc_opt, list) and all(rc_opt))
+    rc_allowed = not (isinstance(rc_opt, bool) and not rc_opt) and not (isinstance(rc_opt, list) and not any(rc_opt))
+    # chunks that may keep their activations when a rank recomputes something
+    keep_with_rc = v - 1 if keep_allowed else 0
+    inflight = [max(1, StageModel.inflight_of(cfg, r)) for r in range(k)]
+    y_cap = limit / sigma if sigma > 0 else math.inf
+    keep_all_work: dict[int, float] = {}  # per in-flight count: most work with nothing recomputed
+
+    def most_work(n: int, chunks: int, need: Callable[[float], float]) -> float:
+        """At least the largest y in [0, y_cap] with need(y) <= chunks·kappa(A(y)) (need
+        increasing, so the set is an interval); -1 when not even y = 0 qualifies.  The
+        bisection returns its infeasible end, so the result never falls short."""
+        def ok(y: float) -> bool:
+            a_cap = (limit - sigma * y) / n
+            return a_cap >= 0 and need(y) <= chunks * knap.value(a_cap) * (1 + 1e-12) + 1e-12
+        hi = min(y_cap, w)
+        if ok(hi):
+            return hi
+        if not ok(0.0):
+            return -1.0
+        lo = 0.0
+        while hi - lo > 1e-7 * hi:
+            mid = (lo + hi) / 2
+            if ok(mid):
+                lo = mid
+            else:
+                hi = mid
+        return hi
+
+    def rank_options(t: float, n: int) -> list[tuple[float, float, float, bool]]:
+        """Each choice as (y_max, kink, chunks kept, keeps all): y <= y_max; without
+        recompute u = y, with it u = max(0, ((1+phi)·y - t) / phi), which grows past ``kink``."""
+        opts: list[tuple[float, float, float, bool]] = []
+        if keep_allowed:
+            if n not in keep_all_work:
+                keep_all_work[n] = most_work(n, v, lambda y: y)
+            if keep_all_work[n] >= 0:
+                opts.append((min(t, keep_all_work[n]), math.inf, float(v), True))
+        if rc_allowed:
+            if phi <= 0:
+                y_ii = min(t, y_cap, w)
+                opts.append((y_ii, math.inf, float(keep_with_rc), False))
+            else:
+                def need(y: float, t: float = t) -> float:
+                    return max(0.0, ((1 + phi) * y - t) / phi)
+                y_ii = min(t, most_work(n, keep_with_rc, need)) if keep_with_rc else min(t / (1 + phi), y_cap, w)
+                if y_ii >= 0:
+                    opts.append((y_ii, t / (1 + phi), float(keep_with_rc), False))
+        return opts
+
+    a_all = sum(v * limit / n for n in inflight)
+    lines: set[tuple[float, float]] = {(knap.work, 0.0)}
+    for theta in (1.0, 0.5, 0.25, 0.1):
+        i = min(max(0, bisect.bisect_right(knap.prefix_acts, a_all * theta) - 1), len(knap.acts) - 1)
+        while i < len(knap.acts) and knap.acts[i] <= 0:
+            i += 1
+        if i < len(knap.acts):
+            beta = (knap.prefix_work[i + 1] - knap.prefix_work[i]) / knap.acts[i]
+            lines.add((knap.prefix_work[i] - beta * knap.prefix_acts[i], beta))
+    lambdas = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)
+
+    def covers(t: float) -> bool:
+        per_rank = [rank_options(t, n) for n in inflight]
+        if any(not o for o in per_rank):
+            return False
+        for alpha, beta in sorted(lines):
+            for lam in lambdas if beta > 0 else (0.0,):
+                total = lam * alpha if beta > 0 else 0.0
+                for n, opts in zip(inflight, per_rank, strict=True):
+                    best = -math.inf
+                    for y_max, kink, chunks, keeps_all in opts:
+                        for y in (0.0, min(kink, y_max), y_max):
+                            if keeps_all:
+                                u = y
+                            else:
+                                u = max(0.0, ((1 + phi) * y - t) / phi) if phi > 0 else 0.0
+                            best = max(best, y - lam * (u - beta * chunks * (limit - sigma * y) / n))
+                    total += best
+                if total < w * (1 - 1e-9):
+                    return False
+        return True
+
+    hi = w / k
+    while not covers(hi):
+        if hi > w * 1e3:
+            return math.inf
+        hi *= 1.25
+    lo = 0.0 if hi == w / k else hi / 1.25
+    while hi - lo > BOUND_REL_TOL * hi:
+        mid = (lo + hi) / 2
+        if covers(mid):
+            hi = mid
+        else:
+            lo = mid
+    return lo * m / smax
+
+
+def memory_bounds(search: _Search, cfg: Config, groups: Sequence[Group]) -> float:
+    """The larger of :func:`static_memory_bound` and :func:`chunk_memory_bound` (infinite
+    when either proves that nothing fits), with their work counted."""
+    search.work += 800 * cfg.pipeline_degree
+    bound = static_memory_bound(search, cfg, groups)
+    if bound == math.inf:
+        return bound
+    return max(bound, chunk_memory_bound(search, cfg, groups))
+
+
 def _rc_options(options: PlanOptions, stage: int) -> tuple[bool, ...]:
     if isinstance(options.recompute, bool):
         return (options.recompute,)
@@ -805,12 +970,27 @@ def _bisect(feasible: Callable[[float], bool], lo: float, *, rel_tol: float = RE
 
 
 def greedy_split(
-    search: _Search, sm: StageModel, groups: Sequence[Group], order: Sequence[int], t: float, *, idle: bool = False
+    search: _Search,
+    sm: StageModel,
+    groups: Sequence[Group],
+    order: Sequence[int],
+    t: float,
+    *,
+    idle: bool = False,
+    window: bool = False,
 ) -> Split | None:
     """Farthest-reach split with every stage's bound ``<= t`` and exact memory (v = 1).
 
     ``idle``: count the schedule's forced waits (:func:`_idle_bound`) in each stage's bound,
     so that stages with long downstream paths take less work.
+
+    ``window`` (1F1B): also keep the steady state's ping-pong cycles within the period.  In
+    1F1B, ranks ``s..u`` pass micro-batches back and forth, so every ``u - s + 1`` of them
+    cost that window ``sum(c) + 2·sum(x)`` (work per micro-batch and the transfers inside
+    it, both ways); a slow link between two full stages stretches the whole pipeline's
+    period by its transfer time.  Each stage's slack (``(t - bound) / M``, the period it
+    leaves unused) must cover the transfers of every window ending at it, so stages beside
+    a slow link take a little less work.
     """
     cfg = sm.cfg
     smax = max(g.speed for g in groups)
@@ -819,24 +999,34 @@ def greedy_split(
     in_f = out_b = 0.0
     out_ranges: list[tuple[int, int]] = []
     rcs: list[bool] = []
+    # most transfer time (2x per boundary, less the slack) of any window ending at the last stage
+    owed = 0.0
+    use_window = window and cfg.schedule == "1f1b"
     for s in range(k):
         g = groups[order[s]]
         lo_b, hi_b = (n, n) if s == k - 1 else (a + 1, n - (k - s - 1))
-        best_b, best_rc = None, False
+        best_b, best_rc, best_value = None, False, 0.0
+
         for rc in _rc_options(search.options, s):
 
-            def ok(
+            def value(
                 b: int, g: Group = g, rc: bool = rc, a: int = a, s: int = s, in_f: float = in_f, out_b: float = out_b
-            ) -> bool:
+            ) -> float:
                 wait = _idle_bound(sm, a, b, rc, s, g.speed, smax) if idle else 0.0
-                return (
-                    in_f + m * sm.work_ms(a, b, rc, g.speed) + wait + max(out_b, sm.allreduce(a, b, g)) <= t
-                    and math.ceil(sm.memory(a, b, rc, s)) <= g.limit_bytes
-                )
+                return in_f + m * sm.work_ms(a, b, rc, g.speed) + wait + max(out_b, sm.allreduce(a, b, g))
+
+            def ok(
+                b: int, g: Group = g, rc: bool = rc, a: int = a, s: int = s, value: Callable[[int], float] = value,
+                owed: float = owed,
+            ) -> bool:
+                val = value(b)
+                if val > t or (use_window and (t - val) / m < owed):
+                    return False
+                return math.ceil(sm.memory(a, b, rc, s)) <= g.limit_bytes
 
             b = farthest(ok, lo_b, hi_b)
             if b is not None and (best_b is None or b > best_b):
-                best_b, best_rc = b, rc
+                best_b, best_rc, best_value = b, rc, value(b)
         if best_b is None:
             return None
         out_ranges.append((a, best_b))
@@ -851,6 +1041,7 @@ def greedy_split(
             )[0]
         in_f += f + x
         out_b += bw + x
+        owed = 2 * x - (t - best_value) / m + max(0.0, owed)
         a = best_b
     return Split(tuple(out_ranges), tuple(rcs), tuple(order[:k]))
 
@@ -1242,7 +1433,20 @@ def static_fits(search: _Search, cfg: Config, groups: Sequence[Group]) -> bool:
 
 
 def _branch_and_bound(search: _Search, configs: Sequence[Config]) -> None:
-    g = search.training.global_batch_size
+    """Best-first branch and bound over the configurations, in three levels of effort.
+
+    Level 0 is :func:`cheap_bound`, for every configuration.  Level 1 is the configuration's
+    strong bound (v = 1: :func:`relaxed_bound`; v > 1: :func:`memory_bounds`), or its proof
+    that nothing fits.  Level 2 is the search for a plan (:func:`_enumerate`, the greedy
+    splits), after which a configuration is solved or stays open at its bound.
+
+    First the ``INCUMBENT_TRIES`` configurations that promise most (the textbook step time
+    of a balanced split) go through every level, so that a good plan prunes the rest; then
+    the configuration with the smallest bound is always the next to advance a level, since
+    it alone decides the proven gap.  The search stops when the smallest bound reaches the
+    best plan (optimal) or at SEARCH_SHARE of the work budget; what is left stays open at
+    its bound.
+    """
     entries = []
     group_cache: dict[tuple[int, int], list[Group]] = {}
     for cfg in configs:
@@ -1254,92 +1458,109 @@ def _branch_and_bound(search: _Search, configs: Sequence[Config]) -> None:
             search.infeasible += 1
             continue
         entries.append((cheap_bound(search, cfg, groups), cfg, groups))
-    # visit the most promising first (the textbook step-time formula of a balanced split),
-    # so that good plans are found early and prune the rest with the valid bounds
-    entries.sort(key=lambda e: (max(e[0], _promise(search, e[1], e[2])), e[1]))
-    fixed = fixed_ranges(search.options) is not None
-    for i, (cheap, cfg, groups) in enumerate(entries):
+    promising = sorted(entries, key=lambda e: (max(e[0], _promise(search, e[1], e[2])), e[1]))
+    started: set[Config] = set()
+    for cheap, cfg, groups in promising:
+        if search.best is not None and len(started) >= INCUMBENT_TRIES:
+            break
+        if search.best is not None and _out_of_budget(search):
+            break
+        started.add(cfg)
         if cheap >= search.best_step:
             search.pruned += 1
             continue
-        if 2 * cfg.num_microbatches * cfg.num_stages > SIM_ACTION_LIMIT:
-            search.too_big += 1
-            lb_big: float | None = cheap
-            if cfg.virtual_stages == 1 and not fixed and search.work <= SEARCH_SHARE * search.work_budget:
-                # not simulated, but its exact relaxed bound may still exclude it
-                sm_big = StageModel(search.costs_at(cfg.microbatch_size(g)), cfg, search.training)
-                lb_big = relaxed_bound(search, sm_big, groups, cheap, cutoff=search.best_step)
-            if lb_big is None:
-                search.infeasible += 1
-            elif lb_big >= search.best_step:
-                search.pruned += 1
-            else:
-                search.open_configs[cfg] = (lb_big, groups)
-            continue
-        if search.best is not None and (
-            search.work > SEARCH_SHARE * search.work_budget or time.perf_counter() > search.wall_stop
-        ):
+        first = _advance(search, cfg, groups, cheap, 0)
+        if first is not None:
+            _advance(search, cfg, groups, *first)
+    heap = [(cheap, 0, cfg, groups) for cheap, cfg, groups in entries if cfg not in started]
+    heapq.heapify(heap)
+    while heap:
+        bound, level, cfg, groups = heapq.heappop(heap)
+        if bound >= search.best_step:
+            search.pruned += 1 + len(heap)
+            return
+        if search.best is not None and _out_of_budget(search):
             search.timed_out = True
-            for e in entries[i:]:
-                if e[0] >= search.best_step:
+            for bound_, _, cfg_, groups_ in [(bound, level, cfg, groups), *heap]:
+                if bound_ >= search.best_step:
                     search.pruned += 1
                 else:
-                    search.open_configs[e[1]] = (e[0], e[2])
+                    search.open_configs[cfg_] = (bound_, groups_)
             return
+        nxt = _advance(search, cfg, groups, bound, level)
+        if nxt is not None:
+            heapq.heappush(heap, (nxt[0], nxt[1], cfg, groups))
+
+
+def _out_of_budget(search: _Search) -> bool:
+    return search.work > SEARCH_SHARE * search.work_budget or time.perf_counter() > search.wall_stop
+
+
+def _advance(
+    search: _Search, cfg: Config, groups: list[Group], bound: float, level: int
+) -> tuple[float, int] | None:
+    """Take ``cfg`` from ``level`` to the next one (see :func:`_branch_and_bound`).
+
+    Returns its new (bound, level) while it needs more work, or None once it is settled:
+    solved, pruned, proven not to fit, or left open (``search.open_configs``) at its bound.
+    """
+    g = search.training.global_batch_size
+    fixed = fixed_ranges(search.options) is not None
+    too_big = 2 * cfg.num_microbatches * cfg.num_stages > SIM_ACTION_LIMIT
+    sm = StageModel(search.costs_at(cfg.microbatch_size(g)), cfg, search.training)
+    if level == 0:
         search.visited += 1
-        sm = StageModel(search.costs_at(cfg.microbatch_size(g)), cfg, search.training)
-        orders = _orders(groups)
+        if too_big:
+            search.too_big += 1
         if fixed:
-            _solve_fixed(search, sm, cfg, groups, orders, cheap)
-            continue
+            if too_big:
+                search.open_configs[cfg] = (bound, groups)
+            else:
+                _solve_fixed(search, sm, cfg, groups, _orders(groups), bound)
+            return None
+        lb: float | None
         if cfg.virtual_stages == 1:
-            lb = relaxed_bound(search, sm, groups, cheap, cutoff=search.best_step)
-            if lb is None:
-                search.infeasible += 1
-                search.infeasible_after_visit += 1
-                continue
-            if lb >= search.best_step:
-                search.pruned += 1
-                search.pruned_after_visit += 1
-                continue
-            if _enumerate(search, sm, cfg, groups, lb):
-                continue
-            step = _primal_chain(search, sm, cfg, groups, orders, lb)
-            if step is None or step > lb * (1 + 1e-9):
-                search.open_configs[cfg] = (lb, groups)
+            lb = relaxed_bound(search, sm, groups, bound, cutoff=search.best_step)
         else:
-            search.work += 200 * cfg.pipeline_degree
-            cheap = max(cheap, static_memory_bound(search, cfg, groups))
-            if cheap == math.inf:
-                search.infeasible += 1
-                search.infeasible_after_visit += 1
-                continue
-            if cheap >= search.best_step:
-                search.pruned += 1
-                search.pruned_after_visit += 1
-                continue
-            if not relaxed_memory_fits(search, sm, groups):
-                search.infeasible += 1
-                search.infeasible_after_visit += 1
-                continue
-            if _enumerate(search, sm, cfg, groups, cheap):
-                continue
-            best_here = math.inf
-            for i_order, order in enumerate(orders[:3]):
-                tried: list[Split] = []
-                for memory_aware in (False, True, None):
-                    if memory_aware is None:
-                        if i_order > 0:
-                            continue  # the per-chunk recompute split only for the first order
-                        split = interleaved_mixed_split(search, sm, groups, order)
-                    else:
-                        split = interleaved_split(search, sm, groups, order, memory_aware=memory_aware)
-                    if split is None or split in tried:
-                        continue
-                    tried.append(split)
-                    best_here = min(best_here, consider(search, sm, groups, split))
-            if best_here > cheap * (1 + 1e-9):
-                search.open_configs[cfg] = (cheap, groups)
+            lb = max(bound, memory_bounds(search, cfg, groups))
+            if lb == math.inf or not relaxed_memory_fits(search, sm, groups):
+                lb = None
+        if lb is None:
+            search.infeasible += 1
+            search.infeasible_after_visit += 1
+            return None
+        if lb >= search.best_step:
+            search.pruned += 1
+            search.pruned_after_visit += 1
+            return None
+        if too_big:
+            search.open_configs[cfg] = (lb, groups)  # its bound is all it gets
+            return None
+        return lb, 1
+    orders = _orders(groups)
+    if _enumerate(search, sm, cfg, groups, bound):
+        return None
+    if cfg.virtual_stages == 1:
+        step = _primal_chain(search, sm, cfg, groups, orders, bound)
+        best_here = math.inf if step is None else step
+    else:
+        best_here = math.inf
+        for i_order, order in enumerate(orders[:3]):
+            tried: list[Split] = []
+            for memory_aware in (False, True, None):
+                if memory_aware is None:
+                    if i_order > 0:
+                        continue  # the per-chunk recompute split only for the first order
+                    split = interleaved_mixed_split(search, sm, groups, order)
+                else:
+                    split = interleaved_split(search, sm, groups, order, memory_aware=memory_aware)
+                if split is None or split in tried:
+                    continue
+                tried.append(split)
+                best_here = min(best_here, consider(search, sm, groups, split))
+    if best_here > bound * (1 + 1e-9):
+        search.open_configs[cfg] = (bound, groups)
+    return None
 
 
 def _solve_fixed(
@@ -1364,20 +1585,25 @@ def _primal_chain(
     best_here: float | None = None
     # with the schedule's waits in the stage test (1F1B, GPipe) as a second candidate: the
     # plain test ignores the fill and drain, which the simulated step pays
-    idles = (False, True) if cfg.schedule != "interleaved-1f1b" and cfg.pipeline_degree > 1 else (False,)
+    # and, for 1F1B, with the steady state's transfer cycles too (greedy_split's ``window``)
+    variants = [(False, False)]
+    if cfg.schedule != "interleaved-1f1b" and cfg.pipeline_degree > 1:
+        variants.append((True, False))
+        if cfg.schedule == "1f1b":
+            variants.append((True, True))
     for order in orders:
-        for idle in idles:
+        for idle, window in variants:
 
-            def feasible(t: float, order: tuple[int, ...] = order, idle: bool = idle) -> bool:
+            def feasible(t: float, order: tuple[int, ...] = order, idle: bool = idle, window: bool = window) -> bool:
                 search.work += cfg.pipeline_degree * 2 * math.log2(sm.L + 1)
-                return greedy_split(search, sm, groups, order, t, idle=idle) is not None
+                return greedy_split(search, sm, groups, order, t, idle=idle, window=window) is not None
 
             if not feasible(math.inf):
                 continue
             t = _bisect(feasible, lb)[1]
-            split = greedy_split(search, sm, groups, order, t, idle=idle)
+            split = greedy_split(search, sm, groups, order, t, idle=idle, window=window)
             if split is None:
-                split = greedy_split(search, sm, groups, order, math.inf, idle=idle)
+                split = greedy_split(search, sm, groups, order, math.inf, idle=idle, window=window)
             if split is None:
                 continue
             step = consider(search, sm, groups, split)

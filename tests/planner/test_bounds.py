@@ -15,7 +15,13 @@ from hypothesis import strategies as st
 
 from planner.costmodel import estimate, plan_fits
 from planner.schema import Cluster, PlanOptions, Profile, TrainingSetup
-from planner.solver import _Search, cheap_bound, memory_work_bound, static_memory_bound
+from planner.solver import (
+    _Search,
+    cheap_bound,
+    chunk_memory_bound,
+    memory_work_bound,
+    static_memory_bound,
+)
 from planner.solver_core import Config, make_groups
 from tests.planner.helpers import brute_force, cluster, random_profile
 
@@ -96,6 +102,7 @@ def test_cheap_bound_never_exceeds_the_exhaustive_optimum(
     for name, bound in (
         ("cheap", cheap_bound(search, cfg, groups)),
         ("static", static_memory_bound(search, cfg, groups)),
+        ("chunk", chunk_memory_bound(search, cfg, groups)),
     ):
         if math.isinf(bound):
             assert math.isinf(oracle), f"the {name} bound claims nothing fits, but a plan fits"
@@ -156,6 +163,7 @@ def test_memory_bounds_never_exceed_the_optimum_when_memory_binds(
     for name, bound, target in (
         ("memory", memory_work_bound(search, cfg, groups), busiest),
         ("static", static_memory_bound(search, cfg, groups), busiest),
+        ("chunk", chunk_memory_bound(search, cfg, groups), busiest),
         ("cheap", cheap_bound(search, cfg, groups), oracle),
     ):
         if math.isinf(bound):

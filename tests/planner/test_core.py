@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from planner.baselines import block_partition, minmax_split, uniform_split
 from planner.costmodel import estimate
 from planner.schema import TrainingSetup
+from planner.simulator import build_orders, compile_schedule, makespans, schedule_orders, simulate
 from planner.solver_core import (
     Config,
     Split,
@@ -21,7 +22,6 @@ from planner.solver_core import (
     quick_step,
     split_lower_bound,
 )
-from planner.simulator import build_orders, compile_schedule, makespans, schedule_orders, simulate
 from tests.planner.helpers import brute_force, cluster, random_profile
 
 SETTINGS = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
