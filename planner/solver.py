@@ -5,29 +5,33 @@ pipeline degree K, the micro-batch count M (and so the micro-batch size), the sc
 (gpipe, 1f1b, interleaved-1f1b with v chunks), the stage boundaries, recompute per stage,
 and, on heterogeneous clusters, which devices take which pipeline position.
 
-Method (branch and bound over configurations, see :mod:`planner.solver_core` for bounds):
+Method (best-first branch and bound over configurations, see :mod:`planner.solver_core` for
+the split bounds and :func:`_branch_and_bound` for the levels):
 
 1. Every configuration (D, K, M, schedule, v) allowed by the options gets a closed-form lower
-   bound (work, fill, all-reduce, and :func:`memory_work_bound`: the recompute that memory
-   forces); configurations are visited in order of that bound (or the balanced-split
-   estimate, whichever is larger) and skipped once the bound reaches the best step time
-   found.  Configurations too large to simulate still get their exact relaxed bound (v = 1),
-   and those left when the budget runs out are excluded by their bounds where possible.
-2. For a visited configuration, an exact bottleneck algorithm (binary search on the bound of
-   the module doc of :mod:`planner.solver_core`, with a farthest-reach greedy that is exact
-   because the relaxed stage test is monotone) gives the configuration's lower bound, or
-   proves that nothing fits its memory; once a plan is known, one test at its step time
-   decides whether the configuration can beat it at all.  The same greedy with the exact
-   memory model gives a split, once with and once without the schedule's fill and drain
-   waits in the stage test; both are simulated (:func:`planner.solver_core.quick_step`).
-   Interleaved configurations get time-balanced chunks, memory-aware chunks, and chunks
-   with recompute chosen per chunk (:func:`interleaved_mixed_split`).
-3. Small chains (few splits) are enumerated completely, in bound order, so their optimum is
-   exact.
-4. CP-SAT (:mod:`planner.solver_cpsat`) tightens the bounds of configurations left open,
-   with the stage boundaries as integer variables and element constraints on prefix sums,
-   hinted by the greedy split.
-5. The baselines' splits are candidates too, so the plan is never worse than any of them.
+   bound (work, fill, all-reduce, :func:`memory_work_bound`: the recompute that memory
+   forces, indivisible layers, the last stage).  The ``INCUMBENT_TRIES`` that promise most
+   (the balanced-split estimate) are solved first; then the configuration with the smallest
+   bound always advances next, and configurations whose bound reaches the best step time
+   found are skipped.
+2. Advancing a configuration first computes its strong bound: for v = 1 the exact bottleneck
+   algorithm (binary search on the bound of :mod:`planner.solver_core`, with a farthest-reach
+   greedy that is exact because the relaxed stage test is monotone), for v > 1
+   :func:`memory_bounds` (the static-memory and per-chunk memory bounds); either may prove
+   that nothing fits.  Once a plan is known, one test at its step time decides whether the
+   configuration can beat it at all.  Configurations too large to simulate stop there.
+3. Then it searches for a plan.  Small chains (few splits) are enumerated completely, in
+   bound order, so their optimum is exact.  Longer ones (v = 1) get the greedy with the exact
+   memory model, once plain, once with the schedule's fill and drain waits in the stage test,
+   and for 1F1B once that also keeps the steady state's transfer cycles within the period;
+   each split is simulated (:func:`planner.solver_core.quick_step`).  Interleaved
+   configurations get time-balanced chunks, memory-aware chunks, and chunks with recompute
+   chosen per chunk (:func:`interleaved_mixed_split`).
+4. CP-SAT (:mod:`planner.solver_cpsat`) tightens the bounds of one-chunk configurations left
+   open, with the stage boundaries as integer variables and element constraints on prefix
+   sums, hinted by the greedy split.
+5. The baselines' splits are candidates too, so the plan is never worse than any of them, and
+   a hill climb moves the best plan's boundaries one layer at a time.
 
 The returned plan comes out of :func:`planner.costmodel.estimate`.  ``optimal`` (gap 0) is
 reported only when every configuration was solved to optimality or excluded by a bound;
