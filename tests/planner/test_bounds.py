@@ -408,3 +408,21 @@ def test_mixed_interleaved_split_covers_and_fits(seed: int, k: int, v: int, frac
         recompute=list(split.recompute), pipeline_degree=k, devices=[list(groups[g].devices) for g in split.groups],
     )
     assert plan_fits(plan)
+
+
+def test_chunk_memory_bound_is_stronger_where_chunks_must_recompute() -> None:
+    """Interleaved, activation-heavy, tight memory: a rank that recomputes gives up a whole
+    chunk's share of its memory, which the whole-model bounds cannot see.  The chunk bound is
+    clearly above them and still below the exhaustive optimum's busiest rank."""
+    k, v, m = 2, 2, 4
+    profile = activation_heavy_profile(10, 6)
+    training = TrainingSetup(global_batch_size=4 * m, optimizer="sgd")
+    acts = sum(layer.activation_bytes[-1] for layer in profile.layers)
+    cl = cluster(k, f"{int(acts * min(m, k * v + k) / k * 0.2 / 0.9)}B")
+    cfg = Config(1, k, m, "interleaved-1f1b", v)
+    search = _Search(profile, cl, training, PlanOptions(), deadline=math.inf)
+    groups = make_groups(cl, training, 1, k)
+    chunk = chunk_memory_bound(search, cfg, groups)
+    whole = max(static_memory_bound(search, cfg, groups), memory_work_bound(search, cfg, groups))
+    _, busiest = exhaustive_both(profile, cl, training, cfg)
+    assert 1.05 * whole < chunk <= busiest
