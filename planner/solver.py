@@ -145,6 +145,11 @@ class _Search:
             self.costs[b] = layer_costs(self.profile, b)
         return self.costs[b]
 
+    def knapsack_at(self, b: int) -> _Knapsack:
+        if b not in self.knapsacks:
+            self.knapsacks[b] = _Knapsack.of(self.costs_at(b))
+        return self.knapsacks[b]
+
     def offer(self, cfg: Config, split: Split, groups: list[Group], step: float) -> None:
         if step < self.best_step_of.get(cfg, math.inf):
             self.best_step_of[cfg] = step
@@ -161,7 +166,7 @@ def consider(search: _Search, sm: StageModel, groups: list[Group], split: Split)
         return math.inf
     cfg = sm.cfg
     actions = 2 * cfg.num_microbatches * cfg.num_stages
-    if (cfg.schedule, cfg.pipeline_degree, cfg.num_microbatches, cfg.virtual_stages) not in search.compiled:
+    if cfg.shape not in search.compiled:
         search.work += actions  # compiling the schedule costs about 5 simulations
     step = quick_step(sm, search.cluster, groups, split, search.compiled)
     search.work += SIM_WORK * actions + 50
@@ -476,6 +481,39 @@ class _Knapsack:
         part = (self.prefix_work[i + 1] - self.prefix_work[i]) * min(1.0, left / a) if a > 0 else 0.0
         return self.prefix_work[i] + part
 
+    def tangents(self, capacities: Sequence[float]) -> set[tuple[float, float]]:
+        """Lines ``(alpha, beta)`` of the concave curve's segments at ``capacities``: for
+        every capacity ``A``, ``value(A) <= alpha + beta·A`` (zero-activation items skipped)."""
+        lines = set()
+        for cap in capacities:
+            i = min(max(0, bisect.bisect_right(self.prefix_acts, cap) - 1), len(self.acts) - 1)
+            while i < len(self.acts) and self.acts[i] <= 0:
+                i += 1
+            if i < len(self.acts):
+                beta = (self.prefix_work[i + 1] - self.prefix_work[i]) / self.acts[i]
+                lines.add((self.prefix_work[i] - beta * self.prefix_acts[i], beta))
+        return lines
+
+
+def _state_per_work(costs: LayerCosts, training: TrainingSetup) -> float:
+    """Least parameter-state bytes (parameters, gradients, optimizer) per unit of forward +
+    backward work over the layers that do work (0 when none does)."""
+    sigma = math.inf
+    for f, bw, pb in zip(costs.forward_ms, costs.backward_ms, costs.param_bytes, strict=True):
+        if f + bw > 0:
+            sigma = min(sigma, static_bytes(pb, training) / (f + bw))
+    return 0.0 if sigma == math.inf else sigma
+
+
+def _recompute_freedom(options: PlanOptions) -> tuple[bool, bool]:
+    """(some stage may keep its activations, some stage may recompute) under the options."""
+    rc = options.recompute
+    if isinstance(rc, bool):
+        return not rc, rc
+    if isinstance(rc, list):
+        return not all(rc), any(rc)
+    return True, True
+
 
 def busiest_rank_work(search: _Search, cfg: Config) -> float:
     """Least forward + backward per micro-batch (speed 1) of the busiest rank, whatever the split.
@@ -485,9 +523,7 @@ def busiest_rank_work(search: _Search, cfg: Config) -> float:
     largest layer).  That rank runs all M micro-batches, so ``T >= M · this / fastest speed``.
     """
     b = cfg.microbatch_size(search.training.global_batch_size)
-    if b not in search.knapsacks:
-        search.knapsacks[b] = _Knapsack.of(search.costs_at(b))
-    desc = search.knapsacks[b].desc_work
+    desc = search.knapsack_at(b).desc_work
     k = cfg.pipeline_degree
     best = 0.0
     j = 0
@@ -521,9 +557,7 @@ def memory_work_bound(search: _Search, cfg: Config, groups: Sequence[Group]) -> 
     add to the step time, so they are left out.
     """
     b = cfg.microbatch_size(search.training.global_batch_size)
-    if b not in search.knapsacks:
-        search.knapsacks[b] = _Knapsack.of(search.costs_at(b))
-    knap = search.knapsacks[b]
+    knap = search.knapsack_at(b)
     k, m, v = cfg.pipeline_degree, cfg.num_microbatches, cfg.virtual_stages
     limit = max(g.limit_bytes for g in groups)
     caps = sorted(
@@ -531,9 +565,8 @@ def memory_work_bound(search: _Search, cfg: Config, groups: Sequence[Group]) -> 
     )
     speeds = sorted((g.speed for g in groups), reverse=True)
     ssum = sum(speeds)
-    rc_opt = search.options.recompute
-    allow_rc = rc_opt is None or (isinstance(rc_opt, bool) and rc_opt) or (isinstance(rc_opt, list) and any(rc_opt))
-    all_rc = (isinstance(rc_opt, bool) and rc_opt) or (isinstance(rc_opt, list) and all(rc_opt))
+    keep_allowed, allow_rc = _recompute_freedom(search.options)
+    all_rc = not keep_allowed
     w, phi = knap.work, knap.phi
     if all_rc:
         return m * (1 + phi) * w / ssum
@@ -580,39 +613,22 @@ def static_memory_bound(search: _Search, cfg: Config, groups: Sequence[Group]) -
     fastest for every rank.
     """
     b = cfg.microbatch_size(search.training.global_batch_size)
-    if b not in search.knapsacks:
-        search.knapsacks[b] = _Knapsack.of(search.costs_at(b))
-    knap = search.knapsacks[b]
+    knap = search.knapsack_at(b)
     costs = search.costs_at(b)
     k, m, v = cfg.pipeline_degree, cfg.num_microbatches, cfg.virtual_stages
     limit = max(g.limit_bytes for g in groups)
     smax = max(g.speed for g in groups)
     inflight = [max(1, StageModel.inflight_of(cfg, r)) for r in range(k)]
-    sigma = math.inf
-    for f, bw, pb in zip(costs.forward_ms, costs.backward_ms, costs.param_bytes, strict=True):
-        if f + bw > 0:
-            sigma = min(sigma, static_bytes(pb, search.training) / (f + bw))
-    if sigma == math.inf:
-        sigma = 0.0
-    rc_opt = search.options.recompute
-    allow_rc = rc_opt is None or (isinstance(rc_opt, bool) and rc_opt) or (isinstance(rc_opt, list) and any(rc_opt))
-    if (isinstance(rc_opt, bool) and rc_opt) or (isinstance(rc_opt, list) and all(rc_opt)):
+    sigma = _state_per_work(costs, search.training)
+    keep_allowed, allow_rc = _recompute_freedom(search.options)
+    if not keep_allowed:
         return 0.0  # everything recomputed: memory_work_bound already counts it exactly
     w, phi = knap.work, knap.phi
     if w <= 0:
         return 0.0
     inv = sum(1.0 / n for n in inflight)
     a_star = v * limit * inv
-    lines: set[tuple[float, float]] = set()
-    for theta in (1.0, 0.5, 0.15):
-        i = min(max(0, bisect.bisect_right(knap.prefix_acts, a_star * theta) - 1), len(knap.acts) - 1)
-        while i < len(knap.acts) and knap.acts[i] <= 0:
-            i += 1
-        if i >= len(knap.acts):
-            continue
-        beta = (knap.prefix_work[i + 1] - knap.prefix_work[i]) / knap.acts[i]
-        alpha = knap.prefix_work[i] - beta * knap.prefix_acts[i]
-        lines.add((alpha, beta))
+    lines = knap.tangents([a_star * theta for theta in (1.0, 0.5, 0.15)])
 
     best = 0.0
     for alpha, beta in sorted(lines):
@@ -712,9 +728,7 @@ def chunk_memory_bound(search: _Search, cfg: Config, groups: Sequence[Group]) ->
     add to the step time and are left out.
     """
     b = cfg.microbatch_size(search.training.global_batch_size)
-    if b not in search.knapsacks:
-        search.knapsacks[b] = _Knapsack.of(search.costs_at(b))
-    knap = search.knapsacks[b]
+    knap = search.knapsack_at(b)
     costs = search.costs_at(b)
     k, m, v = cfg.pipeline_degree, cfg.num_microbatches, cfg.virtual_stages
     w, phi = knap.work, knap.phi
@@ -722,15 +736,8 @@ def chunk_memory_bound(search: _Search, cfg: Config, groups: Sequence[Group]) ->
         return 0.0
     limit = float(max(g.limit_bytes for g in groups))
     smax = max(g.speed for g in groups)
-    sigma = math.inf
-    for f, bw, pb in zip(costs.forward_ms, costs.backward_ms, costs.param_bytes, strict=True):
-        if f + bw > 0:
-            sigma = min(sigma, static_bytes(pb, search.training) / (f + bw))
-    if sigma == math.inf:
-        sigma = 0.0
-    rc_opt = search.options.recompute
-    keep_allowed = not (isinstance(rc_opt, bool) and rc_opt) and not (isinstance(rc_opt, list) and all(rc_opt))
-    rc_allowed = not (isinstance(rc_opt, bool) and not rc_opt) and not (isinstance(rc_opt, list) and not any(rc_opt))
+    sigma = _state_per_work(costs, search.training)
+    keep_allowed, rc_allowed = _recompute_freedom(search.options)
     # chunks that may keep their activations when a rank recomputes something
     keep_with_rc = v - 1 if keep_allowed else 0
     inflight = [max(1, StageModel.inflight_of(cfg, r)) for r in range(k)]
@@ -780,14 +787,7 @@ def chunk_memory_bound(search: _Search, cfg: Config, groups: Sequence[Group]) ->
         return opts
 
     a_all = sum(v * limit / n for n in inflight)
-    lines: set[tuple[float, float]] = {(knap.work, 0.0)}
-    for theta in (1.0, 0.5, 0.25, 0.1):
-        i = min(max(0, bisect.bisect_right(knap.prefix_acts, a_all * theta) - 1), len(knap.acts) - 1)
-        while i < len(knap.acts) and knap.acts[i] <= 0:
-            i += 1
-        if i < len(knap.acts):
-            beta = (knap.prefix_work[i + 1] - knap.prefix_work[i]) / knap.acts[i]
-            lines.add((knap.prefix_work[i] - beta * knap.prefix_acts[i], beta))
+    lines = {(knap.work, 0.0), *knap.tangents([a_all * theta for theta in (1.0, 0.5, 0.25, 0.1)])}
     lambdas = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)
 
     def covers(t: float) -> bool:

@@ -58,6 +58,11 @@ class Config:
     def num_stages(self) -> int:
         return self.pipeline_degree * self.virtual_stages
 
+    @property
+    def shape(self) -> tuple[Schedule, int, int, int]:
+        """(schedule, K, M, v): what its compiled schedule depends on."""
+        return (self.schedule, self.pipeline_degree, self.num_microbatches, self.virtual_stages)
+
     def microbatch_size(self, global_batch_size: int) -> int:
         return global_batch_size // (self.data_parallel * self.num_microbatches)
 
@@ -218,7 +223,7 @@ def quick_step(
     """
     cfg = sm.cfg
     k = cfg.pipeline_degree
-    key = (cfg.schedule, k, cfg.num_microbatches, cfg.virtual_stages)
+    key = cfg.shape
     if compiled is None:
         compiled = {}
     if key not in compiled:
