@@ -98,6 +98,12 @@ SIM_WORK = 0.2
 MAX_EXTRAPOLATION = 2
 #: relative precision of the bottleneck binary searches
 REL_TOL = 1e-6
+#: layers with a work density this many times the median are outliers (:func:`_outlier_layers`)
+OUTLIER_DENSITY = 1.25
+#: most outlier layers :func:`chunk_memory_bound` sets apart
+MAX_OUTLIERS = 4
+#: most layer runs :class:`_Windows` lists (beyond, the chunk bound uses the knapsack alone)
+WINDOW_LIMIT = 200_000
 #: relative precision of the configuration bounds' binary search (the bound only loses this much)
 BOUND_REL_TOL = 2e-5
 
@@ -133,6 +139,8 @@ class _Search:
     _param_bytes: int = -1
     #: per micro-batch size: the fractional-knapsack table of :func:`memory_work_bound`
     knapsacks: dict[int, _Knapsack] = field(default_factory=dict)
+    #: per micro-batch size: the whole-layer window table of :func:`chunk_memory_bound`
+    windows: dict[tuple[int, frozenset[int]], _Windows] = field(default_factory=dict)
 
     @property
     def profile_param_bytes(self) -> int:
@@ -149,6 +157,13 @@ class _Search:
         if b not in self.knapsacks:
             self.knapsacks[b] = _Knapsack.of(self.costs_at(b))
         return self.knapsacks[b]
+
+    def windows_at(self, b: int, *, exclude: frozenset[int] = frozenset()) -> _Windows:
+        """:class:`_Windows` at micro-batch size ``b``, without the runs through ``exclude``."""
+        key = (b, exclude)
+        if key not in self.windows:
+            self.windows[key] = _Windows(self.costs_at(b), exclude=exclude)
+        return self.windows[key]
 
     def offer(self, cfg: Config, split: Split, groups: list[Group], step: float) -> None:
         if step < self.best_step_of.get(cfg, math.inf):
@@ -495,6 +510,92 @@ class _Knapsack:
         return lines
 
 
+class _Windows:
+    """The most work one chunk can keep activations for: whole, contiguous layers.
+
+    ``value(A)`` is the most forward + backward work (speed 1) of any run of consecutive
+    layers whose activation bytes total at most ``A``: exact, where :meth:`_Knapsack.value`
+    takes layers fractionally and from anywhere (a chunk cannot keep 1.9 layers).  The table
+    lists every run up to the largest capacity asked so far (doubling on demand, at most
+    ``WINDOW_LIMIT`` runs); past that, ``value`` answers infinity (no information), and the
+    callers take the smaller of both bounds.
+    """
+
+    def __init__(self, costs: LayerCosts, *, exclude: frozenset[int] = frozenset()) -> None:
+        self._exclude = exclude
+        self._pa = costs.prefix_activation
+        self._pw = [f + b for f, b in zip(costs.prefix_forward, costs.prefix_backward, strict=True)]
+        self._n = costs.num_layers
+        self._built = -1.0
+        self._acts: list[float] = []
+        self._best: list[float] = []
+
+    def _build(self, capacity: float) -> None:
+        import numpy as np  # only here: the service never builds this table at start-up
+
+        pa, pw = np.asarray(self._pa), np.asarray(self._pw)
+        n = self._n
+        ok = np.ones(n + 1, dtype=bool)  # ok[b]: layer b - 1 may end a run (not excluded)
+        for i in self._exclude:
+            ok[i + 1] = False
+        # blocked[b]: excluded layers among the first b (a run (a, b) is allowed when none
+        # of layers a..b-1 is excluded, i.e. blocked[b] == blocked[a])
+        blocked = np.concatenate(([0], np.cumsum(~ok[1:])))
+        acts_parts, work_parts = [], []
+        count = 0
+        for length in range(1, n + 1):
+            acts = pa[length:] - pa[:-length]
+            if acts.min() > capacity:
+                break  # every longer run holds one of these, so it is larger still
+            keep = (acts <= capacity) & (blocked[length:] == blocked[:-length])
+            count += int(keep.sum())
+            if count > WINDOW_LIMIT:
+                self._built, self._acts, self._best = math.inf, [], []
+                return
+            acts_parts.append(acts[keep])
+            work_parts.append((pw[length:] - pw[:-length])[keep])
+        if not acts_parts:
+            self._built, self._acts, self._best = capacity, [], []
+            return
+        acts_all = np.concatenate(acts_parts)
+        order = np.argsort(acts_all, kind="stable")
+        best = np.maximum.accumulate(np.concatenate(work_parts)[order])
+        self._built, self._acts, self._best = capacity, acts_all[order].tolist(), best.tolist()
+
+    def reserve(self, capacity: float) -> None:
+        """List the runs up to ``capacity`` now (one build instead of several doublings)."""
+        cap = capacity * (1 + 1e-9) + 1e-6
+        if cap > self._built:
+            self._build(max(cap, 2 * self._built))
+
+    def value(self, capacity: float) -> float:
+        # tolerances keep float rounding of the prefix sums on the safe (larger) side
+        cap = capacity * (1 + 1e-9) + 1e-6
+        if cap > self._built:
+            self._build(max(2 * cap, 2 * self._built))
+            if not self._acts and self._built == math.inf:
+                return math.inf
+        i = bisect.bisect_right(self._acts, cap)
+        return self._best[i - 1] * (1 + 1e-12) if i else 0.0
+
+
+def _outlier_layers(costs: LayerCosts) -> frozenset[int]:
+    """The few layers (at most ``MAX_OUTLIERS``) whose work per activation byte exceeds
+    ``OUTLIER_DENSITY`` times the median: an LM head or an embedding next to uniform blocks.
+
+    Which layers are picked only changes how tight :func:`chunk_memory_bound` is, never
+    whether it is valid."""
+    dens = sorted(
+        ((f + b) / a, i)
+        for i, (f, b, a) in enumerate(zip(costs.forward_ms, costs.backward_ms, costs.activation_bytes, strict=True))
+        if a > 0 and f + b > 0
+    )
+    if not dens:
+        return frozenset()
+    median = dens[len(dens) // 2][0]
+    return frozenset(i for d, i in dens[::-1][:MAX_OUTLIERS] if d > OUTLIER_DENSITY * median)
+
+
 def _state_per_work(costs: LayerCosts, training: TrainingSetup) -> float:
     """Least parameter-state bytes (parameters, gradients, optimizer) per unit of forward +
     backward work over the layers that do work (0 when none does)."""
@@ -696,8 +797,14 @@ def static_memory_bound(search: _Search, cfg: Config, groups: Sequence[Group]) -
     return best
 
 
-def chunk_memory_bound(search: _Search, cfg: Config, groups: Sequence[Group]) -> float:
+def chunk_memory_bound(
+    search: _Search, cfg: Config, groups: Sequence[Group], *, lo: float = 0.0, cutoff: float = math.inf
+) -> float:
     """A lower bound of any split of ``cfg`` from each rank's memory, chunk by chunk.
+
+    ``lo`` is a known lower bound (it starts the bisection); with a finite ``cutoff`` (the
+    best step time so far) a bound at or above it is returned as ``cutoff`` after one test,
+    since then only "not better" matters.
 
     Rank ``r`` holds ``n_r`` micro-batches in flight and v chunks.  With ``y_r`` its work
     (forward + backward at speed 1) and ``u_r`` the work of its chunks that keep their
@@ -705,8 +812,9 @@ def chunk_memory_bound(search: _Search, cfg: Config, groups: Sequence[Group]) ->
 
     * its parameter state is at least ``sigma·y_r`` (``sigma``: least state bytes per unit
       of work over the layers), so every chunk that keeps its activations keeps at most
-      ``A_r = (limit - sigma·y_r) / n_r`` activation bytes, and works at most ``kappa(A_r)``
-      (the fractional knapsack of :class:`_Knapsack`: most work per activation byte);
+      ``A_r = (limit - sigma·y_r) / n_r`` activation bytes, and works at most ``kappa(A_r)``,
+      the smaller of the fractional knapsack of :class:`_Knapsack` (most work per activation
+      byte) and the whole-layer windows of :class:`_Windows` (a chunk keeps whole layers);
     * either no chunk recomputes (``u_r = y_r <= v·kappa(A_r)``) or at least one does, and
       then ``u_r <= (v - 1)·kappa(A_r)``: this is what the whole-model bounds cannot see, a
       rank that recomputes anything gives up a whole chunk's share of its memory;
@@ -729,6 +837,7 @@ def chunk_memory_bound(search: _Search, cfg: Config, groups: Sequence[Group]) ->
     """
     b = cfg.microbatch_size(search.training.global_batch_size)
     knap = search.knapsack_at(b)
+    windows = search.windows_at(b)
     costs = search.costs_at(b)
     k, m, v = cfg.pipeline_degree, cfg.num_microbatches, cfg.virtual_stages
     w, phi = knap.work, knap.phi
@@ -742,15 +851,27 @@ def chunk_memory_bound(search: _Search, cfg: Config, groups: Sequence[Group]) ->
     keep_with_rc = v - 1 if keep_allowed else 0
     inflight = [max(1, StageModel.inflight_of(cfg, r)) for r in range(k)]
     y_cap = limit / sigma if sigma > 0 else math.inf
-    keep_all_work: dict[int, float] = {}  # per in-flight count: most work with nothing recomputed
+    keep_all_work: dict[tuple[int, bool], float] = {}  # most work with nothing recomputed
+    # runs through a few outlier layers (the densest, like an LM head) can be kept by at
+    # most that many chunks in the whole model; every other rank is held to the runs
+    # without them (``base``), and only the ``len(outliers)`` ranks that gain most get more
+    outliers = _outlier_layers(costs)
+    base_windows = search.windows_at(b, exclude=outliers) if outliers else windows
+    for runs in {id(windows): windows, id(base_windows): base_windows}.values():
+        runs.reserve(limit / min(inflight))  # the largest capacity asked (y = 0)
 
-    def most_work(n: int, chunks: int, need: Callable[[float], float]) -> float:
+    def most_work(n: int, chunks: int, need: Callable[[float], float], base: bool) -> float:
         """At least the largest y in [0, y_cap] with need(y) <= chunks·kappa(A(y)) (need
         increasing, so the set is an interval); -1 when not even y = 0 qualifies.  The
         bisection returns its infeasible end, so the result never falls short."""
+        runs = base_windows if base else windows
+
         def ok(y: float) -> bool:
             a_cap = (limit - sigma * y) / n
-            return a_cap >= 0 and need(y) <= chunks * knap.value(a_cap) * (1 + 1e-12) + 1e-12
+            if a_cap < 0:
+                return False
+            kappa = min(knap.value(a_cap), runs.value(a_cap))
+            return need(y) <= chunks * kappa * (1 + 1e-12) + 1e-12
         hi = min(y_cap, w)
         if ok(hi):
             return hi
@@ -765,15 +886,15 @@ def chunk_memory_bound(search: _Search, cfg: Config, groups: Sequence[Group]) ->
                 hi = mid
         return hi
 
-    def rank_options(t: float, n: int) -> list[tuple[float, float, float, bool]]:
+    def rank_options(t: float, n: int, base: bool) -> list[tuple[float, float, float, bool]]:
         """Each choice as (y_max, kink, chunks kept, keeps all): y <= y_max; without
         recompute u = y, with it u = max(0, ((1+phi)·y - t) / phi), which grows past ``kink``."""
         opts: list[tuple[float, float, float, bool]] = []
         if keep_allowed:
-            if n not in keep_all_work:
-                keep_all_work[n] = most_work(n, v, lambda y: y)
-            if keep_all_work[n] >= 0:
-                opts.append((min(t, keep_all_work[n]), math.inf, float(v), True))
+            if (n, base) not in keep_all_work:
+                keep_all_work[n, base] = most_work(n, v, lambda y: y, base)
+            if keep_all_work[n, base] >= 0:
+                opts.append((min(t, keep_all_work[n, base]), math.inf, float(v), True))
         if rc_allowed:
             if phi <= 0:
                 y_ii = min(t, y_cap, w)
@@ -781,7 +902,9 @@ def chunk_memory_bound(search: _Search, cfg: Config, groups: Sequence[Group]) ->
             else:
                 def need(y: float, t: float = t) -> float:
                     return max(0.0, ((1 + phi) * y - t) / phi)
-                y_ii = min(t, most_work(n, keep_with_rc, need)) if keep_with_rc else min(t / (1 + phi), y_cap, w)
+                y_ii = (
+                    min(t, most_work(n, keep_with_rc, need, base)) if keep_with_rc else min(t / (1 + phi), y_cap, w)
+                )
                 if y_ii >= 0:
                     opts.append((y_ii, t / (1 + phi), float(keep_with_rc), False))
         return opts
@@ -790,50 +913,72 @@ def chunk_memory_bound(search: _Search, cfg: Config, groups: Sequence[Group]) ->
     lines = {(knap.work, 0.0), *knap.tangents([a_all * theta for theta in (1.0, 0.5, 0.25, 0.1)])}
     lambdas = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)
 
+    def rank_best(
+        opts: list[tuple[float, float, float, bool]], n: int, t: float, lam: float, beta: float
+    ) -> float:
+        """max over the rank's choices of y - lambda·(u - beta·chunks·A(y)) (at breakpoints)."""
+        best = -math.inf
+        for y_max, kink, chunks, keeps_all in opts:
+            for y in (0.0, min(kink, y_max), y_max):
+                if keeps_all:
+                    u = y
+                else:
+                    u = max(0.0, ((1 + phi) * y - t) / phi) if phi > 0 else 0.0
+                best = max(best, y - lam * (u - beta * chunks * (limit - sigma * y) / n))
+        return best
+
     def covers(t: float) -> bool:
-        per_rank = [rank_options(t, n) for n in inflight]
+        per_rank = [rank_options(t, n, False) for n in inflight]
         if any(not o for o in per_rank):
             return False
+        per_rank_base = [rank_options(t, n, True) for n in inflight] if outliers else per_rank
         for alpha, beta in sorted(lines):
             for lam in lambdas if beta > 0 else (0.0,):
                 total = lam * alpha if beta > 0 else 0.0
-                for n, opts in zip(inflight, per_rank, strict=True):
-                    best = -math.inf
-                    for y_max, kink, chunks, keeps_all in opts:
-                        for y in (0.0, min(kink, y_max), y_max):
-                            if keeps_all:
-                                u = y
-                            else:
-                                u = max(0.0, ((1 + phi) * y - t) / phi) if phi > 0 else 0.0
-                            best = max(best, y - lam * (u - beta * chunks * (limit - sigma * y) / n))
-                    total += best
+                gains = []
+                for n, opts, opts_base in zip(inflight, per_rank, per_rank_base, strict=True):
+                    full = rank_best(opts, n, t, lam, beta)
+                    held = rank_best(opts_base, n, t, lam, beta) if opts_base else full
+                    total += held
+                    gains.append(full - held)
+                if outliers:
+                    total += sum(max(0.0, g) for g in sorted(gains, reverse=True)[: len(outliers)])
                 if total < w * (1 - 1e-9):
                     return False
         return True
 
-    hi = w / k
-    while not covers(hi):
-        if hi > w * 1e3:
-            return math.inf
-        hi *= 1.25
-    lo = 0.0 if hi == w / k else hi / 1.25
-    while hi - lo > BOUND_REL_TOL * hi:
-        mid = (lo + hi) / 2
+    # bisection between ``low`` (not covered, or the known bound ``lo``) and ``hi`` (covered)
+    low = lo * smax / m
+    if cutoff < math.inf:
+        hi = cutoff * smax / m
+        if not covers(hi):
+            return cutoff
+    else:
+        hi = max(w / k, 1.25 * low)
+        while not covers(hi):
+            if hi > w * 1e3:
+                return math.inf
+            low, hi = hi, hi * 1.25
+    if low > 0 and covers(low):
+        return lo
+    while hi - low > BOUND_REL_TOL * hi:
+        mid = (low + hi) / 2
         if covers(mid):
             hi = mid
         else:
-            lo = mid
-    return lo * m / smax
+            low = mid
+    return max(lo, low * m / smax)
 
 
-def memory_bounds(search: _Search, cfg: Config, groups: Sequence[Group]) -> float:
-    """The larger of :func:`static_memory_bound` and :func:`chunk_memory_bound` (infinite
-    when either proves that nothing fits), with their work counted."""
+def memory_bounds(search: _Search, cfg: Config, groups: Sequence[Group], *, lo: float = 0.0) -> float:
+    """The larger of ``lo``, :func:`static_memory_bound` and :func:`chunk_memory_bound`
+    (infinite when either proves that nothing fits), with their work counted; a bound at or
+    above the best step time so far comes back as that step time."""
     search.work += 800 * cfg.pipeline_degree
-    bound = static_memory_bound(search, cfg, groups)
-    if bound == math.inf:
+    bound = max(lo, static_memory_bound(search, cfg, groups))
+    if bound == math.inf or bound >= search.best_step:
         return bound
-    return max(bound, chunk_memory_bound(search, cfg, groups))
+    return max(bound, chunk_memory_bound(search, cfg, groups, lo=bound, cutoff=search.best_step))
 
 
 def _rc_options(options: PlanOptions, stage: int) -> tuple[bool, ...]:
@@ -1526,7 +1671,7 @@ def _advance(
         if cfg.virtual_stages == 1:
             lb = relaxed_bound(search, sm, groups, bound, cutoff=search.best_step)
         else:
-            lb = max(bound, memory_bounds(search, cfg, groups))
+            lb = memory_bounds(search, cfg, groups, lo=bound)
             if lb == math.inf or not relaxed_memory_fits(search, sm, groups):
                 lb = None
         if lb is None:

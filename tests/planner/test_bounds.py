@@ -426,3 +426,81 @@ def test_chunk_memory_bound_is_stronger_where_chunks_must_recompute() -> None:
     whole = max(static_memory_bound(search, cfg, groups), memory_work_bound(search, cfg, groups))
     _, busiest = exhaustive_both(profile, cl, training, cfg)
     assert 1.05 * whole < chunk <= busiest
+
+
+@SETTINGS
+@given(
+    seed=st.integers(0, 10_000),
+    layers=st.integers(1, 9),
+    fraction=st.floats(0.0, 1.2),
+    exclude=st.sets(st.integers(0, 8), max_size=3),
+)
+def test_layer_runs_give_the_most_work_of_any_run_that_fits(
+    seed: int, layers: int, fraction: float, exclude: set[int]
+) -> None:
+    """``_Windows.value(A)`` is the most work of consecutive layers, none excluded, whose
+    activations fit ``A`` (checked against every run); never less, so the bound stays valid."""
+    from planner.costmodel import layer_costs
+    from planner.solver import _Windows
+
+    costs = layer_costs(random_profile(seed, layers), 2)
+    skip = frozenset(i for i in exclude if i < layers)
+    capacity = fraction * sum(costs.activation_bytes)
+    runs = _Windows(costs, exclude=skip)
+    best = 0.0
+    for a in range(layers):
+        for b in range(a + 1, layers + 1):
+            if skip & set(range(a, b)):
+                continue
+            if sum(costs.activation_bytes[a:b]) <= capacity:
+                best = max(best, sum(costs.forward_ms[a:b]) + sum(costs.backward_ms[a:b]))
+    assert runs.value(capacity) == pytest.approx(best, rel=1e-9, abs=1e-9)
+    assert runs.value(capacity) >= best
+
+
+def _blocks_and_head(memory: str) -> tuple[Profile, Cluster, TrainingSetup, Config]:
+    """Seven equal blocks and an LM head that does three times their work for 40 MiB of
+    activations (the densest layer by far), interleaved on two ranks."""
+    from planner.schema import LayerProfile, MeasuredOn
+    from tests.planner.helpers import MiB
+
+    sizes = [1, 8]
+
+    def layer(name: str, f: float, act: int) -> LayerProfile:
+        return LayerProfile(name=name, param_bytes=MiB, forward_ms=[f * b for b in sizes],
+                            backward_ms=[2 * f * b for b in sizes], activation_bytes=[act * MiB * b for b in sizes],
+                            output_bytes=[MiB * b for b in sizes])
+
+    layers = [layer(f"block{i}", 1.0, 32) for i in range(7)] + [layer("head", 3.0, 40)]
+    profile = Profile(model="blocks-head", measured_on=MeasuredOn(device="cpu"), microbatch_sizes=sizes, layers=layers)
+    return profile, cluster(2, memory), TrainingSetup(global_batch_size=32, optimizer="sgd"), Config(1, 2, 4, "interleaved-1f1b", 2)
+
+
+@pytest.mark.parametrize("memory", ["1GiB", "2GiB"])
+def test_chunk_bound_counts_whole_layers_and_a_head_only_one_chunk_can_keep(
+    memory: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """1 GiB: a kept chunk holds whole layers, so whole-layer runs beat the fractional
+    knapsack; 2 GiB: only one chunk can keep the head, so setting it apart beats runs that
+    let every rank claim it.  Each version stays below the exhaustive busiest rank."""
+    import planner.solver as solver
+
+    profile, cl, training, cfg = _blocks_and_head(memory)
+    groups = make_groups(cl, training, 1, 2)
+
+    def bound() -> float:
+        return chunk_memory_bound(_Search(profile, cl, training, PlanOptions(), deadline=math.inf), cfg, groups)
+
+    full = bound()
+    with monkeypatch.context() as patch:
+        patch.setattr(solver, "_outlier_layers", lambda costs: frozenset())
+        runs_only = bound()
+        patch.setattr(solver._Windows, "value", lambda self, capacity: math.inf)
+        knapsack_only = bound()
+    _, busiest = exhaustive_both(profile, cl, training, cfg)
+    assert full <= busiest * (1 + 1e-9)
+    assert knapsack_only <= runs_only <= full
+    if memory == "1GiB":
+        assert runs_only > 1.05 * knapsack_only
+    else:
+        assert full > 1.05 * runs_only
