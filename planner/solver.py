@@ -49,7 +49,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from planner.costmodel import LayerCosts, boundary_transfer_ms, estimate, layer_costs, static_bytes
+from planner.costmodel import (
+    LayerCosts,
+    boundary_transfer_ms,
+    estimate,
+    layer_costs,
+    static_bytes,
+)
 from planner.errors import InputError
 from planner.schema import (
     SCHEDULES,
@@ -68,10 +74,12 @@ from planner.solver_core import (
     Group,
     Split,
     StageModel,
+    TransferBounds,
     farthest,
     make_groups,
     quick_step,
     split_lower_bound,
+    split_memory_ok,
 )
 
 #: enumerate every split of a configuration when there are at most this many
@@ -102,8 +110,16 @@ REL_TOL = 1e-6
 OUTLIER_DENSITY = 1.25
 #: most outlier layers :func:`chunk_memory_bound` sets apart
 MAX_OUTLIERS = 4
+#: share of the work budget the boundary tables of :mod:`planner.chain_dp` may use
+CHAIN_SHARE = 0.2
+#: work units per entry of those tables (measured: about 10^7 entries a second)
+CHAIN_WORK = 0.05
+#: relative width at which a configuration's table bisection stops
+CHAIN_TOL = 2e-4
 #: most layer runs :class:`_Windows` lists (beyond, the chunk bound uses the knapsack alone)
 WINDOW_LIMIT = 200_000
+#: relative precision of :func:`chunk_memory_bound`'s bisection (each step costs K knapsack solves)
+CHUNK_REL_TOL = 5e-4
 #: relative precision of the configuration bounds' binary search (the bound only loses this much)
 BOUND_REL_TOL = 2e-5
 
@@ -141,6 +157,8 @@ class _Search:
     knapsacks: dict[int, _Knapsack] = field(default_factory=dict)
     #: per micro-batch size: the whole-layer window table of :func:`chunk_memory_bound`
     windows: dict[tuple[int, frozenset[int]], _Windows] = field(default_factory=dict)
+    #: configurations whose bound the boundary table has settled (CP-SAT cannot raise it)
+    chain_done: set[Config] = field(default_factory=set)
 
     @property
     def profile_param_bytes(self) -> int:
@@ -217,6 +235,7 @@ def solve(
     _branch_and_bound(search, configs)
     _seed_with_baselines(search, configs)
     _polish(search)
+    _tighten_chains(search)
     if search.best is None:
         from planner.infeasible import diagnose
 
@@ -961,7 +980,7 @@ def chunk_memory_bound(
             low, hi = hi, hi * 1.25
     if low > 0 and covers(low):
         return lo
-    while hi - low > BOUND_REL_TOL * hi:
+    while hi - low > CHUNK_REL_TOL * hi:
         mid = (low + hi) / 2
         if covers(mid):
             hi = mid
@@ -1003,16 +1022,18 @@ def relaxed_bound(
     kinds = sorted({g.kind for g in groups}, reverse=True)
     kind_groups = [next(g for g in groups if g.kind == kd) for kd in kinds]
     smax = max(g.speed for g in groups)
-    m = cfg.num_microbatches
+    m, k = cfg.num_microbatches, cfg.pipeline_degree
+    # the paths into and out of stage s cross the boundaries too
+    xfers = TransferBounds.of(search.cluster, sm, groups)
 
     def feasible(t: float) -> bool:
         search.work += cfg.pipeline_degree * len(kind_groups) * 2 * math.log2(sm.L + 1)
         a = 0
-        for s in range(cfg.pipeline_degree):
+        for s in range(k):
             lo_b, hi_b = a, sm.L
             reach = a  # an empty stage is allowed in the relaxation
-            in_f = sm.F[a] / smax
-            out_b = sm.B[a] / smax
+            in_f = sm.F[a] / smax + xfers.up[s]
+            out_b = sm.B[a] / smax + xfers.up[s]
             for g in kind_groups:
                 for rc in _rc_options(search.options, s):
 
@@ -1021,10 +1042,8 @@ def relaxed_bound(
             ) -> bool:
                         if b == a:
                             return True
-                        value = (
-                            in_f + m * sm.work_ms(a, b, rc, g.speed) + _idle_bound(sm, a, b, rc, s, g.speed, smax)
-                            + max(out_b, sm.allreduce(a, b, g))
-                        )
+                        wait = _idle_bound(sm, a, b, rc, s, g.speed, smax, transfers=xfers.down[s])
+                        value = in_f + m * sm.work_ms(a, b, rc, g.speed) + wait + max(out_b, sm.allreduce(a, b, g))
                         return value <= t and sm.memory_relaxed(a, b, rc, s) <= g.limit_bytes
 
                     b = farthest(ok, lo_b, hi_b)
@@ -1041,19 +1060,32 @@ def relaxed_bound(
     return _bisect(feasible, lo, rel_tol=BOUND_REL_TOL)[0]
 
 
-def _idle_bound(sm: StageModel, a: int, b: int, rc: bool, s: int, speed: float, smax: float) -> float:
+def _idle_bound(
+    sm: StageModel,
+    a: int,
+    b: int,
+    rc: bool,
+    s: int,
+    speed: float,
+    smax: float,
+    *,
+    transfers: float = 0.0,
+) -> float:
     """The schedule's forced wait on stage ``s`` = [a, b) (see :mod:`planner.solver_core`),
     counted only where it keeps the stage test monotone (so the greedy stays exact).
 
     1F1B: ``max(0, downstream - w·backward)`` with ``w = min(K-s-1, M)``, monotone when
     ``M >= w + 1``, plus the wait for the first backward ``max(0, downstream - w·forward)``
     when ``M >= w + 2`` (then one more layer adds ``M·c_l`` to the work and takes at most
-    ``(2 + w)·c_l`` off the two waits, so the test stays monotone); GPipe: ``max(0, downstream - (M-1)·forward)``, always monotone.  The
-    downstream path is counted at the fastest speed without recompute or transfers.
+    ``(2 + w)·c_l`` off the two waits, so the test stays monotone); GPipe:
+    ``max(0, downstream - (M-1)·forward)``, always monotone.  The downstream path is the
+    later layers' forward + backward at the fastest speed without recompute, plus
+    ``transfers`` (a lower bound of the later boundaries' transfers, both ways: constant in
+    ``b``, so the test stays monotone).
     """
     cfg = sm.cfg
     m = cfg.num_microbatches
-    down = (sm.F[-1] + sm.B[-1] - sm.F[b] - sm.B[b]) / smax
+    down = (sm.F[-1] + sm.B[-1] - sm.F[b] - sm.B[b]) / smax + transfers
     if cfg.schedule == "1f1b":
         w = min(cfg.pipeline_degree - s - 1, m)
         if m < w + 1:
@@ -1639,6 +1671,67 @@ def _branch_and_bound(search: _Search, configs: Sequence[Config]) -> None:
         nxt = _advance(search, cfg, groups, bound, level)
         if nxt is not None:
             heapq.heappush(heap, (nxt[0], nxt[1], cfg, groups))
+
+
+def _tighten_chains(search: _Search) -> None:
+    """Raise the bounds of open one-chunk configurations with the boundary table of
+    :mod:`planner.chain_dp` (homogeneous clusters), smallest bound first, and offer the
+    split the table finds at each time it can reach.
+
+    Each step tests one time ``t`` between the configuration's bound and the smallest time
+    known to be reachable: the first test is at the best step time (if nothing reaches it,
+    the configuration is excluded), then bisection.  The configuration with the smallest
+    bound always goes next, since it alone decides the gap; the loop stops at a
+    configuration the table cannot take, at ``CHAIN_TOL``, or at ``CHAIN_SHARE`` of the work.
+    """
+    if not search.cluster.homogeneous or fixed_ranges(search.options) is not None or not search.open_configs:
+        return
+    from planner.chain_dp import MAX_CELLS, chain_cells, chain_split
+
+    g = search.training.global_batch_size
+    stop = search.work + CHAIN_SHARE * search.work_budget
+    reachable: dict[Config, float] = {}
+    heap = [(bound, cfg) for cfg, (bound, _) in search.open_configs.items()]
+    heapq.heapify(heap)
+    while heap:
+        bound, cfg = heapq.heappop(heap)
+        if search.open_configs.get(cfg, (None,))[0] != bound:
+            continue  # stale entry
+        groups = search.open_configs[cfg][1]
+        if bound >= search.best_step * (1 - 1e-9):
+            del search.open_configs[cfg]
+            search.pruned += 1
+            continue
+        if cfg.virtual_stages != 1 or cfg in search.chain_done:
+            return  # the smallest bound cannot rise here, so neither can the gap
+        if search.work > stop or time.perf_counter() > search.wall_stop:
+            return
+        sm = StageModel(search.costs_at(cfg.microbatch_size(g)), cfg, search.training)
+        hi = min(reachable.get(cfg, math.inf), search.best_step * (1 - 1e-9))
+        t = hi if cfg not in reachable else (bound + hi) / 2
+        cells = chain_cells(sm, groups, t)
+        if cells > MAX_CELLS:
+            search.chain_done.add(cfg)
+            return
+        search.work += CHAIN_WORK * cells
+        found = chain_split(sm, groups, search.cluster, search.training, search.options, t)
+        if found is None:
+            bound = t  # no split reaches t: the configuration's bound rises to it
+            if cfg in reachable and reachable[cfg] - bound <= CHAIN_TOL * bound:
+                search.chain_done.add(cfg)
+        else:
+            reachable[cfg] = t
+            split = Split(found[0], found[1], tuple(range(cfg.pipeline_degree)))
+            if split_memory_ok(sm, groups, split):
+                consider(search, sm, groups, split)
+            if t - bound <= CHAIN_TOL * t:
+                search.chain_done.add(cfg)
+        if bound >= search.best_step * (1 - 1e-9):
+            del search.open_configs[cfg]
+            search.pruned += 1
+            continue
+        search.open_configs[cfg] = (bound, groups)
+        heapq.heappush(heap, (bound, cfg))
 
 
 def _out_of_budget(search: _Search) -> bool:

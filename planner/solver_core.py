@@ -39,6 +39,7 @@ from planner.costmodel import (
     inflight_microbatches,
     rank_memory_bytes,
     static_bytes,
+    transfer_ms,
 )
 from planner.schema import Cluster, Interconnect, Schedule, TrainingSetup
 from planner.simulator import CompiledSchedule, compile_schedule, makespans
@@ -203,6 +204,41 @@ def farthest(ok: Callable[[int], bool], lo: int, hi: int) -> int | None:
         else:
             hi = mid - 1
     return lo
+
+
+@dataclass(frozen=True)
+class TransferBounds:
+    """Split-independent lower bounds of the transfers on a v = 1 pipeline's paths.
+
+    Every boundary moves at least the smallest cut of the model (over the link between
+    those positions, or the faster link type when the positions' devices are not fixed):
+    ``down[s]`` counts boundaries ``s..K-2`` forward and back (stage s's downstream path),
+    ``up[s]`` boundaries before s one way (the forward path into stage s, and the
+    gradient's way back).  Constant in the stage's end, so the stage test stays monotone.
+    (:mod:`planner.chain_dp` counts every later stage's recompute and transfers exactly.)
+    """
+
+    down: tuple[float, ...]
+    up: tuple[float, ...]
+
+    @staticmethod
+    def of(cluster: Cluster, sm: StageModel, groups: Sequence[Group]) -> TransferBounds:
+        k = sm.cfg.pipeline_degree
+        cut = min(sm.costs.cut_bytes[: max(1, sm.L - 1)])
+        hops = []
+        for s in range(k - 1):
+            if cluster.homogeneous:
+                links = [cluster.link(x, y) for x, y in zip(groups[s].devices, groups[s + 1].devices, strict=True)]
+            else:
+                links = [cluster.intra_node, cluster.inter_node]
+            times = [transfer_ms(cut, li.bandwidth_bytes_per_s, li.latency_s) for li in links]
+            hops.append(max(times) if cluster.homogeneous else min(times))
+        down, up = [0.0] * k, [0.0] * k
+        for s in range(k - 2, -1, -1):
+            down[s] = down[s + 1] + 2 * hops[s]
+        for s in range(1, k):
+            up[s] = up[s - 1] + hops[s - 1]
+        return TransferBounds(tuple(down), tuple(up))
 
 
 # --------------------------------------------------------------------------- exact evaluation

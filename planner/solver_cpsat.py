@@ -221,8 +221,13 @@ def tighten(search: _Search, configs: object, *, budget_s: float) -> None:
 
     def can_model(cfg: Config) -> bool:
         # measured: CP-SAT (one worker) neither finds solutions nor moves the bound of
-        # interleaved or large models within seconds; their bounds stay open
-        return cfg.virtual_stages == 1 and cfg.num_stages * (search.profile.num_layers + 1) <= MAX_MODEL_SIZE
+        # interleaved or large models within seconds; their bounds stay open.  Bounds the
+        # boundary table of planner.chain_dp settled are its own model's, tightened further
+        return (
+            cfg.virtual_stages == 1
+            and cfg not in search.chain_done
+            and cfg.num_stages * (search.profile.num_layers + 1) <= MAX_MODEL_SIZE
+        )
 
     # the global bound cannot rise above the smallest bound CP-SAT cannot work on
     floor = min([*search.open_bounds, *(b for c, (b, _) in open_items if not can_model(c))], default=math.inf)

@@ -317,8 +317,11 @@ def test_split_bound_is_tight_when_the_first_stage_is_the_bottleneck(k: int, ext
     schedule=st.sampled_from(["1f1b", "gpipe"]),
     rc=st.booleans(),
     speed=st.sampled_from([0.5, 1.0]),
+    transfers=st.sampled_from([0.0, 0.3, 5.0]),
 )
-def test_relaxed_stage_test_is_monotone(seed: int, k: int, extra: int, schedule: str, rc: bool, speed: float) -> None:
+def test_relaxed_stage_test_is_monotone(
+    seed: int, k: int, extra: int, schedule: str, rc: bool, speed: float, transfers: float
+) -> None:
     """The relaxed bound's farthest-reach greedy is exact only if each stage's time test
     ``M·work + idle`` grows with the stage's end; the waits must never break that."""
     from planner.costmodel import layer_costs
@@ -332,7 +335,7 @@ def test_relaxed_stage_test_is_monotone(seed: int, k: int, extra: int, schedule:
     sm = StageModel(layer_costs(profile, 2), Config(1, k, m, schedule), training)  # type: ignore[arg-type]
     for s in range(k):
         for a in range(layers):
-            values = [m * sm.work_ms(a, b, rc, speed) + _idle_bound(sm, a, b, rc, s, speed, 1.0)
+            values = [m * sm.work_ms(a, b, rc, speed) + _idle_bound(sm, a, b, rc, s, speed, 1.0, transfers=transfers)
                       for b in range(a + 1, layers + 1)]
             assert all(x <= y * (1 + 1e-12) for x, y in itertools.pairwise(values)), (s, a, values)
 

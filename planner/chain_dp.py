@@ -1,0 +1,259 @@
+"""Exact bound of a one-chunk pipeline (v = 1) by dynamic programming over its boundaries.
+
+:func:`planner.solver.relaxed_bound` decides "is there a split whose every stage passes a
+relaxed test at ``t``" with a farthest-reach greedy.  That greedy is only exact for a
+test that sees nothing beyond its own stage, so the stage's downstream path (which the
+1F1B and GPipe waits depend on) is counted without the later stages' recompute and
+transfers.  On memory-bound models those are what the plan pays for: in a 1024-layer,
+64-device plan the early ranks recompute, and every rank before them waits for that
+recompute twice, in the fill and in the drain.
+
+Here the test of stage ``s`` is the split bound of :func:`planner.solver_core.split_lower_bound`
+itself, with one relaxation: the gradient's way back into the stage (``out_b``) is counted
+without the recompute of earlier stages (the forward path into it, ``in_f``, has none).
+Transfers before the stage are the smallest each boundary can cost.  Everything after the
+stage is exact, because the table is built from the last stage backwards:
+
+    G[s][a] = least (recompute + transfers, both ways) on the path of stages s..K-1
+              covering layers [a, L), over the splits whose every stage passes at t
+
+A stage ``[a, b)`` passes when ``in_f + M·work + idle + max(out_b, allreduce) <= t`` with
+``idle`` computed from ``down = W[b:] + 2·x(b) + G[s+1][b]`` (the waits only grow with
+``down``, so the least ``G`` is the best suffix for every earlier stage), and when it fits
+memory exactly as :func:`planner.costmodel.rank_memory_bytes` says.  ``G[0][0]`` finite
+means some split passes every test at ``t``; infinite proves that every split of the
+configuration takes longer than ``t``.  The table is computed with numpy, every start
+``a`` at once for each stage length.
+
+Homogeneous clusters only: with mixed devices the positions' speeds depend on the device
+order, which the other bounds relax.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from planner.costmodel import boundary_transfer_ms
+from planner.schema import Cluster, PlanOptions, TrainingSetup
+from planner.solver_core import Group, Split, StageModel, TransferBounds
+
+if TYPE_CHECKING:
+    import numpy as np
+
+#: skip configurations whose table has more entries (stages x starts x stage lengths)
+MAX_CELLS = 30_000_000
+
+
+def chain_cells(sm: StageModel, groups: Sequence[Group], t: float) -> int:
+    """Entries of the table at ``t`` (its cost): stages x layers x longest stage."""
+    return sm.cfg.pipeline_degree * (sm.L + 1) * max(1, _longest_stage(sm, groups, t))
+
+
+def _longest_stage(sm: StageModel, groups: Sequence[Group], t: float) -> int:
+    """Most layers any stage can hold when its M micro-batches alone take at most ``t``."""
+    import numpy as np
+
+    speed = max(g.speed for g in groups)
+    work = np.asarray(sm.F) + np.asarray(sm.B)
+    reach = np.searchsorted(work, work + t * speed / sm.cfg.num_microbatches * (1 + 1e-9), side="right") - 1
+    return int((reach - np.arange(sm.L + 1)).max())
+
+
+def chain_feasible(
+    sm: StageModel,
+    groups: Sequence[Group],
+    cluster: Cluster,
+    training: TrainingSetup,
+    options: PlanOptions,
+    t: float,
+) -> bool:
+    """False when no split of ``sm.cfg`` (v = 1, homogeneous) has a split bound at most ``t``
+    (relaxed as the module doc says); True when one may."""
+    return chain_split(sm, groups, cluster, training, options, t) is not None
+
+
+def chain_split(
+    sm: StageModel,
+    groups: Sequence[Group],
+    cluster: Cluster,
+    training: TrainingSetup,
+    options: PlanOptions,
+    t: float,
+) -> tuple[tuple[tuple[int, int], ...], tuple[bool, ...]] | None:
+    """A split (ranges, recompute flags) whose every stage passes the test at ``t`` with the
+    least downstream recompute, or None when none does (then every split takes longer)."""
+    import numpy as np
+
+    cfg = sm.cfg
+    k, m, d = cfg.pipeline_degree, cfg.num_microbatches, cfg.data_parallel
+    n_layers = sm.L
+    costs = sm.costs
+    speed = groups[0].speed
+    f_pre = np.asarray(sm.F) / speed
+    b_pre = np.asarray(sm.B) / speed
+    p_pre = np.asarray(sm.PP, dtype=float)
+    a_pre = np.asarray(costs.prefix_activation)
+    total = f_pre[-1] + b_pre[-1]
+    inputs = np.array([costs.stage_input_bytes(a) if a < n_layers else 0.0 for a in range(n_layers + 1)])
+    # cut[b]: bytes crossing a boundary right after layer b - 1 (b = 1..L-1)
+    cut = np.array([0.0, *costs.cut_bytes])
+    state_factor = 1.0 + training.gradient_bytes_per_param_byte + training.optimizer_state_factor
+
+    hop_links: list[list[tuple[float, float]]] = []  # per boundary: (bandwidth, latency) per replica pair
+    for s in range(k - 1):
+        pairs = set()
+        for x, y in zip(groups[s].devices, groups[s + 1].devices, strict=True):
+            if x != y:
+                li = cluster.link(x, y)
+                pairs.add((li.bandwidth_bytes_per_s, li.latency_s))
+        hop_links.append(sorted(pairs))
+    up = TransferBounds.of(cluster, sm, groups).up
+
+    longest = _longest_stage(sm, groups, t)
+    # every (stage length, start) at once: row l - 1 holds the stages [a, a + l)
+    starts = np.arange(n_layers + 1)[None, :]
+    ends = starts + np.arange(1, longest + 1)[:, None]
+    inside = ends <= n_layers
+    ends = np.minimum(ends, n_layers)  # safe indices; ``inside`` masks the rest
+    fwd = f_pre[ends] - f_pre[starts]
+    bwd = b_pre[ends] - b_pre[starts]
+    static = (p_pre[ends] - p_pre[starts]) * state_factor
+    acts = a_pre[ends] - a_pre[starts]
+    grads = (p_pre[ends] - p_pre[starts]) * training.gradient_bytes_per_param_byte
+    after = total - f_pre[ends] - b_pre[ends]  # work of the later layers
+    back_after = b_pre[-1] - b_pre[ends]
+    inf = math.inf
+    nxt = np.full(n_layers + 1, inf)  # G[s+1][.]: only the empty suffix at L is covered
+    nxt[n_layers] = 0.0
+    # Q[s+1][.]: least n_c(s)·c_{s+1} + G over stage s+1's choices (the pair bound's share)
+    nxt_q = np.full(n_layers + 1, inf)
+    one_f_one_b = cfg.schedule == "1f1b"
+    # per stage: the chosen length and recompute flag of every start (to rebuild the split)
+    lengths: list[np.ndarray] = []
+    flags: list[np.ndarray] = []
+    for s in range(k - 1, -1, -1):
+        # cycles of the pair bound of (s, s+1), and of (s-1, s) for the next Q
+        cycles = _cycles(k, m, s) if one_f_one_b and s < k - 1 else 0
+        cycles_before = _cycles(k, m, s - 1) if one_f_one_b and s > 0 else 0
+        w = min(k - s - 1, m)
+        link = groups[s].link
+        later = nxt[ends]
+        usable = inside & np.isfinite(later) & ((ends == n_layers) if s == k - 1 else True)
+        later = np.where(usable, later, 0.0)
+        xfer = np.zeros_like(fwd)
+        if s < k - 1:
+            for bw_, lat in hop_links[s]:
+                xfer = np.maximum(xfer, (cut[ends] / bw_ + lat) * 1e3)
+        down = after + 2 * xfer + later
+        if d > 1:
+            steps = 2 * (d - 1)
+            ar = np.where(grads > 0, (steps / d * grads / link.bandwidth_bytes_per_s + steps * link.latency_s) * 1e3, 0.0)
+            tail = np.maximum((b_pre + up[s])[starts], ar)
+        else:
+            tail = np.broadcast_to((b_pre + up[s])[starts], fwd.shape)
+        head = f_pre[-1] + up[s] + back_after + np.where(usable, nxt_q[ends], inf)
+        best = np.full(n_layers + 1, inf)
+        best_q = np.full(n_layers + 1, inf)
+        best_len = np.zeros(n_layers + 1, dtype=int)
+        best_rc = np.zeros(n_layers + 1, dtype=bool)
+        for rc in _rc_choices(options, s):
+            bw_total = bwd + fwd if rc else bwd
+            if cfg.schedule == "1f1b":
+                idle = np.maximum(0.0, down - w * bw_total)
+                if m >= w + 2:
+                    idle = idle + np.maximum(0.0, down - w * fwd)
+            elif cfg.schedule == "gpipe":
+                idle = np.maximum(0.0, down - (m - 1) * fwd)
+            else:  # pragma: no cover - callers pass v = 1 schedules only
+                idle = np.zeros_like(fwd)
+            bound = (f_pre + up[s])[starts] + m * (fwd + bw_total) + idle + tail
+            mem = static + (sm.inflight[s] * inputs[starts] + acts if rc else sm.inflight[s] * acts)
+            ok = usable & (bound <= t) & (np.ceil(mem) <= groups[s].limit_bytes)
+            if cycles:
+                ok &= _pair_bound(cycles, m, w, head, fwd, bw_total, xfer, tail) <= t
+            value = np.where(ok, later + 2 * xfer + (fwd if rc else 0.0), inf)
+            row = value.argmin(axis=0)
+            low = value[row, np.arange(n_layers + 1)]
+            better = low < best
+            best = np.where(better, low, best)
+            best_len = np.where(better, row + 1, best_len)
+            best_rc = np.where(better, rc, best_rc)
+            if cycles_before:
+                best_q = np.minimum(best_q, (cycles_before * (fwd + bw_total) + value).min(axis=0))
+        nxt, nxt_q = best, best_q
+        lengths.append(best_len)
+        flags.append(best_rc)
+    if not np.isfinite(nxt[0]):
+        return None
+    lengths.reverse()
+    flags.reverse()
+    ranges, rcs, start = [], [], 0
+    for s in range(k):
+        stop = start + int(lengths[s][start])
+        ranges.append((start, stop))
+        rcs.append(bool(flags[s][start]))
+        start = stop
+    return tuple(ranges), tuple(rcs)
+
+
+def _cycles(k: int, m: int, r: int) -> int:
+    """Ping-pong cycles of ranks r and r+1 in 1F1B (see :func:`_pair_bound`); 0 if none."""
+    w = min(k - r - 1, m)
+    return (m - w - 2) // 2 + 1 if m - w - 2 >= 0 else 0
+
+
+def _pair_bound(cycles: int, m: int, w: int, head: Any, fwd: Any, bwd: Any, xfer: Any, tail: Any) -> Any:
+    """A path of 1F1B through ranks r and r+1 (with ``w = K - r - 1`` warm-up forwards on r).
+
+    In the steady state, rank r runs ``F(w+i+1)`` right after ``B(i)`` and rank r+1 runs
+    ``B(i+2)`` right after ``F(w+i+1)``, so the path ``B(i)@r+1 -> B(i)@r -> F(w+i+1)@r ->
+    F(w+i+1)@r+1 -> B(i+2)@r+1`` repeats every two micro-batches for ``cycles`` rounds, each
+    costing both ranks' forward + backward and the boundary's transfer twice: a slow link
+    between two busy stages stretches every micro-batch.  Before it lies micro-batch 0's
+    path (every forward and transfer, then the backwards of stages r+1.. and their
+    transfers: ``head`` holds all of that except ``x``, plus ``cycles·c_{r+1}``); after it,
+    ``B(2·cycles)`` on rank r and every action rank r still has, then the tail.  Floats
+    (one split) or arrays (every start of a stage at once) alike.
+    """
+    after_f = max(0, m - w - 2 * cycles - 1)
+    after_b = m - 2 * cycles - 1
+    return (
+        head + xfer + cycles * (2 * xfer + fwd + bwd) + xfer + bwd + after_f * fwd + after_b * bwd + tail
+    )
+
+
+def _rc_choices(options: PlanOptions, stage: int) -> tuple[bool, ...]:
+    if isinstance(options.recompute, bool):
+        return (options.recompute,)
+    if isinstance(options.recompute, list):
+        return (options.recompute[stage],)
+    return (False, True)
+
+
+def split_pair_bound(sm: StageModel, groups: Sequence[Group], cluster: Cluster, split: Split) -> float:
+    """The largest pair path (:func:`_pair_bound`) of a 1F1B split over every boundary: no
+    simulation of the split is faster (0 for other schedules)."""
+    cfg = sm.cfg
+    k, m = cfg.pipeline_degree, cfg.num_microbatches
+    if cfg.schedule != "1f1b" or k < 2:
+        return 0.0
+    ranges = list(split.ranges)
+    speed = [groups[g].speed for g in split.groups]
+    f = [(sm.F[b] - sm.F[a]) / speed[s] for s, (a, b) in enumerate(ranges)]
+    bw = [(sm.B[b] - sm.B[a]) / speed[s] + (f[s] if split.recompute[s] else 0.0) for s, (a, b) in enumerate(ranges)]
+    x = boundary_transfer_ms(sm.costs, ranges, [list(groups[g].devices) for g in split.groups], cluster)
+    best = 0.0
+    out_b = 0.0
+    for r in range(k - 1):
+        cycles = _cycles(k, m, r)
+        if cycles:
+            # micro-batch 0 forward through every stage, then back to stage r+1
+            first = sum(f) + sum(x) + sum(bw[r + 1 :]) + sum(x[r + 1 :])
+            ar = sm.allreduce(*ranges[r], groups[split.groups[r]])
+            head = first - x[r] + cycles * (f[r + 1] + bw[r + 1])
+            w = min(k - r - 1, m)
+            best = max(best, float(_pair_bound(cycles, m, w, head, f[r], bw[r], x[r], max(out_b, ar))))
+        out_b += bw[r] + x[r]
+    return best
