@@ -48,6 +48,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from planner.costmodel import (
     LayerCosts,
@@ -854,6 +855,8 @@ def chunk_memory_bound(
     speed and the largest memory for every rank.  Fill, drain, transfers and all-reduce only
     add to the step time and are left out.
     """
+    import numpy as np  # only here: the service never computes this bound at start-up
+
     b = cfg.microbatch_size(search.training.global_batch_size)
     knap = search.knapsack_at(b)
     windows = search.windows_at(b)
@@ -879,9 +882,9 @@ def chunk_memory_bound(
     for runs in {id(windows): windows, id(base_windows): base_windows}.values():
         runs.reserve(limit / min(inflight))  # the largest capacity asked (y = 0)
 
-    def most_work(n: int, chunks: int, need: Callable[[float], float], base: bool) -> float:
-        """At least the largest y in [0, y_cap] with need(y) <= chunks·kappa(A(y)) (need
-        increasing, so the set is an interval); -1 when not even y = 0 qualifies.  The
+    def most_work(n: int, chunks: int, need: Callable[[float], float], base: bool, top: float = math.inf) -> float:
+        """At least the largest y in [0, min(y_cap, top)] with need(y) <= chunks·kappa(A(y))
+        (need increasing, so the set is an interval); -1 when not even y = 0 qualifies.  The
         bisection returns its infeasible end, so the result never falls short."""
         runs = base_windows if base else windows
 
@@ -891,13 +894,13 @@ def chunk_memory_bound(
                 return False
             kappa = min(knap.value(a_cap), runs.value(a_cap))
             return need(y) <= chunks * kappa * (1 + 1e-12) + 1e-12
-        hi = min(y_cap, w)
+        hi = min(y_cap, w, top)
         if ok(hi):
             return hi
         if not ok(0.0):
             return -1.0
         lo = 0.0
-        while hi - lo > 1e-7 * hi:
+        while hi - lo > 1e-6 * hi:
             mid = (lo + hi) / 2
             if ok(mid):
                 lo = mid
@@ -922,7 +925,7 @@ def chunk_memory_bound(
                 def need(y: float, t: float = t) -> float:
                     return max(0.0, ((1 + phi) * y - t) / phi)
                 y_ii = (
-                    min(t, most_work(n, keep_with_rc, need, base)) if keep_with_rc else min(t / (1 + phi), y_cap, w)
+                    min(t, most_work(n, keep_with_rc, need, base, t)) if keep_with_rc else min(t / (1 + phi), y_cap, w)
                 )
                 if y_ii >= 0:
                     opts.append((y_ii, t / (1 + phi), float(keep_with_rc), False))
@@ -932,36 +935,47 @@ def chunk_memory_bound(
     lines = {(knap.work, 0.0), *knap.tangents([a_all * theta for theta in (1.0, 0.5, 0.25, 0.1)])}
     lambdas = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)
 
-    def rank_best(
-        opts: list[tuple[float, float, float, bool]], n: int, t: float, lam: float, beta: float
-    ) -> float:
-        """max over the rank's choices of y - lambda·(u - beta·chunks·A(y)) (at breakpoints)."""
-        best = -math.inf
-        for y_max, kink, chunks, keeps_all in opts:
-            for y in (0.0, min(kink, y_max), y_max):
-                if keeps_all:
-                    u = y
-                else:
-                    u = max(0.0, ((1 + phi) * y - t) / phi) if phi > 0 else 0.0
-                best = max(best, y - lam * (u - beta * chunks * (limit - sigma * y) / n))
-        return best
+    def points(per_rank: list[list[tuple[float, float, float, bool]]], t: float) -> tuple[Any, Any, Any]:
+        """Each rank's breakpoints as arrays (rank x point) of y, u and the chunks' share of
+        the global capacity ``chunks·A(y)``; missing points have y = -inf."""
+        size = max(3 * len(o) for o in per_rank)
+        ys = np.full((k, size), -np.inf)
+        us = np.zeros((k, size))
+        caps = np.zeros((k, size))
+        for r, (n, opts) in enumerate(zip(inflight, per_rank, strict=True)):
+            i = 0
+            for y_max, kink, chunks, keeps_all in opts:
+                for y in (0.0, min(kink, y_max), y_max):
+                    if keeps_all:
+                        u = y
+                    else:
+                        u = max(0.0, ((1 + phi) * y - t) / phi) if phi > 0 else 0.0
+                    ys[r, i], us[r, i], caps[r, i] = y, u, chunks * (limit - sigma * y) / n
+                    i += 1
+        return ys, us, caps
 
     def covers(t: float) -> bool:
         per_rank = [rank_options(t, n, False) for n in inflight]
         if any(not o for o in per_rank):
             return False
-        per_rank_base = [rank_options(t, n, True) for n in inflight] if outliers else per_rank
+        full_pts = points(per_rank, t)
+        if outliers:
+            per_rank_base = [rank_options(t, n, True) for n in inflight]
+            # a rank without choices under the held runs is counted with all of them
+            base_pts = points([ob or o for ob, o in zip(per_rank_base, per_rank, strict=True)], t)
         for alpha, beta in sorted(lines):
             for lam in lambdas if beta > 0 else (0.0,):
+                # each rank's max over its breakpoints of y - lambda·(u - beta·chunks·A(y))
+                ys, us, caps = full_pts
+                full = (ys - lam * (us - beta * caps)).max(axis=1)
                 total = lam * alpha if beta > 0 else 0.0
-                gains = []
-                for n, opts, opts_base in zip(inflight, per_rank, per_rank_base, strict=True):
-                    full = rank_best(opts, n, t, lam, beta)
-                    held = rank_best(opts_base, n, t, lam, beta) if opts_base else full
-                    total += held
-                    gains.append(full - held)
                 if outliers:
-                    total += sum(max(0.0, g) for g in sorted(gains, reverse=True)[: len(outliers)])
+                    ys, us, caps = base_pts
+                    held = (ys - lam * (us - beta * caps)).max(axis=1)
+                    gains = np.sort(np.maximum(0.0, full - held))[::-1]
+                    total += float(held.sum() + gains[: len(outliers)].sum())
+                else:
+                    total += float(full.sum())
                 if total < w * (1 - 1e-9):
                     return False
         return True
