@@ -47,8 +47,20 @@ MAX_CELLS = 30_000_000
 
 
 def chain_cells(sm: StageModel, groups: Sequence[Group], t: float) -> int:
-    """Entries of the table at ``t`` (its cost): stages x layers x longest stage."""
-    return sm.cfg.pipeline_degree * (sm.L + 1) * max(1, _longest_stage(sm, groups, t))
+    """Entries of the table at ``t`` (its cost): over the stages, the starts a stage can
+    have times the most layers a stage can hold."""
+    k, n_layers = sm.cfg.pipeline_degree, sm.L
+    longest = max(1, _longest_stage(sm, groups, t))
+    cells = 0
+    for s in range(k):
+        lo, hi = _start_range(s, k, n_layers, longest)
+        cells += max(0, hi + 1 - lo) * longest
+    return cells
+
+
+def _start_range(s: int, k: int, n_layers: int, longest: int) -> tuple[int, int]:
+    """Every stage holds 1..longest layers, so stage s starts within [lo, hi]."""
+    return max(s, n_layers - (k - s) * longest), min(n_layers - (k - s), s * longest)
 
 
 def _longest_stage(sm: StageModel, groups: Sequence[Group], t: float) -> int:
@@ -139,49 +151,56 @@ def chain_split(
         cycles_before = _cycles(k, m, s - 1) if one_f_one_b and s > 0 else 0
         w = min(k - s - 1, m)
         link = groups[s].link
-        later = nxt[ends]
-        usable = inside & np.isfinite(later) & ((ends == n_layers) if s == k - 1 else True)
-        later = np.where(usable, later, 0.0)
-        xfer = np.zeros_like(fwd)
-        if s < k - 1:
-            for bw_, lat in hop_links[s]:
-                xfer = np.maximum(xfer, (cut[ends] / bw_ + lat) * 1e3)
-        down = after + 2 * xfer + later
-        if d > 1:
-            steps = 2 * (d - 1)
-            ar = np.where(grads > 0, (steps / d * grads / link.bandwidth_bytes_per_s + steps * link.latency_s) * 1e3, 0.0)
-            tail = np.maximum((b_pre + up[s])[starts], ar)
-        else:
-            tail = np.broadcast_to((b_pre + up[s])[starts], fwd.shape)
-        head = f_pre[-1] + up[s] + back_after + np.where(usable, nxt_q[ends], inf)
         best = np.full(n_layers + 1, inf)
         best_q = np.full(n_layers + 1, inf)
         best_len = np.zeros(n_layers + 1, dtype=int)
         best_rc = np.zeros(n_layers + 1, dtype=bool)
-        for rc in _rc_choices(options, s):
-            bw_total = bwd + fwd if rc else bwd
-            if cfg.schedule == "1f1b":
-                idle = np.maximum(0.0, down - w * bw_total)
-                if m >= w + 2:
-                    idle = idle + np.maximum(0.0, down - w * fwd)
-            elif cfg.schedule == "gpipe":
-                idle = np.maximum(0.0, down - (m - 1) * fwd)
-            else:  # pragma: no cover - callers pass v = 1 schedules only
-                idle = np.zeros_like(fwd)
-            bound = (f_pre + up[s])[starts] + m * (fwd + bw_total) + idle + tail
-            mem = static + (sm.inflight[s] * inputs[starts] + acts if rc else sm.inflight[s] * acts)
-            ok = usable & (bound <= t) & (np.ceil(mem) <= groups[s].limit_bytes)
-            if cycles:
-                ok &= _pair_bound(cycles, m, w, head, fwd, bw_total, xfer, tail) <= t
-            value = np.where(ok, later + 2 * xfer + (fwd if rc else 0.0), inf)
-            row = value.argmin(axis=0)
-            low = value[row, np.arange(n_layers + 1)]
-            better = low < best
-            best = np.where(better, low, best)
-            best_len = np.where(better, row + 1, best_len)
-            best_rc = np.where(better, rc, best_rc)
-            if cycles_before:
-                best_q = np.minimum(best_q, (cycles_before * (fwd + bw_total) + value).min(axis=0))
+        lo, hi = _start_range(s, k, n_layers, longest)
+        if lo <= hi:
+            cols = slice(lo, hi + 1)
+            st, en = starts[:, cols], ends[:, cols]
+            fw, bk = fwd[:, cols], bwd[:, cols]
+            later = nxt[en]
+            usable = inside[:, cols] & np.isfinite(later) & ((en == n_layers) if s == k - 1 else True)
+            later = np.where(usable, later, 0.0)
+            xfer = np.zeros_like(fw)
+            if s < k - 1:
+                for bw_, lat in hop_links[s]:
+                    xfer = np.maximum(xfer, (cut[en] / bw_ + lat) * 1e3)
+            down = after[:, cols] + 2 * xfer + later
+            if d > 1:
+                steps = 2 * (d - 1)
+                gr = grads[:, cols]
+                ar = np.where(gr > 0, (steps / d * gr / link.bandwidth_bytes_per_s + steps * link.latency_s) * 1e3, 0.0)
+                tail = np.maximum((b_pre + up[s])[st], ar)
+            else:
+                tail = np.broadcast_to((b_pre + up[s])[st], fw.shape)
+            head = f_pre[-1] + up[s] + back_after[:, cols] + np.where(usable, nxt_q[en], inf)
+            columns = np.arange(hi + 1 - lo)
+            for rc in _rc_choices(options, s):
+                bw_total = bk + fw if rc else bk
+                if cfg.schedule == "1f1b":
+                    idle = np.maximum(0.0, down - w * bw_total)
+                    if m >= w + 2:
+                        idle = idle + np.maximum(0.0, down - w * fw)
+                elif cfg.schedule == "gpipe":
+                    idle = np.maximum(0.0, down - (m - 1) * fw)
+                else:  # pragma: no cover - callers pass v = 1 schedules only
+                    idle = np.zeros_like(fw)
+                bound = (f_pre + up[s])[st] + m * (fw + bw_total) + idle + tail
+                kept = sm.inflight[s] * inputs[st] + acts[:, cols] if rc else sm.inflight[s] * acts[:, cols]
+                ok = usable & (bound <= t) & (np.ceil(static[:, cols] + kept) <= groups[s].limit_bytes)
+                if cycles:
+                    ok &= _pair_bound(cycles, m, w, head, fw, bw_total, xfer, tail) <= t
+                value = np.where(ok, later + 2 * xfer + (fw if rc else 0.0), inf)
+                row = value.argmin(axis=0)
+                low = value[row, columns]
+                better = low < best[cols]
+                best[cols] = np.where(better, low, best[cols])
+                best_len[cols] = np.where(better, row + 1, best_len[cols])
+                best_rc[cols] = np.where(better, rc, best_rc[cols])
+                if cycles_before:
+                    best_q[cols] = np.minimum(best_q[cols], (cycles_before * (fw + bw_total) + value).min(axis=0))
         nxt, nxt_q = best, best_q
         lengths.append(best_len)
         flags.append(best_rc)

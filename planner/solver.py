@@ -113,8 +113,9 @@ OUTLIER_DENSITY = 1.25
 MAX_OUTLIERS = 4
 #: share of the work budget the boundary tables of :mod:`planner.chain_dp` may use
 CHAIN_SHARE = 0.2
-#: work units per entry of those tables (measured: about 10^7 entries a second)
-CHAIN_WORK = 0.05
+#: work units per entry of those tables (measured: about 7·10^6 entries a second), and per stage
+CHAIN_WORK = 0.06
+CHAIN_STAGE_WORK = 100
 #: relative width at which a configuration's table bisection stops
 CHAIN_TOL = 2e-4
 #: most layer runs :class:`_Windows` lists (beyond, the chunk bound uses the knapsack alone)
@@ -1727,7 +1728,7 @@ def _tighten_chains(search: _Search) -> None:
         if cells > MAX_CELLS:
             search.chain_done.add(cfg)
             return
-        search.work += CHAIN_WORK * cells
+        search.work += CHAIN_WORK * cells + CHAIN_STAGE_WORK * cfg.pipeline_degree
         found = chain_split(sm, groups, search.cluster, search.training, search.options, t)
         if found is None:
             bound = t  # no split reaches t: the configuration's bound rises to it
