@@ -42,8 +42,8 @@ from planner.solver_core import Group, Split, StageModel, TransferBounds
 if TYPE_CHECKING:
     import numpy as np
 
-#: skip configurations whose table has more entries (stages x starts x stage lengths)
-MAX_CELLS = 30_000_000
+#: skip configurations whose table has more entries (stages x starts x stage lengths); about 1 s
+MAX_CELLS = 8_000_000
 
 
 def chain_cells(sm: StageModel, groups: Sequence[Group], t: float) -> int:

@@ -1725,10 +1725,10 @@ def _tighten_chains(search: _Search) -> None:
         hi = min(reachable.get(cfg, math.inf), search.best_step * (1 - 1e-9))
         t = hi if cfg not in reachable else (bound + hi) / 2
         cells = chain_cells(sm, groups, t)
-        if cells > MAX_CELLS:
-            search.chain_done.add(cfg)
-            return
-        search.work += CHAIN_WORK * cells + CHAIN_STAGE_WORK * cfg.pipeline_degree
+        cost = CHAIN_WORK * cells + CHAIN_STAGE_WORK * cfg.pipeline_degree
+        if cells > MAX_CELLS or search.work + cost > stop:
+            return  # too large for what is left of the budget: the bound stays where it is
+        search.work += cost
         found = chain_split(sm, groups, search.cluster, search.training, search.options, t)
         if found is None:
             bound = t  # no split reaches t: the configuration's bound rises to it
