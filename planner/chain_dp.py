@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from planner.costmodel import boundary_transfer_ms
 from planner.schema import Cluster, PlanOptions, TrainingSetup
-from planner.solver_core import Group, Split, StageModel, TransferBounds
+from planner.solver_core import Group, Split, StageModel, TransferBounds, recompute_options
 
 if TYPE_CHECKING:
     import numpy as np
@@ -73,19 +73,6 @@ def _longest_stage(sm: StageModel, groups: Sequence[Group], t: float) -> int:
     return int((reach - np.arange(sm.L + 1)).max())
 
 
-def chain_feasible(
-    sm: StageModel,
-    groups: Sequence[Group],
-    cluster: Cluster,
-    training: TrainingSetup,
-    options: PlanOptions,
-    t: float,
-) -> bool:
-    """False when no split of ``sm.cfg`` (v = 1, homogeneous) has a split bound at most ``t``
-    (relaxed as the module doc says); True when one may."""
-    return chain_split(sm, groups, cluster, training, options, t) is not None
-
-
 def chain_split(
     sm: StageModel,
     groups: Sequence[Group],
@@ -94,8 +81,9 @@ def chain_split(
     options: PlanOptions,
     t: float,
 ) -> tuple[tuple[tuple[int, int], ...], tuple[bool, ...]] | None:
-    """A split (ranges, recompute flags) whose every stage passes the test at ``t`` with the
-    least downstream recompute, or None when none does (then every split takes longer)."""
+    """A split (ranges, recompute flags) of ``sm.cfg`` (v = 1, homogeneous cluster) whose
+    every stage passes the test at ``t`` with the least downstream recompute, or None when
+    none does: then every split takes longer than ``t``."""
     import numpy as np
 
     cfg = sm.cfg
@@ -177,7 +165,7 @@ def chain_split(
                 tail = np.broadcast_to((b_pre + up[s])[st], fw.shape)
             head = f_pre[-1] + up[s] + back_after[:, cols] + np.where(usable, nxt_q[en], inf)
             columns = np.arange(hi + 1 - lo)
-            for rc in _rc_choices(options, s):
+            for rc in recompute_options(options, s):
                 bw_total = bk + fw if rc else bk
                 if cfg.schedule == "1f1b":
                     idle = np.maximum(0.0, down - w * bw_total)
@@ -241,14 +229,6 @@ def _pair_bound(cycles: int, m: int, w: int, head: Any, fwd: Any, bwd: Any, xfer
     return (
         head + xfer + cycles * (2 * xfer + fwd + bwd) + xfer + bwd + after_f * fwd + after_b * bwd + tail
     )
-
-
-def _rc_choices(options: PlanOptions, stage: int) -> tuple[bool, ...]:
-    if isinstance(options.recompute, bool):
-        return (options.recompute,)
-    if isinstance(options.recompute, list):
-        return (options.recompute[stage],)
-    return (False, True)
 
 
 def split_pair_bound(sm: StageModel, groups: Sequence[Group], cluster: Cluster, split: Split) -> float:

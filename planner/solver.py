@@ -79,6 +79,7 @@ from planner.solver_core import (
     farthest,
     make_groups,
     quick_step,
+    recompute_options,
     split_lower_bound,
     split_memory_ok,
 )
@@ -1015,14 +1016,6 @@ def memory_bounds(search: _Search, cfg: Config, groups: Sequence[Group], *, lo: 
     return max(bound, chunk_memory_bound(search, cfg, groups, lo=bound, cutoff=search.best_step))
 
 
-def _rc_options(options: PlanOptions, stage: int) -> tuple[bool, ...]:
-    if isinstance(options.recompute, bool):
-        return (options.recompute,)
-    if isinstance(options.recompute, list):
-        return (options.recompute[stage],)
-    return (False, True)
-
-
 def relaxed_bound(
     search: _Search, sm: StageModel, groups: Sequence[Group], lo: float, *, cutoff: float = math.inf
 ) -> float | None:
@@ -1050,7 +1043,7 @@ def relaxed_bound(
             in_f = sm.F[a] / smax + xfers.up[s]
             out_b = sm.B[a] / smax + xfers.up[s]
             for g in kind_groups:
-                for rc in _rc_options(search.options, s):
+                for rc in recompute_options(search.options, s):
 
                     def ok(
                 b: int, g: Group = g, rc: bool = rc, a: int = a, s: int = s, in_f: float = in_f, out_b: float = out_b
@@ -1130,7 +1123,7 @@ def relaxed_memory_fits(search: _Search, sm: StageModel, groups: Sequence[Group]
     a = 0
     for j in range(cfg.num_stages):
         reach = a
-        for rc in _rc_options(search.options, j):
+        for rc in recompute_options(search.options, j):
 
             def ok(b: int, rc: bool = rc, a: int = a, j: int = j) -> bool:
                 return b == a or sm.memory_relaxed(a, b, rc, j % k) <= limit
@@ -1203,7 +1196,7 @@ def greedy_split(
         lo_b, hi_b = (n, n) if s == k - 1 else (a + 1, n - (k - s - 1))
         best_b, best_rc, best_value = None, False, 0.0
 
-        for rc in _rc_options(search.options, s):
+        for rc in recompute_options(search.options, s):
 
             def value(
                 b: int, g: Group = g, rc: bool = rc, a: int = a, s: int = s, in_f: float = in_f, out_b: float = out_b
@@ -1261,7 +1254,7 @@ def _with_recompute(
     rcs = [False] * n
     for r in range(k):
         own = [s for s in range(n) if s % k == r]
-        choices = [tuple(_rc_options(search.options, s)) for s in own]
+        choices = [tuple(recompute_options(search.options, s)) for s in own]
         found = False
         # try no recompute first, then everything the options allow, cheapest first
         combos = sorted(
@@ -1328,7 +1321,7 @@ def interleaved_split(
         return split
     # the time-balanced chunks do not fit (or need recompute): cut again with each rank's
     # memory in the test, allowing chunks up to 3x the balanced time
-    for rc in sorted(set(_rc_options(search.options, 0)) & {False, True}):
+    for rc in sorted(set(recompute_options(search.options, 0)) & {False, True}):
         if isinstance(search.options.recompute, list):
             break
         for step in range(16):

@@ -41,7 +41,7 @@ from planner.costmodel import (
     static_bytes,
     transfer_ms,
 )
-from planner.schema import Cluster, Interconnect, Schedule, TrainingSetup
+from planner.schema import Cluster, Interconnect, PlanOptions, Schedule, TrainingSetup
 from planner.simulator import CompiledSchedule, compile_schedule, makespans
 
 
@@ -191,6 +191,15 @@ class StageModel:
         if rc:
             return static_bytes(params, self.training) + n * stash + acts
         return static_bytes(params, self.training) + n * acts
+
+
+def recompute_options(options: PlanOptions, stage: int) -> tuple[bool, ...]:
+    """The recompute flags the options allow for stage ``stage`` (both when free)."""
+    if isinstance(options.recompute, bool):
+        return (options.recompute,)
+    if isinstance(options.recompute, list):
+        return (options.recompute[stage],)
+    return (False, True)
 
 
 def farthest(ok: Callable[[int], bool], lo: int, hi: int) -> int | None:

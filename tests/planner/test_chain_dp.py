@@ -17,7 +17,7 @@ import random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner.chain_dp import chain_feasible, chain_split, split_pair_bound
+from planner.chain_dp import chain_split, split_pair_bound
 from planner.schema import Cluster, PlanOptions, TrainingSetup
 from planner.solver import _Search, relaxed_bound
 from planner.solver_core import Config, Split, StageModel, make_groups, quick_step, split_memory_ok
@@ -85,9 +85,8 @@ def test_the_table_never_excludes_a_time_some_split_reaches(
     groups = make_groups(cl, training, 1, k)
     best = brute_force(profile, cl, training, k=k, m=m, schedule=schedule)  # type: ignore[arg-type]
     if math.isinf(best):
-        assert not chain_feasible(sm, groups, cl, training, PlanOptions(), 1e12)
+        assert chain_split(sm, groups, cl, training, PlanOptions(), 1e12) is None
         return
-    assert chain_feasible(sm, groups, cl, training, PlanOptions(), best * (1 + 1e-9))
     found = chain_split(sm, groups, cl, training, PlanOptions(), best * (1 + 1e-9))
     assert found is not None
     ranges, rcs = found
@@ -140,10 +139,10 @@ def test_a_slow_link_between_busy_stages_raises_the_bound() -> None:
     best = brute_force(profile, cl, training, k=k, m=m, schedule="1f1b")
     # bisect the table's bound
     lo, hi = relaxed, best * (1 + 1e-9)
-    assert chain_feasible(sm, groups, cl, training, PlanOptions(), hi)
+    assert chain_split(sm, groups, cl, training, PlanOptions(), hi) is not None
     for _ in range(30):
         mid = (lo + hi) / 2
-        if chain_feasible(sm, groups, cl, training, PlanOptions(), mid):
+        if chain_split(sm, groups, cl, training, PlanOptions(), mid) is not None:
             hi = mid
         else:
             lo = mid
