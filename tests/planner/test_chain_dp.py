@@ -14,6 +14,7 @@ import itertools
 import math
 import random
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -152,3 +153,38 @@ def test_a_slow_link_between_busy_stages_raises_the_bound() -> None:
     assert found is not None
     split = Split(found[0], found[1], tuple(range(k)))
     assert split_pair_bound(sm, groups, cl, split) > 0.9 * quick_step(sm, cl, groups, split)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(
+    seed=st.integers(0, 10_000),
+    k=st.integers(2, 3),
+    m=st.sampled_from([4, 8]),
+    memory=st.sampled_from(["40MiB", "64MiB", "1GiB"]),
+    per_node=st.sampled_from([1, 2]),
+)
+def test_solver_gap_stays_true_when_the_table_sets_it(
+    seed: int, k: int, m: int, memory: str, per_node: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With enumeration switched off, one-chunk configurations are settled by the greedy
+    splits and the boundary table: the plan fits, and ``step x (1 - gap)`` never exceeds the
+    best split of every configuration the options allow."""
+    import planner.solver as solver
+    from planner.errors import InfeasibleError
+    from planner.solver import solve
+    from tests.planner.helpers import assert_valid
+
+    monkeypatch.setattr(solver, "ENUMERATE_LIMIT", 0)
+    profile = random_profile(seed, 8)
+    cl = two_tier(k, memory, per_node=per_node)
+    training = TrainingSetup(global_batch_size=m, optimizer="sgd")
+    options = PlanOptions(stages=k, num_microbatches=m, schedule="1f1b", data_parallel=1)
+    best = brute_force(profile, cl, training, k=k, m=m, schedule="1f1b")
+    if math.isinf(best):
+        with pytest.raises(InfeasibleError):
+            solve(profile, cl, training, options)
+        return
+    plan = solve(profile, cl, training, options)
+    assert_valid(plan, profile)
+    assert plan.predicted.step_time_ms >= best * (1 - 1e-9)
+    assert plan.predicted.step_time_ms * (1 - plan.solver.gap) <= best * (1 + 1e-9)
