@@ -109,7 +109,7 @@ def chain_split(
                 li = cluster.link(x, y)
                 pairs.add((li.bandwidth_bytes_per_s, li.latency_s))
         hop_links.append(sorted(pairs))
-    up = TransferBounds.of(cluster, sm, groups).up
+    up = TransferBounds.of(cluster, sm.costs, groups).up
 
     longest = _longest_stage(sm, groups, t)
     # every (stage length, start) at once: row l - 1 holds the stages [a, a + l)

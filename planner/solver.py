@@ -52,6 +52,7 @@ from typing import Any
 
 from planner.costmodel import (
     LayerCosts,
+    allreduce_ms,
     boundary_transfer_ms,
     estimate,
     layer_costs,
@@ -160,6 +161,10 @@ class _Search:
     knapsacks: dict[int, _Knapsack] = field(default_factory=dict)
     #: per micro-batch size: the whole-layer window table of :func:`chunk_memory_bound`
     windows: dict[tuple[int, frozenset[int]], _Windows] = field(default_factory=dict)
+    #: (micro-batch size, devices of each position): :class:`TransferBounds`
+    transfer_bounds: dict[tuple[int, tuple[tuple[int, ...], ...]], TransferBounds] = field(default_factory=dict)
+    #: per micro-batch size: :class:`_PinnedRanks`
+    pinned: dict[int, _PinnedRanks] = field(default_factory=dict)
     #: configurations whose bound the boundary table has settled (CP-SAT cannot raise it)
     chain_done: set[Config] = field(default_factory=set)
 
@@ -178,6 +183,13 @@ class _Search:
         if b not in self.knapsacks:
             self.knapsacks[b] = _Knapsack.of(self.costs_at(b))
         return self.knapsacks[b]
+
+    def transfers_at(self, b: int, groups: Sequence[Group]) -> TransferBounds:
+        """:class:`planner.solver_core.TransferBounds` of these pipeline positions, cached."""
+        key = (b, tuple(g.devices for g in groups))
+        if key not in self.transfer_bounds:
+            self.transfer_bounds[key] = TransferBounds.of(self.cluster, self.costs_at(b), groups)
+        return self.transfer_bounds[key]
 
     def windows_at(self, b: int, *, exclude: frozenset[int] = frozenset()) -> _Windows:
         """:class:`_Windows` at micro-batch size ``b``, without the runs through ``exclude``."""
@@ -458,7 +470,7 @@ def cheap_bound(search: _Search, cfg: Config, groups: Sequence[Group]) -> float:
         ar_all = (2 * (d - 1) / d * grads / link.bandwidth_bytes_per_s + k * 2 * (d - 1) * link.latency_s) * 1e3
         bound = max(bound, m * w / ssum + smin * ar_all / ssum)
     bound = max(bound, memory_work_bound(search, cfg, groups))
-    bound = max(bound, m * busiest_rank_work(search, cfg) / smax)
+    bound = max(bound, m * busiest_rank_work(search, cfg) / smax, rank_allreduce_bound(search, cfg, groups))
     # the last stage holds the last layer and cannot start before micro-batch 0 has gone
     # forward through every earlier layer; then its rank still works at least M times that
     # layer (interleaved: its earlier chunks' warm-up forwards come out of its own work, see
@@ -655,6 +667,98 @@ def busiest_rank_work(search: _Search, cfg: Config) -> float:
         best = max(best, sum(desc[top - j - 1 : top]))
         j += 1
     return best
+
+
+class _PinnedRanks:
+    """Least work (speed 1) and parameter bytes of the ranks :func:`rank_allreduce_bound`
+    pins down, at one micro-batch size: rank 0 and rank K-1 (:meth:`ends`, per K and v),
+    and per j the busiest rank holding j + 1 of the ``j·K + 1`` largest layers
+    (:meth:`busiest`, per K).  Sorted once, cached per K."""
+
+    def __init__(self, costs: LayerCosts) -> None:
+        n = self.n = costs.num_layers
+        self.work = [f + bw for f, bw in zip(costs.forward_ms, costs.backward_ms, strict=True)]
+        self.params = [float(p) for p in costs.param_bytes]
+        self.by_work = sorted(range(n), key=lambda i: (-self.work[i], i))
+        # layers 1..n-2 (neither end), lightest first, with their index
+        self.light_work = sorted((self.work[i], i) for i in range(1, n - 1))
+        self.light_params = sorted((self.params[i], i) for i in range(1, n - 1))
+        self._busiest: dict[int, tuple[tuple[float, float], ...]] = {}
+
+    def ends(self, k: int, v: int) -> tuple[tuple[float, float], tuple[float, float]]:
+        """(work, params) at least of rank 0 and of rank K-1 (K >= 2): the end layer and
+        ``v - 1`` more (one per other chunk), rank K-1's from layer K-1 on."""
+        extra = v - 1
+
+        def lightest(pairs: list[tuple[float, int]], start: int) -> float:
+            picked: list[float] = []
+            for value, i in pairs:
+                if len(picked) == extra:
+                    break
+                if i >= start:
+                    picked.append(value)
+            return sum(picked)
+
+        n, work, params = self.n, self.work, self.params
+        first = (work[0] + lightest(self.light_work, 1), params[0] + lightest(self.light_params, 1))
+        last = (work[n - 1] + lightest(self.light_work, k - 1), params[n - 1] + lightest(self.light_params, k - 1))
+        return first, last
+
+    def busiest(self, k: int) -> tuple[tuple[float, float], ...]:
+        if k not in self._busiest:
+            seen: list[float] = []  # parameters of the largest layers so far, sorted
+            out = []
+            for j in range((self.n - 1) // k + 1):
+                for i in self.by_work[len(seen) : j * k + 1]:
+                    bisect.insort(seen, self.params[i])
+                top = self.by_work[j * k + 1 - (j + 1) : j * k + 1]
+                out.append((sum(self.work[i] for i in top), sum(seen[: j + 1])))
+            self._busiest[k] = tuple(out)
+        return self._busiest[k]
+
+
+def rank_allreduce_bound(search: _Search, cfg: Config, groups: Sequence[Group]) -> float:
+    """Ranks known in part, with their gradient all-reduce.
+
+    A rank runs its M micro-batches and then all-reduces its gradients (the step is the
+    latest finish plus all-reduce), so ``T >= in_f + M·work_r / speed + max(out_b,
+    allreduce(params_r))`` for every rank r.  Three ranks are pinned down whatever the split
+    (:class:`_PinnedRanks`):
+
+    * rank 0 holds layer 0 and, one per other chunk, at least v - 1 more layers (not the
+      last one, which is on rank K-1 when K >= 2);
+    * rank K-1 holds the last layer and v - 1 more from layer K-1 on; its first stage comes
+      after at least K - 1 layers, forward on the way in and backward on the gradient's way
+      back (plus the least transfers of :class:`planner.solver_core.TransferBounds`);
+    * the busiest rank of :func:`busiest_rank_work`: it holds j + 1 of the ``j·K + 1``
+      largest layers, so at least the j + 1 smallest works and parameters among them.
+
+    Work and parameters are bounded separately (the lightest layers for each); the
+    all-reduce uses the fastest link of any group.  With one rank it holds every layer.
+    """
+    b = cfg.microbatch_size(search.training.global_batch_size)
+    costs = search.costs_at(b)
+    k, m, v, d = cfg.pipeline_degree, cfg.num_microbatches, cfg.virtual_stages, cfg.data_parallel
+    if b not in search.pinned:
+        search.pinned[b] = _PinnedRanks(costs)
+    pinned = search.pinned[b]
+    smax = max(g.speed for g in groups)
+    link = max((g.link for g in groups), key=lambda li: (li.bandwidth_bytes_per_s, -li.latency_s))
+    factor = search.training.gradient_bytes_per_param_byte
+
+    def rank_bound(path_f: float, path_b: float, work_params: tuple[float, float]) -> float:
+        grads = work_params[1] * factor
+        ar = allreduce_ms(grads, d, link.bandwidth_bytes_per_s, link.latency_s)
+        return path_f + m * work_params[0] / smax + max(path_b, ar)
+
+    if k == 1:  # one rank holds every layer
+        return rank_bound(0.0, 0.0, (sum(pinned.work), sum(pinned.params)))
+    first, last = pinned.ends(k, v)
+    bound = max(rank_bound(0.0, 0.0, first), *(rank_bound(0.0, 0.0, x) for x in pinned.busiest(k)))
+    up = search.transfers_at(b, groups).up
+    fill_f = costs.prefix_forward[k - 1] / smax + up[k - 1]
+    fill_b = costs.prefix_backward[k - 1] / smax + up[k - 1]
+    return max(bound, rank_bound(fill_f, fill_b, last))
 
 
 def memory_work_bound(search: _Search, cfg: Config, groups: Sequence[Group]) -> float:
@@ -1032,7 +1136,7 @@ def relaxed_bound(
     smax = max(g.speed for g in groups)
     m, k = cfg.num_microbatches, cfg.pipeline_degree
     # the paths into and out of stage s cross the boundaries too
-    xfers = TransferBounds.of(search.cluster, sm, groups)
+    xfers = search.transfers_at(sm.costs.microbatch_size, groups)
 
     def feasible(t: float) -> bool:
         search.work += cfg.pipeline_degree * len(kind_groups) * 2 * math.log2(sm.L + 1)

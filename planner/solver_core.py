@@ -231,17 +231,21 @@ class TransferBounds:
     up: tuple[float, ...]
 
     @staticmethod
-    def of(cluster: Cluster, sm: StageModel, groups: Sequence[Group]) -> TransferBounds:
-        k = sm.cfg.pipeline_degree
-        cut = min(sm.costs.cut_bytes[: max(1, sm.L - 1)])
+    def of(cluster: Cluster, costs: LayerCosts, groups: Sequence[Group]) -> TransferBounds:
+        """For the pipeline positions of ``groups`` (position s holds ``groups[s]``)."""
+        k = len(groups)
+        cut = min(costs.cut_bytes[: max(1, costs.num_layers - 1)])
+        intra, inter = (
+            transfer_ms(cut, li.bandwidth_bytes_per_s, li.latency_s) for li in (cluster.intra_node, cluster.inter_node)
+        )
         hops = []
-        for s in range(k - 1):
-            if cluster.homogeneous:
-                links = [cluster.link(x, y) for x, y in zip(groups[s].devices, groups[s + 1].devices, strict=True)]
-            else:
-                links = [cluster.intra_node, cluster.inter_node]
-            times = [transfer_ms(cut, li.bandwidth_bytes_per_s, li.latency_s) for li in links]
-            hops.append(max(times) if cluster.homogeneous else min(times))
+        if cluster.homogeneous:
+            per_node = cluster.devices_per_node
+            for s in range(k - 1):
+                pairs = zip(groups[s].devices, groups[s + 1].devices, strict=True)
+                hops.append(max(intra if x // per_node == y // per_node else inter for x, y in pairs))
+        else:
+            hops = [min(intra, inter)] * (k - 1)
         down, up = [0.0] * k, [0.0] * k
         for s in range(k - 2, -1, -1):
             down[s] = down[s + 1] + 2 * hops[s]

@@ -81,10 +81,13 @@ SHAPES = [
     memory=st.sampled_from(["48MiB", "96MiB", "256MiB", "1GiB"]),
     slow=st.booleans(),
     recompute=st.sampled_from([None, False, True]),
+    d=st.sampled_from([1, 1, 2]),
 )
 def test_cheap_bound_never_exceeds_the_exhaustive_optimum(
-    seed: int, shape: tuple[int, int, str], m: int, memory: str, slow: bool, recompute: bool | None
+    seed: int, shape: tuple[int, int, str], m: int, memory: str, slow: bool, recompute: bool | None, d: int
 ) -> None:
+    """``d = 2`` runs two data-parallel replicas, so every rank all-reduces its gradients
+    (what :func:`planner.solver.rank_allreduce_bound` counts)."""
     k, v, schedule = shape
     if schedule == "interleaved-1f1b" and m % k:
         m = k * m
@@ -92,12 +95,12 @@ def test_cheap_bound_never_exceeds_the_exhaustive_optimum(
         m = k  # Schedule1F1B needs M >= K
     layers = 6 if k * v < 6 else 7
     profile = random_profile(seed, layers)
-    speeds = [1.0] + [0.5] * (k - 1) if slow else None
-    cl = cluster(k, memory, speeds=speeds)
-    training = TrainingSetup(global_batch_size=8 * m, optimizer="sgd")
-    cfg = Config(1, k, m, schedule, v)  # type: ignore[arg-type]
+    speeds = [1.0] + [0.5] * (k * d - 1) if slow else None
+    cl = cluster(k * d, memory, speeds=speeds)
+    training = TrainingSetup(global_batch_size=8 * m * d, optimizer="sgd")
+    cfg = Config(d, k, m, schedule, v)  # type: ignore[arg-type]
     search = _Search(profile, cl, training, PlanOptions(recompute=recompute), deadline=math.inf)
-    groups = make_groups(cl, training, 1, k)
+    groups = make_groups(cl, training, d, k)
     oracle = exhaustive(profile, cl, training, cfg, recompute=recompute)
     for name, bound in (
         ("cheap", cheap_bound(search, cfg, groups)),
@@ -507,3 +510,37 @@ def test_chunk_bound_counts_whole_layers_and_a_head_only_one_chunk_can_keep(
         assert runs_only > 1.05 * knapsack_only
     else:
         assert full > 1.05 * runs_only
+
+
+@SETTINGS
+@given(
+    seed=st.integers(0, 10_000),
+    shape=st.sampled_from(SHAPES),
+    m=st.sampled_from([2, 4]),
+    bandwidth=st.sampled_from([5e8, 2e9, 1e11]),
+)
+def test_pinned_ranks_with_their_allreduce_stay_below_the_optimum(
+    seed: int, shape: tuple[int, int, str], m: int, bandwidth: float
+) -> None:
+    """Two replicas on a slow link, so the all-reduce after each rank's work is a large part
+    of the step: the bound on ranks 0, K-1 and the busiest, with their all-reduce, must
+    stay below the best plan of every split, recompute choice and device order."""
+    from planner.solver import rank_allreduce_bound
+
+    k, v, schedule = shape
+    if schedule == "interleaved-1f1b" and m % k:
+        m = k * m
+    if schedule == "1f1b" and m < k:
+        m = k
+    d = 2
+    profile = random_profile(seed, 6 if k * v < 6 else 7)
+    cl = Cluster.model_validate({
+        "devices": k * d, "memory": "1GiB", "devices_per_node": 2 * k,
+        "intra_node": {"bandwidth_bytes_per_s": bandwidth, "latency_s": 1e-4},
+    })
+    training = TrainingSetup(global_batch_size=2 * m * d, optimizer="sgd")
+    cfg = Config(d, k, m, schedule, v)  # type: ignore[arg-type]
+    search = _Search(profile, cl, training, PlanOptions(), deadline=math.inf)
+    bound = rank_allreduce_bound(search, cfg, make_groups(cl, training, d, k))
+    oracle = exhaustive(profile, cl, training, cfg)
+    assert bound <= oracle * (1 + 1e-9), (bound, oracle)
