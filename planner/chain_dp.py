@@ -20,10 +20,14 @@ stage is exact, because the table is built from the last stage backwards:
 A stage ``[a, b)`` passes when ``in_f + M·work + idle + max(out_b, allreduce) <= t`` with
 ``idle`` computed from ``down = W[b:] + 2·x(b) + G[s+1][b]`` (the waits only grow with
 ``down``, so the least ``G`` is the best suffix for every earlier stage), and when it fits
-memory exactly as :func:`planner.costmodel.rank_memory_bytes` says.  ``G[0][0]`` finite
-means some split passes every test at ``t``; infinite proves that every split of the
-configuration takes longer than ``t``.  The table is computed with numpy, every start
-``a`` at once for each stage length.
+memory exactly as :func:`planner.costmodel.rank_memory_bytes` says.  In 1F1B it must also
+pass the ping-pong path it forms with the next rank (:func:`_pair_bound`): the table keeps
+beside ``G`` the least ``cycles·c_{s+1} + G`` over the next stage's choices, which is all that
+path needs of the suffix (taking the two minima apart is a relaxation, so still valid).
+``G[0][0]`` finite means some split passes every test at ``t``; infinite proves that every
+split of the configuration takes longer than ``t``.  The table is computed with numpy, every
+start ``a`` at once for each stage length; a stage holds 1 to ``longest`` layers (the most
+whose M micro-batches fit in ``t``), which limits the starts each stage can have.
 
 Homogeneous clusters only: with mixed devices the positions' speeds depend on the device
 order, which the other bounds relax.
