@@ -607,8 +607,8 @@ class _Windows:
         cap = capacity * (1 + 1e-9) + 1e-6
         if cap > self._built:
             self._build(max(2 * cap, 2 * self._built))
-            if not self._acts and self._built == math.inf:
-                return math.inf
+        if self._built == math.inf:
+            return math.inf  # too many runs to list: no information
         i = bisect.bisect_right(self._acts, cap)
         return self._best[i - 1] * (1 + 1e-12) if i else 0.0
 

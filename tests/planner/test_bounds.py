@@ -544,3 +544,17 @@ def test_pinned_ranks_with_their_allreduce_stay_below_the_optimum(
     bound = rank_allreduce_bound(search, cfg, make_groups(cl, training, d, k))
     oracle = exhaustive(profile, cl, training, cfg)
     assert bound <= oracle * (1 + 1e-9), (bound, oracle)
+
+
+def test_layer_runs_past_their_limit_claim_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With more runs than ``WINDOW_LIMIT`` the table gives up: every answer, the first and
+    every later one, is infinity (no information), never a too-small value."""
+    import planner.solver as solver
+    from planner.costmodel import layer_costs
+
+    monkeypatch.setattr(solver, "WINDOW_LIMIT", 3)
+    runs = solver._Windows(layer_costs(random_profile(1, 8), 2))
+    big = 1e12
+    assert runs.value(big) == math.inf
+    assert runs.value(big / 2) == math.inf
+    assert runs.value(1.0) == math.inf
