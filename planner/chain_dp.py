@@ -105,15 +105,8 @@ def chain_split(
     cut = np.array([0.0, *costs.cut_bytes])
     state_factor = 1.0 + training.gradient_bytes_per_param_byte + training.optimizer_state_factor
 
-    hop_links: list[list[tuple[float, float]]] = []  # per boundary: (bandwidth, latency) per replica pair
-    for s in range(k - 1):
-        pairs = set()
-        for x, y in zip(groups[s].devices, groups[s + 1].devices, strict=True):
-            if x != y:
-                li = cluster.link(x, y)
-                pairs.add((li.bandwidth_bytes_per_s, li.latency_s))
-        hop_links.append(sorted(pairs))
-    up = TransferBounds.of(cluster, sm.costs, groups).up
+    transfers = TransferBounds.of(cluster, sm.costs, groups)  # homogeneous: exact link types
+    up, hop_links = transfers.up, transfers.links
 
     longest = _longest_stage(sm, groups, t)
     # every (stage length, start) at once: row l - 1 holds the stages [a, a + l)

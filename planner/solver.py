@@ -470,7 +470,8 @@ def cheap_bound(search: _Search, cfg: Config, groups: Sequence[Group]) -> float:
         ar_all = (2 * (d - 1) / d * grads / link.bandwidth_bytes_per_s + k * 2 * (d - 1) * link.latency_s) * 1e3
         bound = max(bound, m * w / ssum + smin * ar_all / ssum)
     bound = max(bound, memory_work_bound(search, cfg, groups))
-    bound = max(bound, m * busiest_rank_work(search, cfg) / smax, rank_allreduce_bound(search, cfg, groups))
+    # indivisible layers: some rank holds the heaviest ones (and all-reduces them)
+    bound = max(bound, rank_allreduce_bound(search, cfg, groups))
     # the last stage holds the last layer and cannot start before micro-batch 0 has gone
     # forward through every earlier layer; then its rank still works at least M times that
     # layer (interleaved: its earlier chunks' warm-up forwards come out of its own work, see
@@ -499,8 +500,6 @@ class _Knapsack:
     #: least recompute overhead per unit of work: min over layers of f / (f + b)
     phi: float
     work: float
-    #: every layer's forward + backward, largest first
-    desc_work: tuple[float, ...] = ()
 
     @staticmethod
     def of(costs: LayerCosts) -> _Knapsack:
@@ -517,8 +516,7 @@ class _Knapsack:
             pa.append(pa[-1] + a)
             pw.append(pw[-1] + w)
         return _Knapsack(
-            tuple(a for _, a, _ in items), tuple(pa), tuple(pw), 0.0 if phi == math.inf else phi, pw[-1],
-            tuple(sorted((w for _, _, w in items), reverse=True)),
+            tuple(a for _, a, _ in items), tuple(pa), tuple(pw), 0.0 if phi == math.inf else phi, pw[-1]
         )
 
     def value(self, capacity: float) -> float:
@@ -650,25 +648,6 @@ def _recompute_freedom(options: PlanOptions) -> tuple[bool, bool]:
     return True, True
 
 
-def busiest_rank_work(search: _Search, cfg: Config) -> float:
-    """Least forward + backward per micro-batch (speed 1) of the busiest rank, whatever the split.
-
-    Layers cannot be divided: among the ``j·K + 1`` largest layers some rank holds ``j + 1``,
-    so some rank works at least the sum of the ``j + 1`` smallest of them (``j = 0``: the
-    largest layer).  That rank runs all M micro-batches, so ``T >= M · this / fastest speed``.
-    """
-    b = cfg.microbatch_size(search.training.global_batch_size)
-    desc = search.knapsack_at(b).desc_work
-    k = cfg.pipeline_degree
-    best = 0.0
-    j = 0
-    while j * k + 1 <= len(desc):
-        top = j * k + 1
-        best = max(best, sum(desc[top - j - 1 : top]))
-        j += 1
-    return best
-
-
 class _PinnedRanks:
     """Least work (speed 1) and parameter bytes of the ranks :func:`rank_allreduce_bound`
     pins down, at one micro-batch size: rank 0 and rank K-1 (:meth:`ends`, per K and v),
@@ -730,8 +709,9 @@ def rank_allreduce_bound(search: _Search, cfg: Config, groups: Sequence[Group]) 
     * rank K-1 holds the last layer and v - 1 more from layer K-1 on; its first stage comes
       after at least K - 1 layers, forward on the way in and backward on the gradient's way
       back (plus the least transfers of :class:`planner.solver_core.TransferBounds`);
-    * the busiest rank of :func:`busiest_rank_work`: it holds j + 1 of the ``j·K + 1``
-      largest layers, so at least the j + 1 smallest works and parameters among them.
+    * the busiest rank: layers cannot be divided, so among the ``j·K + 1`` largest layers
+      some rank holds j + 1, and works at least the j + 1 smallest of them (j = 0: the
+      largest layer), with at least the j + 1 smallest parameters among them.
 
     Work and parameters are bounded separately (the lightest layers for each); the
     all-reduce uses the fastest link of any group.  With one rank it holds every layer.
@@ -1086,27 +1066,13 @@ def chunk_memory_bound(
                     return False
         return True
 
-    # bisection between ``low`` (not covered, or the known bound ``lo``) and ``hi`` (covered)
-    low = lo * smax / m
+    hi = None
     if cutoff < math.inf:
         hi = cutoff * smax / m
         if not covers(hi):
             return cutoff
-    else:
-        hi = max(w / k, 1.25 * low)
-        while not covers(hi):
-            if hi > w * 1e3:
-                return math.inf
-            low, hi = hi, hi * 1.25
-    if low > 0 and covers(low):
-        return lo
-    while hi - low > CHUNK_REL_TOL * hi:
-        mid = (low + hi) / 2
-        if covers(mid):
-            hi = mid
-        else:
-            low = mid
-    return max(lo, low * m / smax)
+    low, high = _bisect(covers, lo * smax / m, rel_tol=CHUNK_REL_TOL, hi=hi, give_up=w * 1e3)
+    return math.inf if high == math.inf else max(lo, low * m / smax)
 
 
 def memory_bounds(search: _Search, cfg: Config, groups: Sequence[Group], *, lo: float = 0.0) -> float:
@@ -1239,17 +1205,29 @@ def relaxed_memory_fits(search: _Search, sm: StageModel, groups: Sequence[Group]
     return a == sm.L
 
 
-def _bisect(feasible: Callable[[float], bool], lo: float, *, rel_tol: float = REL_TOL) -> tuple[float, float]:
+def _bisect(
+    feasible: Callable[[float], bool],
+    lo: float,
+    *,
+    rel_tol: float = REL_TOL,
+    hi: float | None = None,
+    give_up: float = math.inf,
+) -> tuple[float, float]:
     """``(lo, hi)`` within ``rel_tol`` with ``feasible(hi)`` and no feasible value below ``lo``.
 
-    Needs ``feasible(inf)`` and ``lo`` a lower bound of the smallest feasible value.
+    Needs ``lo`` a lower bound of the smallest feasible value, and ``feasible(inf)`` unless
+    ``give_up`` is finite: then ``(lo, inf)`` when nothing up to ``give_up`` is feasible.  A
+    ``hi`` known to be feasible skips the search for one.
     """
     lo = max(lo, 0.0)
     if feasible(lo):
         return lo, lo
-    hi = max(lo * 1.25, 1e-9)
-    while not feasible(hi):
-        lo, hi = hi, hi * 2
+    if hi is None:
+        hi = max(lo * 1.25, 1e-9)
+        while not feasible(hi):
+            if hi > give_up:
+                return lo, math.inf
+            lo, hi = hi, hi * 2
     while hi - lo > rel_tol * hi:
         mid = (lo + hi) / 2
         if feasible(mid):

@@ -229,29 +229,35 @@ class TransferBounds:
 
     down: tuple[float, ...]
     up: tuple[float, ...]
+    #: per boundary, the (bandwidth, latency) of the link types its replicas cross; on a
+    #: mixed cluster (positions' devices not fixed) both types, of which the faster counts
+    links: tuple[tuple[tuple[float, float], ...], ...]
 
     @staticmethod
     def of(cluster: Cluster, costs: LayerCosts, groups: Sequence[Group]) -> TransferBounds:
         """For the pipeline positions of ``groups`` (position s holds ``groups[s]``)."""
         k = len(groups)
         cut = min(costs.cut_bytes[: max(1, costs.num_layers - 1)])
-        intra, inter = (
-            transfer_ms(cut, li.bandwidth_bytes_per_s, li.latency_s) for li in (cluster.intra_node, cluster.inter_node)
-        )
+        intra = (cluster.intra_node.bandwidth_bytes_per_s, cluster.intra_node.latency_s)
+        inter = (cluster.inter_node.bandwidth_bytes_per_s, cluster.inter_node.latency_s)
+        links: list[tuple[tuple[float, float], ...]] = []
         hops = []
-        if cluster.homogeneous:
-            per_node = cluster.devices_per_node
-            for s in range(k - 1):
+        for s in range(k - 1):
+            if cluster.homogeneous:
+                per_node = cluster.devices_per_node
                 pairs = zip(groups[s].devices, groups[s + 1].devices, strict=True)
-                hops.append(max(intra if x // per_node == y // per_node else inter for x, y in pairs))
-        else:
-            hops = [min(intra, inter)] * (k - 1)
+                crossed = {intra if x // per_node == y // per_node else inter for x, y in pairs}
+                links.append(tuple(sorted(crossed)))
+                hops.append(max(transfer_ms(cut, *li) for li in crossed))
+            else:
+                links.append((intra, inter))
+                hops.append(min(transfer_ms(cut, *li) for li in (intra, inter)))
         down, up = [0.0] * k, [0.0] * k
         for s in range(k - 2, -1, -1):
             down[s] = down[s + 1] + 2 * hops[s]
         for s in range(1, k):
             up[s] = up[s - 1] + hops[s - 1]
-        return TransferBounds(tuple(down), tuple(up))
+        return TransferBounds(tuple(down), tuple(up), tuple(links))
 
 
 # --------------------------------------------------------------------------- exact evaluation
