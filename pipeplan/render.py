@@ -60,6 +60,13 @@ def plan_table(plan: Plan) -> Table:
     return table
 
 
+def _ratio(a: float, b: float) -> str:
+    """``a / b`` as ``1.23x``; a zero denominator (a model that does no work) is shown, not divided."""
+    if b > 0:
+        return f"{a / b:.2f}x"
+    return "1.00x" if a == 0 else "inf x"
+
+
 def summary_lines(plan: Plan, comparisons: Sequence[Comparison] = ()) -> list[str]:
     p = plan.predicted
     lines = [
@@ -70,7 +77,7 @@ def summary_lines(plan: Plan, comparisons: Sequence[Comparison] = ()) -> list[st
         f"micro-batches M={plan.num_microbatches} of {plan.microbatch_size} "
         f"(global batch {plan.global_batch_size})",
         f"predicted step {p.step_time_ms:.2f} ms, {p.throughput_samples_per_s:.1f} samples/s, "
-        f"bubble {p.bubble_fraction:.1%}, {p.step_time_ms / p.lower_bound_ms:.2f}x the lower bound "
+        f"bubble {p.bubble_fraction:.1%}, {_ratio(p.step_time_ms, p.lower_bound_ms)} the lower bound "
         f"{p.lower_bound_ms:.2f} ms" + (f", all-reduce {p.allreduce_ms:.2f} ms" if p.allreduce_ms else ""),
     ]
     for c in comparisons:
@@ -78,7 +85,7 @@ def summary_lines(plan: Plan, comparisons: Sequence[Comparison] = ()) -> list[st
             lines.append(f"vs {c.name}: {c.note or 'no plan'}")
         else:
             lines.append(
-                f"vs {c.name}: {c.step_time_ms:.2f} ms -> speed-up {c.step_time_ms / p.step_time_ms:.2f}x"
+                f"vs {c.name}: {c.step_time_ms:.2f} ms -> speed-up {_ratio(c.step_time_ms, p.step_time_ms)}"
                 + (f" ({c.note})" if c.note else "")
             )
     s = plan.solver
@@ -88,6 +95,7 @@ def summary_lines(plan: Plan, comparisons: Sequence[Comparison] = ()) -> list[st
     if s.message:
         solver += f" ({s.message})"
     lines.append(solver)
+    lines.extend(f"note: {note}" for note in plan.notes)
     over = [st.index for st in plan.stages if st.memory_bytes > st.memory_limit_bytes]
     if over:
         lines.append(

@@ -12,10 +12,9 @@ Sources of the formulas:
   and recompute costs one extra forward pass.
 * Ring all-reduce (Patarasuk & Yuan 2009): 2(D-1)/D of the bytes cross each link.
 
-Interpolation of profiles: every per-layer quantity is measured at a few micro-batch sizes.
-Between two measured sizes it is interpolated linearly; beyond the measured range it is
-extrapolated from the nearest two (clamped at zero); a profile with one measured size scales
-linearly through zero (value x b / b0).
+Profiles to costs: every per-layer quantity is measured at a few micro-batch sizes;
+:mod:`planner.scaling` fits each series to what physics allows (non-negative, non-decreasing,
+cost per sample non-increasing) and reads it at the size a plan needs.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from planner import scaling
 from planner.errors import InputError
 from planner.schema import (
     Cluster,
@@ -48,18 +48,9 @@ from planner.simulator import (
 
 
 def interpolate(sizes: Sequence[int], values: Sequence[float], b: float) -> float:
-    """Value at micro-batch size ``b`` from values measured at ``sizes`` (see module doc)."""
-    if len(sizes) == 1:
-        return float(values[0]) * b / sizes[0]
-    if b <= sizes[0]:
-        i = 0
-    elif b >= sizes[-1]:
-        i = len(sizes) - 2
-    else:
-        i = next(j for j in range(len(sizes) - 1) if sizes[j] <= b <= sizes[j + 1])
-    x0, x1 = sizes[i], sizes[i + 1]
-    y0, y1 = float(values[i]), float(values[i + 1])
-    return max(0.0, y0 + (y1 - y0) * (b - x0) / (x1 - x0))
+    """Value at micro-batch size ``b`` of one series measured at ``sizes`` (physical fit,
+    :func:`planner.scaling.at_size`)."""
+    return scaling.at_size(sizes, values, b)
 
 
 @dataclass(frozen=True)
@@ -97,8 +88,12 @@ def layer_costs(profile: Profile, microbatch_size: int) -> LayerCosts:
     """Interpolate every layer of ``profile`` at ``microbatch_size``."""
     sizes = profile.microbatch_sizes
     b = microbatch_size
-    fwd = tuple(interpolate(sizes, layer.forward_ms, b) for layer in profile.layers)
-    bwd = tuple(interpolate(sizes, layer.backward_ms, b) for layer in profile.layers)
+    fwd = tuple(
+        scaling.at_size(sizes, layer.forward_ms, b, spread=layer.forward_ms_spread) for layer in profile.layers
+    )
+    bwd = tuple(
+        scaling.at_size(sizes, layer.backward_ms, b, spread=layer.backward_ms_spread) for layer in profile.layers
+    )
     act = tuple(interpolate(sizes, layer.activation_bytes, b) for layer in profile.layers)
     cut = tuple(interpolate(sizes, layer.transfer_bytes(), b) for layer in profile.layers)
     params = tuple(layer.param_bytes for layer in profile.layers)
@@ -379,6 +374,7 @@ def estimate(
         solver=solver or SolverInfo(status="given", gap=0.0),
         cluster=cluster,
         training=training,
+        notes=[note] if (note := scaling.extrapolation_note(profile.microbatch_sizes, b)) else [],
     )
 
 

@@ -378,6 +378,10 @@ class Plan(_Model):
     solver: SolverInfo
     cluster: Cluster
     training: TrainingSetup
+    notes: list[str] = Field(
+        default_factory=list,
+        description="caveats of the prediction, e.g. a micro-batch size beyond the profiled ones",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> Plan:
