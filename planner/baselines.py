@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from planner.costmodel import estimate, layer_costs, plan_fits
 from planner.errors import PipeplanError
 from planner.schema import Cluster, Plan, PlanOptions, Profile, Schedule, TrainingSetup
-from planner.solver_core import Config
+from planner.search.space import Config
 from planner.units import format_bytes
 
 BASELINE_NAMES = ("uniform", "parameters", "time", "gpipe-4k")

@@ -1,9 +1,10 @@
 """Why no plan fits, with numbers: the layer too big for any device, the memory per device
 and the number of devices that would fit.
 
-Feasibility here is decided by the very tests :func:`planner.solver.solve` uses (the
-farthest-reach greedy with the exact memory model, the enumerated small chains, the
-interleaved split), so a suggested fix is one ``solve`` accepts.
+Feasibility here is decided by :func:`planner.search.feasibility.config_fits`, the very
+split searches :func:`planner.solver.solve` runs (the farthest-reach greedy with the exact
+memory model, the enumerated small chains, the interleaved split), so a suggested fix is one
+``solve`` accepts.
 """
 
 from __future__ import annotations
@@ -15,52 +16,13 @@ from collections.abc import Sequence
 from planner.costmodel import LayerCosts, layer_costs, rank_memory_bytes
 from planner.errors import InfeasibleError, InputError
 from planner.schema import Cluster, Device, PlanOptions, Profile, TrainingSetup
-from planner.solver_core import Config, StageModel, make_groups, usable_bytes
+from planner.search.feasibility import config_fits
+from planner.search.model import StageModel
+from planner.search.space import Config, enumerate_configs, usable_bytes
 from planner.units import format_bytes, parse_bytes
 
 #: stop scanning device counts after this long (seconds)
 DEVICE_SCAN_BUDGET_S = 3.0
-
-
-def config_fits(
-    profile: Profile,
-    cluster: Cluster,
-    training: TrainingSetup,
-    options: PlanOptions,
-    cfg: Config,
-    costs: LayerCosts,
-) -> bool:
-    """True when the solver would find a split of ``cfg`` that fits memory."""
-    from planner import solver
-
-    search = solver._Search(profile, cluster, training, options, deadline=math.inf)
-    search.costs[costs.microbatch_size] = costs
-    groups = make_groups(cluster, training, cfg.data_parallel, cfg.pipeline_degree)
-    sm = StageModel(costs, cfg, training)
-    orders = solver._orders(groups)
-    n = cfg.num_stages
-    if solver.fixed_ranges(options) is None and math.comb(sm.L - 1, n - 1) * len(orders) <= solver.ENUMERATE_LIMIT:
-        # the solver enumerates such chains: so does this test
-        import itertools
-
-        for order in orders:
-            for cuts in itertools.combinations(range(1, sm.L), n - 1):
-                bounds = (0, *cuts, sm.L)
-                ranges = tuple((bounds[i], bounds[i + 1]) for i in range(n))
-                stage_groups = tuple(order[s % cfg.pipeline_degree] for s in range(n))
-                if solver._with_recompute(search, sm, groups, ranges, stage_groups) is not None:
-                    return True
-        return False
-    for order in orders:
-        if solver.fixed_ranges(options) is not None:
-            split = solver.fixed_split(search, sm, groups, order)
-        elif cfg.virtual_stages > 1:
-            split = solver.interleaved_split(search, sm, groups, order)
-        else:
-            split = solver.greedy_split(search, sm, groups, order, math.inf)
-        if split is not None:
-            return True
-    return False
 
 
 def any_fits(
@@ -72,8 +34,6 @@ def any_fits(
     world: int | None = None,
 ) -> bool:
     """Some configuration fits (only those using exactly ``world`` devices, if given)."""
-    from planner.solver import enumerate_configs
-
     try:
         configs = enumerate_configs(profile, cluster, training, options)
     except InputError:
@@ -152,8 +112,6 @@ def largest_layer(
     profile: Profile, cluster: Cluster, training: TrainingSetup, options: PlanOptions
 ) -> tuple[int, float] | None:
     """A layer that alone exceeds every device in every configuration: (index, its least bytes)."""
-    from planner.solver import enumerate_configs
-
     try:
         configs = enumerate_configs(profile, with_count(cluster, max(cluster.num_devices, 1)), training, options)
     except InputError:

@@ -13,8 +13,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _modules(package: str) -> list[str]:
+    """The package and every module under it, subpackages included (``__main__`` left out)."""
     path = ROOT / package
-    return [package] + [f"{package}.{m.name}" for m in pkgutil.iter_modules([str(path)]) if m.name != "__main__"]
+    return [package] + [
+        m.name for m in pkgutil.walk_packages([str(path)], prefix=f"{package}.") if not m.name.endswith(".__main__")
+    ]
 
 
 @pytest.mark.parametrize("package", ["planner", "api", "pipeplan"])

@@ -13,16 +13,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from planner.bounds.chunk_memory import chunk_memory_bound
+from planner.bounds.memory import memory_work_bound, static_memory_bound
+from planner.bounds.work import cheap_bound
 from planner.costmodel import estimate, plan_fits
 from planner.schema import Cluster, PlanOptions, Profile, TrainingSetup
-from planner.solver import (
-    _Search,
-    cheap_bound,
-    chunk_memory_bound,
-    memory_work_bound,
-    static_memory_bound,
-)
-from planner.solver_core import Config, make_groups
+from planner.search.space import Config, make_groups
+from planner.search.state import SearchState
 from tests.planner.helpers import brute_force, cluster, random_profile
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -87,7 +84,7 @@ def test_cheap_bound_never_exceeds_the_exhaustive_optimum(
     seed: int, shape: tuple[int, int, str], m: int, memory: str, slow: bool, recompute: bool | None, d: int
 ) -> None:
     """``d = 2`` runs two data-parallel replicas, so every rank all-reduces its gradients
-    (what :func:`planner.solver.rank_allreduce_bound` counts)."""
+    (what :func:`planner.bounds.work.rank_allreduce_bound` counts)."""
     k, v, schedule = shape
     if schedule == "interleaved-1f1b" and m % k:
         m = k * m
@@ -99,7 +96,7 @@ def test_cheap_bound_never_exceeds_the_exhaustive_optimum(
     cl = cluster(k * d, memory, speeds=speeds)
     training = TrainingSetup(global_batch_size=8 * m * d, optimizer="sgd")
     cfg = Config(d, k, m, schedule, v)  # type: ignore[arg-type]
-    search = _Search(profile, cl, training, PlanOptions(recompute=recompute), deadline=math.inf)
+    search = SearchState(profile, cl, training, PlanOptions(recompute=recompute), deadline=math.inf)
     groups = make_groups(cl, training, d, k)
     oracle = exhaustive(profile, cl, training, cfg, recompute=recompute)
     for name, bound in (
@@ -160,7 +157,7 @@ def test_memory_bounds_never_exceed_the_optimum_when_memory_binds(
     need = acts * min(m, k * v + k) / k
     cl = cluster(k, f"{max(1, int(need * fraction / 0.9))}B")
     cfg = Config(1, k, m, schedule, v)  # type: ignore[arg-type]
-    search = _Search(profile, cl, training, PlanOptions(recompute=recompute), deadline=math.inf)
+    search = SearchState(profile, cl, training, PlanOptions(recompute=recompute), deadline=math.inf)
     groups = make_groups(cl, training, 1, k)
     oracle, busiest = exhaustive_both(profile, cl, training, cfg, recompute=recompute)
     for name, bound, target in (
@@ -175,7 +172,7 @@ def test_memory_bounds_never_exceed_the_optimum_when_memory_binds(
             assert bound <= target * (1 + 1e-9), (name, bound, target)
 
 
-def _activation_heavy_case(memory: str, *, recompute: bool | None = None) -> tuple[_Search, Config, list]:  # type: ignore[type-arg]
+def _activation_heavy_case(memory: str, *, recompute: bool | None = None) -> tuple[SearchState, Config, list]:  # type: ignore[type-arg]
     """8 equal layers whose activations, not parameters, decide what fits."""
     from planner.schema import LayerProfile, MeasuredOn
     from tests.planner.helpers import MiB
@@ -191,7 +188,7 @@ def _activation_heavy_case(memory: str, *, recompute: bool | None = None) -> tup
     cl = cluster(2, memory)
     training = TrainingSetup(global_batch_size=32, optimizer="sgd")
     cfg = Config(1, 2, 4, "1f1b")
-    search = _Search(profile, cl, training, PlanOptions(recompute=recompute), deadline=math.inf)
+    search = SearchState(profile, cl, training, PlanOptions(recompute=recompute), deadline=math.inf)
     return search, cfg, make_groups(cl, training, 1, 2)
 
 
@@ -259,8 +256,9 @@ def test_split_bound_with_fill_and_drain_is_below_the_simulated_step(
     recompute and data parallelism: the split bound never exceeds the simulated step."""
     import random
 
+    from planner.bounds.split import split_lower_bound
     from planner.costmodel import layer_costs
-    from planner.solver_core import Split, StageModel, quick_step, split_lower_bound
+    from planner.search.model import Split, StageModel, quick_step
 
     rng = random.Random(seed)
     m = k + extra
@@ -293,8 +291,9 @@ def test_split_bound_is_tight_when_the_first_stage_is_the_bottleneck(k: int, ext
     simulated step is ``6·M + K - 1`` (up to link latency).  The bound must reach it; without
     the wait for the first backward (only the last-backward wait, which is 0 here) every
     rank's bound stays at most ``6·M``."""
+    from planner.bounds.split import split_lower_bound
     from planner.costmodel import layer_costs
-    from planner.solver_core import Split, StageModel, quick_step, split_lower_bound
+    from planner.search.model import Split, StageModel, quick_step
 
     m = k + extra  # M >= K + 1, so both waits count on rank 0
     profile = _uniform_profile(k + 1)
@@ -327,9 +326,9 @@ def test_relaxed_stage_test_is_monotone(
 ) -> None:
     """The relaxed bound's farthest-reach greedy is exact only if each stage's time test
     ``M·work + idle`` grows with the stage's end; the waits must never break that."""
+    from planner.bounds.relaxed import idle_bound
     from planner.costmodel import layer_costs
-    from planner.solver import _idle_bound
-    from planner.solver_core import StageModel
+    from planner.search.model import StageModel
 
     m = k + extra
     layers = 9
@@ -338,7 +337,7 @@ def test_relaxed_stage_test_is_monotone(
     sm = StageModel(layer_costs(profile, 2), Config(1, k, m, schedule), training)  # type: ignore[arg-type]
     for s in range(k):
         for a in range(layers):
-            values = [m * sm.work_ms(a, b, rc, speed) + _idle_bound(sm, a, b, rc, s, speed, 1.0, transfers=transfers)
+            values = [m * sm.work_ms(a, b, rc, speed) + idle_bound(sm, a, b, rc, s, speed, 1.0, transfers=transfers)
                       for b in range(a + 1, layers + 1)]
             assert all(x <= y * (1 + 1e-12) for x, y in itertools.pairwise(values)), (s, a, values)
 
@@ -354,8 +353,8 @@ def test_relaxed_stage_test_is_monotone(
 def test_relaxed_bound_cutoff_agrees_with_the_full_bound(seed: int, k: int, m: int, memory: str, fraction: float) -> None:
     """With a cutoff the bound answers ">= cutoff" exactly when the full bound does, and
     below the cutoff it is the same value."""
-    from planner.solver import _Search, relaxed_bound
-    from planner.solver_core import StageModel
+    from planner.bounds.relaxed import relaxed_bound
+    from planner.search.model import StageModel
 
     if m < k:
         m = k
@@ -363,7 +362,7 @@ def test_relaxed_bound_cutoff_agrees_with_the_full_bound(seed: int, k: int, m: i
     cl = cluster(k, memory)
     training = TrainingSetup(global_batch_size=2 * m, optimizer="sgd")
     cfg = Config(1, k, m, "1f1b")
-    search = _Search(profile, cl, training, PlanOptions(), deadline=math.inf)
+    search = SearchState(profile, cl, training, PlanOptions(), deadline=math.inf)
     groups = make_groups(cl, training, 1, k)
     sm = StageModel(search.costs_at(2), cfg, training)
     full = relaxed_bound(search, sm, groups, 0.0)
@@ -391,8 +390,8 @@ def test_mixed_interleaved_split_covers_and_fits(seed: int, k: int, v: int, frac
     """The per-chunk recompute split is contiguous, covers every layer, and fits memory
     exactly as estimate checks it, whenever it returns one."""
     from planner.costmodel import plan_fits
-    from planner.solver import interleaved_mixed_split
-    from planner.solver_core import StageModel
+    from planner.search.model import StageModel
+    from planner.splits.interleaved import interleaved_mixed_split
 
     m = 2 * k
     profile = activation_heavy_profile(seed, k * v + 3)
@@ -400,7 +399,7 @@ def test_mixed_interleaved_split_covers_and_fits(seed: int, k: int, v: int, frac
     acts = sum(layer.activation_bytes[-1] for layer in profile.layers)
     cl = cluster(k, f"{max(1, int(acts * 2 * fraction))}B")
     cfg = Config(1, k, m, "interleaved-1f1b", v)
-    search = _Search(profile, cl, training, PlanOptions(), deadline=math.inf)
+    search = SearchState(profile, cl, training, PlanOptions(), deadline=math.inf)
     groups = make_groups(cl, training, 1, k)
     sm = StageModel(search.costs_at(4), cfg, training)
     split = interleaved_mixed_split(search, sm, groups, tuple(range(k)))
@@ -426,7 +425,7 @@ def test_chunk_memory_bound_is_stronger_where_chunks_must_recompute() -> None:
     acts = sum(layer.activation_bytes[-1] for layer in profile.layers)
     cl = cluster(k, f"{int(acts * min(m, k * v + k) / k * 0.2 / 0.9)}B")
     cfg = Config(1, k, m, "interleaved-1f1b", v)
-    search = _Search(profile, cl, training, PlanOptions(), deadline=math.inf)
+    search = SearchState(profile, cl, training, PlanOptions(), deadline=math.inf)
     groups = make_groups(cl, training, 1, k)
     chunk = chunk_memory_bound(search, cfg, groups)
     whole = max(static_memory_bound(search, cfg, groups), memory_work_bound(search, cfg, groups))
@@ -444,15 +443,15 @@ def test_chunk_memory_bound_is_stronger_where_chunks_must_recompute() -> None:
 def test_layer_runs_give_the_most_work_of_any_run_that_fits(
     seed: int, layers: int, fraction: float, exclude: set[int]
 ) -> None:
-    """``_Windows.value(A)`` is the most work of consecutive layers, none excluded, whose
+    """``Windows.value(A)`` is the most work of consecutive layers, none excluded, whose
     activations fit ``A`` (checked against every run); never less, so the bound stays valid."""
+    from planner.bounds.chunk_memory import Windows
     from planner.costmodel import layer_costs
-    from planner.solver import _Windows
 
     costs = layer_costs(random_profile(seed, layers), 2)
     skip = frozenset(i for i in exclude if i < layers)
     capacity = fraction * sum(costs.activation_bytes)
-    runs = _Windows(costs, exclude=skip)
+    runs = Windows(costs, exclude=skip)
     best = 0.0
     for a in range(layers):
         for b in range(a + 1, layers + 1):
@@ -489,19 +488,19 @@ def test_chunk_bound_counts_whole_layers_and_a_head_only_one_chunk_can_keep(
     """1 GiB: a kept chunk holds whole layers, so whole-layer runs beat the fractional
     knapsack; 2 GiB: only one chunk can keep the head, so setting it apart beats runs that
     let every rank claim it.  Each version stays below the exhaustive busiest rank."""
-    import planner.solver as solver
+    import planner.bounds.chunk_memory as chunk_memory
 
     profile, cl, training, cfg = _blocks_and_head(memory)
     groups = make_groups(cl, training, 1, 2)
 
     def bound() -> float:
-        return chunk_memory_bound(_Search(profile, cl, training, PlanOptions(), deadline=math.inf), cfg, groups)
+        return chunk_memory_bound(SearchState(profile, cl, training, PlanOptions(), deadline=math.inf), cfg, groups)
 
     full = bound()
     with monkeypatch.context() as patch:
-        patch.setattr(solver, "_outlier_layers", lambda costs: frozenset())
+        patch.setattr(chunk_memory, "outlier_layers", lambda costs: frozenset())
         runs_only = bound()
-        patch.setattr(solver._Windows, "value", lambda self, capacity: math.inf)
+        patch.setattr(chunk_memory.Windows, "value", lambda self, capacity: math.inf)
         knapsack_only = bound()
     _, busiest = exhaustive_both(profile, cl, training, cfg)
     assert full <= busiest * (1 + 1e-9)
@@ -525,7 +524,7 @@ def test_pinned_ranks_with_their_allreduce_stay_below_the_optimum(
     """Two replicas on a slow link, so the all-reduce after each rank's work is a large part
     of the step: the bound on ranks 0, K-1 and the busiest, with their all-reduce, must
     stay below the best plan of every split, recompute choice and device order."""
-    from planner.solver import rank_allreduce_bound
+    from planner.bounds.work import rank_allreduce_bound
 
     k, v, schedule = shape
     if schedule == "interleaved-1f1b" and m % k:
@@ -540,7 +539,7 @@ def test_pinned_ranks_with_their_allreduce_stay_below_the_optimum(
     })
     training = TrainingSetup(global_batch_size=2 * m * d, optimizer="sgd")
     cfg = Config(d, k, m, schedule, v)  # type: ignore[arg-type]
-    search = _Search(profile, cl, training, PlanOptions(), deadline=math.inf)
+    search = SearchState(profile, cl, training, PlanOptions(), deadline=math.inf)
     bound = rank_allreduce_bound(search, cfg, make_groups(cl, training, d, k))
     oracle = exhaustive(profile, cl, training, cfg)
     assert bound <= oracle * (1 + 1e-9), (bound, oracle)
@@ -549,11 +548,11 @@ def test_pinned_ranks_with_their_allreduce_stay_below_the_optimum(
 def test_layer_runs_past_their_limit_claim_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     """With more runs than ``WINDOW_LIMIT`` the table gives up: every answer, the first and
     every later one, is infinity (no information), never a too-small value."""
-    import planner.solver as solver
+    import planner.bounds.chunk_memory as chunk_memory
     from planner.costmodel import layer_costs
 
-    monkeypatch.setattr(solver, "WINDOW_LIMIT", 3)
-    runs = solver._Windows(layer_costs(random_profile(1, 8), 2))
+    monkeypatch.setattr(chunk_memory, "WINDOW_LIMIT", 3)
+    runs = chunk_memory.Windows(layer_costs(random_profile(1, 8), 2))
     big = 1e12
     assert runs.value(big) == math.inf
     assert runs.value(big / 2) == math.inf

@@ -1,4 +1,4 @@
-"""The boundary dynamic program of :mod:`planner.chain_dp` and its 1F1B pair path are valid.
+"""The boundary dynamic program of :mod:`planner.bounds.chain_dp` and its 1F1B pair path are valid.
 
 * the pair path of a split never exceeds its simulated step (random splits, recompute,
   slow links between nodes, data parallelism);
@@ -18,10 +18,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner.chain_dp import chain_split, split_pair_bound
+from planner.bounds.chain_dp import chain_split, split_pair_bound
+from planner.bounds.relaxed import relaxed_bound
 from planner.schema import Cluster, PlanOptions, TrainingSetup
-from planner.solver import _Search, relaxed_bound
-from planner.solver_core import Config, Split, StageModel, make_groups, quick_step, split_memory_ok
+from planner.search.model import Split, StageModel, quick_step, split_memory_ok
+from planner.search.space import Config, make_groups
+from planner.search.state import SearchState
 from tests.planner.helpers import brute_force, random_profile
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -51,7 +53,7 @@ def test_pair_path_never_exceeds_the_simulated_step(seed: int, k: int, extra: in
     cl = two_tier(k * d, "64GiB", per_node=per_node)
     training = TrainingSetup(global_batch_size=2 * m * d, optimizer="sgd")
     cfg = Config(d, k, m, "1f1b")
-    sm = StageModel(_Search(profile, cl, training, PlanOptions(), deadline=math.inf).costs_at(2), cfg, training)
+    sm = StageModel(SearchState(profile, cl, training, PlanOptions(), deadline=math.inf).costs_at(2), cfg, training)
     groups = make_groups(cl, training, d, k)
     for _ in range(5):
         cuts = sorted(rng.sample(range(1, layers), k - 1))
@@ -81,7 +83,7 @@ def test_the_table_never_excludes_a_time_some_split_reaches(
     cl = two_tier(k, memory, per_node=per_node)
     training = TrainingSetup(global_batch_size=2 * m, optimizer="sgd")
     cfg = Config(1, k, m, schedule)  # type: ignore[arg-type]
-    search = _Search(profile, cl, training, PlanOptions(), deadline=math.inf)
+    search = SearchState(profile, cl, training, PlanOptions(), deadline=math.inf)
     sm = StageModel(search.costs_at(2), cfg, training)
     groups = make_groups(cl, training, 1, k)
     best = brute_force(profile, cl, training, k=k, m=m, schedule=schedule)  # type: ignore[arg-type]
@@ -114,7 +116,7 @@ def test_relaxed_bound_with_transfers_stays_below_the_optimum(
     cl = two_tier(k, memory, per_node=per_node)
     training = TrainingSetup(global_batch_size=2 * m, optimizer="sgd")
     cfg = Config(1, k, m, "1f1b")
-    search = _Search(profile, cl, training, PlanOptions(), deadline=math.inf)
+    search = SearchState(profile, cl, training, PlanOptions(), deadline=math.inf)
     sm = StageModel(search.costs_at(2), cfg, training)
     bound = relaxed_bound(search, sm, make_groups(cl, training, 1, k), 0.0)
     best = brute_force(profile, cl, training, k=k, m=m, schedule="1f1b")
@@ -132,7 +134,7 @@ def test_a_slow_link_between_busy_stages_raises_the_bound() -> None:
     cl = two_tier(k, "64GiB", per_node=1)
     training = TrainingSetup(global_batch_size=2 * m, optimizer="sgd")
     cfg = Config(1, k, m, "1f1b")
-    search = _Search(profile, cl, training, PlanOptions(), deadline=math.inf)
+    search = SearchState(profile, cl, training, PlanOptions(), deadline=math.inf)
     sm = StageModel(search.costs_at(2), cfg, training)
     groups = make_groups(cl, training, 1, k)
     relaxed = relaxed_bound(search, sm, groups, 0.0)
@@ -169,12 +171,12 @@ def test_solver_gap_stays_true_when_the_table_sets_it(
     """With enumeration switched off, one-chunk configurations are settled by the greedy
     splits and the boundary table: the plan fits, and ``step x (1 - gap)`` never exceeds the
     best split of every configuration the options allow."""
-    import planner.solver as solver
+    import planner.splits.exhaustive as exhaustive
     from planner.errors import InfeasibleError
     from planner.solver import solve
     from tests.planner.helpers import assert_valid
 
-    monkeypatch.setattr(solver, "ENUMERATE_LIMIT", 0)
+    monkeypatch.setattr(exhaustive, "ENUMERATE_LIMIT", 0)
     profile = random_profile(seed, 8)
     cl = two_tier(k, memory, per_node=per_node)
     training = TrainingSetup(global_batch_size=m, optimizer="sgd")

@@ -11,17 +11,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from planner.baselines import block_partition, minmax_split, uniform_split
+from planner.bounds.split import split_lower_bound
 from planner.costmodel import estimate
 from planner.schema import TrainingSetup
+from planner.search.model import Split, StageModel, quick_step
+from planner.search.space import Config, make_groups
 from planner.simulator import build_orders, compile_schedule, makespans, schedule_orders, simulate
-from planner.solver_core import (
-    Config,
-    Split,
-    StageModel,
-    make_groups,
-    quick_step,
-    split_lower_bound,
-)
 from tests.planner.helpers import brute_force, cluster, random_profile
 
 SETTINGS = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -96,8 +91,8 @@ def test_relaxed_memory_is_a_lower_bound(seed: int, rank: int, rc: bool) -> None
 
 @pytest.mark.parametrize("seed", range(4))
 def test_cpsat_bound_is_below_the_brute_force_optimum(seed: int) -> None:
+    from planner.bounds.cpsat import config_bound
     from planner.costmodel import layer_costs
-    from planner.solver_cpsat import config_bound
 
     profile = random_profile(seed, 9)
     cl = cluster(3, ["60MiB", "90MiB", "1GiB"][seed % 3])

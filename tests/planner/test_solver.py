@@ -240,16 +240,18 @@ def test_1f1b_stages_beside_a_slow_link_take_less_work() -> None:
     assert min(sizes_[1], sizes_[2]) < min(sizes_[0], sizes_[3])
     assert_valid(plan, profile)
     # the greedy split that keeps the transfer cycles in the period finds it without polishing
-    from planner.solver import _bisect, _Search, greedy_split
-    from planner.solver_core import Config, StageModel, make_groups, quick_step
+    from planner.search.model import StageModel, bisect_feasible, quick_step
+    from planner.search.space import Config, make_groups
+    from planner.search.state import SearchState
+    from planner.splits.greedy import greedy_split
 
-    search = _Search(profile, cl, training, PlanOptions(), deadline=math.inf)
+    search = SearchState(profile, cl, training, PlanOptions(), deadline=math.inf)
     cfg = Config(1, 4, 64, "1f1b")
     groups = make_groups(cl, training, 1, 4)
     sm = StageModel(search.costs_at(1), cfg, training)
     steps = {}
     for window in (False, True):
-        t = _bisect(lambda t, w=window: greedy_split(search, sm, groups, (0, 1, 2, 3), t, idle=True, window=w) is not None, 0.0)[1]
+        t = bisect_feasible(lambda t, w=window: greedy_split(search, sm, groups, (0, 1, 2, 3), t, idle=True, window=w) is not None, 0.0)[1]
         split = greedy_split(search, sm, groups, (0, 1, 2, 3), t, idle=True, window=window)
         assert split is not None
         steps[window] = quick_step(sm, cl, groups, split)
@@ -280,8 +282,10 @@ def test_deterministic_when_the_budget_binds() -> None:
 )
 def test_relaxed_bound_is_below_the_optimum(seed: int, k: int, m: int, schedule: str, memory: str, slow: bool) -> None:
     """The configuration bound behind every reported gap never exceeds the true optimum."""
-    from planner.solver import _Search, relaxed_bound
-    from planner.solver_core import Config, StageModel, make_groups
+    from planner.bounds.relaxed import relaxed_bound
+    from planner.search.model import StageModel
+    from planner.search.space import Config, make_groups
+    from planner.search.state import SearchState
 
     if schedule == "1f1b" and m < k:
         schedule = "gpipe"  # 1f1b needs M >= K
@@ -289,15 +293,15 @@ def test_relaxed_bound_is_below_the_optimum(seed: int, k: int, m: int, schedule:
     cl = cluster(k, memory, speeds=[1.0] + [0.5] * (k - 1) if slow else None)
     training = TrainingSetup(global_batch_size=8, optimizer="sgd")
     cfg = Config(1, k, m, schedule)  # type: ignore[arg-type]
-    search = _Search(profile, cl, training, PlanOptions(), deadline=math.inf)
+    search = SearchState(profile, cl, training, PlanOptions(), deadline=math.inf)
     groups = make_groups(cl, training, 1, k)
     sm = StageModel(search.costs_at(8 // m), cfg, training)
     bound = relaxed_bound(search, sm, groups, 0.0)
     if slow:
-        from planner.solver import _orders
+        from planner.search.space import device_orders
 
         oracle = math.inf
-        for order in _orders(groups):
+        for order in device_orders(groups):
             devices = [list(groups[i].devices) for i in order]
             oracle = min(oracle, _brute_with_devices(profile, cl, training, k, m, schedule, devices))
     else:

@@ -1,6 +1,6 @@
 """Exact bound of a one-chunk pipeline (v = 1) by dynamic programming over its boundaries.
 
-:func:`planner.solver.relaxed_bound` decides "is there a split whose every stage passes a
+:func:`planner.bounds.relaxed.relaxed_bound` decides "is there a split whose every stage passes a
 relaxed test at ``t``" with a farthest-reach greedy.  That greedy is only exact for a
 test that sees nothing beyond its own stage, so the stage's downstream path (which the
 1F1B and GPipe waits depend on) is counted without the later stages' recompute and
@@ -8,7 +8,7 @@ transfers.  On memory-bound models those are what the plan pays for: in a 1024-l
 64-device plan the early ranks recompute, and every rank before them waits for that
 recompute twice, in the fill and in the drain.
 
-Here the test of stage ``s`` is the split bound of :func:`planner.solver_core.split_lower_bound`
+Here the test of stage ``s`` is the split bound of :func:`planner.bounds.split.split_lower_bound`
 itself, with one relaxation: the gradient's way back into the stage (``out_b``) is counted
 without the recompute of earlier stages (the forward path into it, ``in_f``, has none).
 Transfers before the stage are the smallest each boundary can cost.  Everything after the
@@ -39,9 +39,11 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from planner.bounds.split import TransferBounds
 from planner.costmodel import boundary_transfer_ms
 from planner.schema import Cluster, PlanOptions, TrainingSetup
-from planner.solver_core import Group, Split, StageModel, TransferBounds, recompute_options
+from planner.search.model import Split, StageModel, recompute_options
+from planner.search.space import Group
 
 if TYPE_CHECKING:
     import numpy as np

@@ -2,8 +2,8 @@
 
 For a configuration (D, K, M, schedule, v) left open by the fast search, the model chooses
 the K·v stage boundaries and the recompute flags jointly and minimises the split's lower
-bound of :mod:`planner.solver_core` (with the schedule's idle term), under the per-rank
-memory limit.  Compact formulation (no layer x stage booleans):
+bound of :func:`planner.bounds.split.split_lower_bound` (with the schedule's idle term), under
+the per-rank memory limit.  Compact formulation (no layer x stage booleans):
 
 * boundary variables ``x_0 = 0 < x_1 < ... < x_n = L``;
 * element constraints read the prefix sums of forward time, backward time, parameter
@@ -12,7 +12,7 @@ memory limit.  Compact formulation (no layer x stage booleans):
   recomputes); a rank's memory is its static bytes plus in-flight x stash plus live bytes,
   stash and live being maxima over its chunks;
 * ``Z >= in_f + M·work + idle + max(out_b, allreduce)`` for every rank, and for every
-  later chunk of an interleaved rank the chunk bound of :mod:`planner.solver_core`;
+  later chunk of an interleaved rank the chunk bound of :mod:`planner.bounds.split`;
   minimise ``Z``.
 
 Numbers are scaled to integers so that the model is a relaxation (times rounded down,
@@ -20,19 +20,17 @@ memory limits rounded up by the rounding error), so CP-SAT's proven objective bo
 valid lower bound of the configuration and "infeasible" proves that nothing fits.
 Heterogeneous clusters are relaxed to their fastest speed and largest memory.
 The search's best split of the configuration is the hint.  One worker and a fixed seed
-keep results repeatable.
+keep results repeatable.  :func:`planner.search.tighten.tighten_cpsat` decides which open
+configurations get a model and for how long.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 from planner.costmodel import static_bytes
-from planner.solver_core import Config, Group, Split, StageModel, split_memory_ok
-
-if TYPE_CHECKING:
-    from planner.solver import _Search
+from planner.search.model import Split, StageModel
+from planner.search.space import Group
 
 #: integer resolution of times: the objective's scale is about this many units
 TIME_UNITS = 10**9
@@ -151,7 +149,7 @@ def config_bound(
         model.add(z >= base + tail)
         if v > 1:
             # chunk j starts after the path through all earlier stages, when the rank has
-            # run only K forwards of each earlier chunk (see planner.solver_core)
+            # run only K forwards of each earlier chunk (see planner.bounds.split)
             for jj in range(1, v):
                 s_ = own[jj]
                 done = sum(fdiff[own[q]] for q in range(jj))
@@ -208,57 +206,3 @@ def config_bound(
     rcs = [bool(solver.value(r)) if not isinstance(r, int) else bool(r) for r in rc]
     return max(0.0, bound), ranges, rcs, status == cp_model.OPTIMAL, used
 
-
-def tighten(search: _Search, configs: object, *, budget_s: float) -> None:
-    """Raise the bounds of open configurations with CP-SAT, best first, within ``budget_s``
-    of CP-SAT's deterministic time (about seconds)."""
-    from planner.solver import _with_recompute, consider
-
-    left = budget_s
-
-    g = search.training.global_batch_size
-    open_items = sorted(search.open_configs.items(), key=lambda e: (e[1][0], e[0]))
-
-    def can_model(cfg: Config) -> bool:
-        # measured: CP-SAT (one worker) neither finds solutions nor moves the bound of
-        # interleaved or large models within seconds; their bounds stay open.  Bounds the
-        # boundary table of planner.chain_dp settled are its own model's, tightened further
-        return (
-            cfg.virtual_stages == 1
-            and cfg not in search.chain_done
-            and cfg.num_stages * (search.profile.num_layers + 1) <= MAX_MODEL_SIZE
-        )
-
-    # the global bound cannot rise above the smallest bound CP-SAT cannot work on
-    floor = min([*search.open_bounds, *(b for c, (b, _) in open_items if not can_model(c))], default=math.inf)
-    for cfg, (lb, groups) in open_items:
-        if lb >= floor:
-            break
-        remaining = left
-        if lb >= search.best_step * (1 - 1e-9):
-            del search.open_configs[cfg]
-            continue
-        if remaining <= 0.05:
-            break
-        if not can_model(cfg):
-            continue
-        sm = StageModel(search.costs_at(cfg.microbatch_size(g)), cfg, search.training)
-        hint = search.best_split_of.get(cfg)
-        bound, ranges, _, _, used = config_bound(
-            sm, groups, hint=hint, time_limit_s=min(PER_CONFIG_S, remaining),
-            options_recompute=search.options.recompute,
-        )
-        left -= used
-        if ranges is not None:
-            k = cfg.pipeline_degree
-            split = _with_recompute(search, sm, groups, ranges, tuple(s % k for s in range(len(ranges))))
-            if split is not None and split_memory_ok(sm, groups, split):
-                consider(search, sm, groups, split)
-        if bound is None:
-            search.infeasible += 1
-            del search.open_configs[cfg]
-        elif bound > lb:
-            if bound >= search.best_step * (1 - 1e-9):
-                del search.open_configs[cfg]
-            else:
-                search.open_configs[cfg] = (bound, groups)

@@ -1,0 +1,135 @@
+"""The lower bound of one split, and the least transfers of a pipeline's paths.
+
+Lower bound of a split (GPipe, 1F1B, interleaved; valid for any durations): rank ``r`` can
+start no earlier than the first micro-batch's forward path into its first stage, works
+``M · c_r`` (its stages' forward + backward + recompute per micro-batch, divided by its
+speed), and after its last backward the gradient still has to flow back to stage 0 (or the
+rank all-reduces its gradients, whichever is longer):
+
+    LB_r = in_f(r) + M·c_r + idle_r + max(out_b(r), allreduce_r)
+
+``idle_r`` is the wait the schedule's fixed order forces between the last forward and the
+last backward of rank ``r`` (1F1B: the downstream path minus the ``w = min(K-r-1, M)``
+backwards the rank can run meanwhile, plus, when ``M >= w + 2``, the wait between the first
+forward and the first backward: the downstream path minus the ``w`` warm-up forwards run
+meanwhile; the two intervals are disjoint because ``F(M-1)`` comes after ``B(0)``; GPipe: the downstream path of the first micro-batch
+minus the ``M-1`` forwards that follow it; interleaved: 0).  Interleaved ranks also get
+one bound per chunk j: the forward of chunk j on micro-batch 0 waits for the path through
+every earlier stage, and the rank has by then run only K forwards of each earlier chunk.  The simulator's makespan can
+only be larger, so ``max_r LB_r`` (:func:`split_lower_bound`) bounds the step time of that
+split from below: the search simulates a candidate only when this bound beats the best plan.
+
+:class:`TransferBounds` gives split-independent lower bounds of the transfers on those paths,
+which the configuration bounds (:mod:`planner.bounds.relaxed`, :mod:`planner.bounds.work`,
+:mod:`planner.bounds.chain_dp`) add to theirs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from planner.costmodel import LayerCosts, allreduce_ms, boundary_transfer_ms, transfer_ms
+from planner.schema import Cluster
+from planner.search.model import Split, StageModel
+from planner.search.space import Group
+
+
+@dataclass(frozen=True)
+class TransferBounds:
+    """Split-independent lower bounds of the transfers on a v = 1 pipeline's paths.
+
+    Every boundary moves at least the smallest cut of the model (over the link between
+    those positions, or the faster link type when the positions' devices are not fixed):
+    ``down[s]`` counts boundaries ``s..K-2`` forward and back (stage s's downstream path),
+    ``up[s]`` boundaries before s one way (the forward path into stage s, and the
+    gradient's way back).  Constant in the stage's end, so the stage test stays monotone.
+    (:mod:`planner.bounds.chain_dp` counts every later stage's recompute and transfers exactly.)
+    """
+
+    down: tuple[float, ...]
+    up: tuple[float, ...]
+    #: per boundary, the (bandwidth, latency) of the link types its replicas cross; on a
+    #: mixed cluster (positions' devices not fixed) both types, of which the faster counts
+    links: tuple[tuple[tuple[float, float], ...], ...]
+
+    @staticmethod
+    def of(cluster: Cluster, costs: LayerCosts, groups: Sequence[Group]) -> TransferBounds:
+        """For the pipeline positions of ``groups`` (position s holds ``groups[s]``)."""
+        k = len(groups)
+        cut = min(costs.cut_bytes[: max(1, costs.num_layers - 1)])
+        intra = (cluster.intra_node.bandwidth_bytes_per_s, cluster.intra_node.latency_s)
+        inter = (cluster.inter_node.bandwidth_bytes_per_s, cluster.inter_node.latency_s)
+        links: list[tuple[tuple[float, float], ...]] = []
+        hops = []
+        for s in range(k - 1):
+            if cluster.homogeneous:
+                per_node = cluster.devices_per_node
+                pairs = zip(groups[s].devices, groups[s + 1].devices, strict=True)
+                crossed = {intra if x // per_node == y // per_node else inter for x, y in pairs}
+                links.append(tuple(sorted(crossed)))
+                hops.append(max(transfer_ms(cut, *li) for li in crossed))
+            else:
+                links.append((intra, inter))
+                hops.append(min(transfer_ms(cut, *li) for li in (intra, inter)))
+        down, up = [0.0] * k, [0.0] * k
+        for s in range(k - 2, -1, -1):
+            down[s] = down[s + 1] + 2 * hops[s]
+        for s in range(1, k):
+            up[s] = up[s - 1] + hops[s - 1]
+        return TransferBounds(tuple(down), tuple(up), tuple(links))
+
+
+def split_lower_bound(sm: StageModel, cluster: Cluster, groups: Sequence[Group], split: Split) -> float:
+    """``max_r LB_r`` of the module doc: no simulation of this split can be faster."""
+    cfg = sm.cfg
+    k, m = cfg.pipeline_degree, cfg.num_microbatches
+    ranges = list(split.ranges)
+    n = len(ranges)
+    placement = [list(groups[g].devices) for g in split.groups]
+    xfer = boundary_transfer_ms(sm.costs, ranges, placement, cluster)
+    speed = [groups[g].speed for g in split.groups]
+    f = [(sm.F[b] - sm.F[a]) / speed[s] for s, (a, b) in enumerate(ranges)]
+    bw = [(sm.B[b] - sm.B[a]) / speed[s] + (f[s] if split.recompute[s] else 0.0) for s, (a, b) in enumerate(ranges)]
+    in_f = [0.0] * n
+    out_b = [0.0] * n
+    for s in range(1, n):
+        in_f[s] = in_f[s - 1] + f[s - 1] + xfer[s - 1]
+        out_b[s] = out_b[s - 1] + bw[s - 1] + xfer[s - 1]
+    # downstream path after stage s: all later stages forward and backward plus transfers twice
+    down = [0.0] * n
+    for s in range(n - 2, -1, -1):
+        down[s] = down[s + 1] + f[s + 1] + bw[s + 1] + 2 * xfer[s]
+    best = 0.0
+    for r in range(k):
+        own = [s for s in range(n) if s % k == r]
+        first = own[0]
+        work = m * sum(f[s] + bw[s] for s in own)
+        if len(own) == 1:
+            ar = sm.allreduce(*ranges[first], groups[split.groups[first]])
+        else:
+            grad = sum(sm.PP[ranges[s][1]] - sm.PP[ranges[s][0]] for s in own) * sm.grad_factor
+            link = groups[split.groups[first]].link
+            ar = allreduce_ms(grad, cfg.data_parallel, link.bandwidth_bytes_per_s, link.latency_s)
+        tail = max(out_b[first], ar)
+        idle = 0.0
+        if cfg.schedule == "1f1b":
+            w = min(k - r - 1, m)
+            idle = max(0.0, down[first] - w * bw[first])
+            if m >= w + 2:
+                # the wait for the first backward too: between F(0) and B(0) the rank runs
+                # only its w warm-up forwards, and that interval ends before F(M-1) starts
+                idle += max(0.0, down[first] - w * f[first])
+        elif cfg.schedule == "gpipe":
+            idle = max(0.0, down[first] - (m - 1) * f[first])
+        else:
+            # interleaved: before the forward of chunk j on micro-batch 0 the rank has run
+            # exactly K forwards of each earlier chunk (they are all in its warm-up), so
+            # from that start it still has M·c_r minus those forwards to do
+            done = 0.0
+            for j, s in enumerate(own):
+                if j > 0:
+                    best = max(best, in_f[s] + work - done + tail)
+                done += k * f[s]
+        best = max(best, in_f[first] + work + idle + tail)
+    return best

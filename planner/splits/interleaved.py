@@ -1,0 +1,228 @@
+"""Splits of an interleaved configuration (v > 1): K·v chunks, chunk j on rank j mod K.
+
+Three cuts per device order, each offered as a candidate by :func:`interleaved_candidates`:
+
+* :func:`interleaved_split`: chunks balanced by time (min-max work), then recompute where
+  memory needs it;
+* the same with ``memory_aware``: when the balanced chunks need recompute, cut again with each
+  rank's memory in the test, so ranks holding many micro-batches take smaller chunks;
+* :func:`interleaved_mixed_split`: chunks cut with recompute chosen per chunk, whichever
+  reaches farther, at the smallest per-chunk budget that covers every layer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from planner.costmodel import rank_memory_bytes
+from planner.search.model import (
+    Split,
+    StageModel,
+    bisect_feasible,
+    farthest,
+    recompute_options,
+    work_total,
+)
+from planner.search.space import Group
+from planner.search.state import SearchState, consider
+from planner.splits.recompute import with_recompute
+
+
+def interleaved_candidates(
+    search: SearchState, sm: StageModel, groups: list[Group], orders: Sequence[tuple[int, ...]]
+) -> float:
+    """Offer the interleaved splits of the first three device orders (the per-chunk
+    recompute split only for the first); the best step time among them (inf if none)."""
+    best_here = math.inf
+    for i_order, order in enumerate(orders[:3]):
+        tried: list[Split] = []
+        for memory_aware in (False, True, None):
+            if memory_aware is None:
+                if i_order > 0:
+                    continue  # the per-chunk recompute split only for the first order
+                split = interleaved_mixed_split(search, sm, groups, order)
+            else:
+                split = interleaved_split(search, sm, groups, order, memory_aware=memory_aware)
+            if split is None or split in tried:
+                continue
+            tried.append(split)
+            best_here = min(best_here, consider(search, sm, groups, split))
+    return best_here
+
+
+def interleaved_split(
+    search: SearchState, sm: StageModel, groups: Sequence[Group], order: Sequence[int], *, memory_aware: bool = False
+) -> Split | None:
+    """Balance the K·v chunks' work (min-max), then recompute where memory needs it.
+
+    ``memory_aware``: when the balanced chunks need recompute, cut instead with each rank's
+    memory in the test (without recompute first), so that ranks holding many micro-batches
+    take smaller chunks rather than recomputing.
+    """
+    cfg = sm.cfg
+    k, n = cfg.pipeline_degree, cfg.num_stages
+    speeds = [groups[order[s % k]].speed for s in range(n)]
+
+    def cut(t: float) -> tuple[tuple[int, int], ...] | None:
+        a = 0
+        out = []
+        for s in range(n):
+            lo_b, hi_b = (sm.L, sm.L) if s == n - 1 else (a + 1, sm.L - (n - s - 1))
+            sp = speeds[s]
+            def fits(b: int, a: int = a, sp: float = sp) -> bool:
+                return sm.work_ms(a, b, False, sp) <= t
+
+            b = farthest(fits, lo_b, hi_b)
+            if b is None:
+                return None
+            out.append((a, b))
+            a = b
+        return tuple(out)
+
+    def feasible(t: float) -> bool:
+        search.work += n * math.log2(sm.L + 1)
+        return cut(t) is not None
+
+    total = work_total(sm.costs)
+    t = bisect_feasible(feasible, total / (n * max(speeds)))[1]
+    ranges = cut(t)
+    if ranges is None:  # pragma: no cover - bisect returns a feasible value
+        return None
+    stage_groups = tuple(order[s % k] for s in range(n))
+    split = with_recompute(search, sm, groups, ranges, stage_groups)
+    if split is not None and not (memory_aware and any(split.recompute)):
+        return split
+    # the time-balanced chunks do not fit (or need recompute): cut again with each rank's
+    # memory in the test, allowing chunks up to 3x the balanced time
+    for rc in sorted(set(recompute_options(search.options, 0)) & {False, True}):
+        if isinstance(search.options.recompute, list):
+            break
+        for step in range(16):
+            search.work += 2 * n * math.log2(sm.L + 1)
+            ranges_m = _memory_aware_cut(sm, groups, stage_groups, t * 3 ** (step / 15), rc)
+            if ranges_m is not None:
+                if step > 0 and memory_aware:
+                    # the scan overshoots: a larger budget than needed lets the early chunks
+                    # run far and starves the last ones, so bisect back to the smallest budget
+                    lo, hi = t * 3 ** ((step - 1) / 15), t * 3 ** (step / 15)
+                    for _ in range(10):
+                        mid = (lo + hi) / 2
+                        search.work += 2 * n * math.log2(sm.L + 1)
+                        found = _memory_aware_cut(sm, groups, stage_groups, mid, rc)
+                        if found is None:
+                            lo = mid
+                        else:
+                            hi, ranges_m = mid, found
+                return with_recompute(search, sm, groups, ranges_m, stage_groups)
+    return None
+
+
+def interleaved_mixed_split(
+    search: SearchState, sm: StageModel, groups: Sequence[Group], order: Sequence[int]
+) -> Split | None:
+    """Interleaved chunks cut with recompute chosen per chunk (:func:`_mixed_cut`), at the
+    smallest per-chunk budget (scan, then bisection) for which the cut covers every layer."""
+    if search.options.recompute is not None:
+        return None  # the user fixed recompute: the other splits follow it
+    cfg = sm.cfg
+    k, n = cfg.pipeline_degree, cfg.num_stages
+    stage_groups = tuple(order[s % k] for s in range(n))
+    speeds = [groups[g].speed for g in stage_groups]
+    t0 = work_total(sm.costs) / (n * max(speeds))
+    found: tuple[tuple[tuple[int, int], ...], tuple[bool, ...]] | None = None
+    prev = t0
+    for step in range(9):
+        t = t0 * 2 ** (step / 3)
+        search.work += 4 * n * math.log2(sm.L + 1)
+        found = _mixed_cut(sm, groups, stage_groups, t)
+        if found is not None:
+            if step > 0:
+                lo, hi = prev, t
+                for _ in range(10):
+                    mid = (lo + hi) / 2
+                    search.work += 4 * n * math.log2(sm.L + 1)
+                    again = _mixed_cut(sm, groups, stage_groups, mid)
+                    if again is None:
+                        lo = mid
+                    else:
+                        hi, found = mid, again
+            break
+        prev = t
+    if found is None:
+        return None
+    return with_recompute(search, sm, groups, found[0], stage_groups)
+
+
+def _mixed_cut(
+    sm: StageModel, groups: Sequence[Group], stage_groups: tuple[int, ...], t: float
+) -> tuple[tuple[tuple[int, int], ...], tuple[bool, ...]] | None:
+    """Farthest-reach chunks, each with or without recompute (whichever reaches farther),
+    such that rank ``r``'s work after its j-th chunk is at most ``(j + 1)·t`` (a chunk that
+    memory keeps small leaves its slack to the rank's later chunks) and the rank fits memory."""
+    k, n = sm.cfg.pipeline_degree, sm.cfg.num_stages
+    own: list[list[tuple[int, int]]] = [[] for _ in range(k)]
+    own_rc: list[list[bool]] = [[] for _ in range(k)]
+    done = [0.0] * k
+    out: list[tuple[int, int]] = []
+    rcs: list[bool] = []
+    a = 0
+    for s in range(n):
+        r = s % k
+        g = groups[stage_groups[s]]
+        lo_b, hi_b = (sm.L, sm.L) if s == n - 1 else (a + 1, sm.L - (n - s - 1))
+        budget = (len(own[r]) + 1) * t - done[r]
+        best_b, best_rc = None, False
+        for rc in (False, True):
+
+            def fits(
+                b: int, a: int = a, r: int = r, g: Group = g, rc: bool = rc, budget: float = budget
+            ) -> bool:
+                if sm.work_ms(a, b, rc, g.speed) > budget:
+                    return False
+                mem = rank_memory_bytes(
+                    sm.costs, [*own[r], (a, b)], [*own_rc[r], rc], sm.training, inflight=sm.inflight[r]
+                )
+                return math.ceil(mem) <= g.limit_bytes
+
+            b = farthest(fits, lo_b, hi_b)
+            if b is not None and (best_b is None or b > best_b):
+                best_b, best_rc = b, rc
+        if best_b is None:
+            return None
+        own[r].append((a, best_b))
+        own_rc[r].append(best_rc)
+        done[r] += sm.work_ms(a, best_b, best_rc, g.speed)
+        out.append((a, best_b))
+        rcs.append(best_rc)
+        a = best_b
+    return tuple(out), tuple(rcs)
+
+
+def _memory_aware_cut(
+    sm: StageModel, groups: Sequence[Group], stage_groups: tuple[int, ...], t: float, rc: bool
+) -> tuple[tuple[int, int], ...] | None:
+    """Farthest-reach chunks with work <= t whose rank (all its chunks so far) fits memory."""
+    k, n = sm.cfg.pipeline_degree, sm.cfg.num_stages
+    own: list[list[tuple[int, int]]] = [[] for _ in range(k)]
+    out = []
+    a = 0
+    for s in range(n):
+        r = s % k
+        g = groups[stage_groups[s]]
+        lo_b, hi_b = (sm.L, sm.L) if s == n - 1 else (a + 1, sm.L - (n - s - 1))
+
+        def fits(b: int, a: int = a, r: int = r, g: Group = g) -> bool:
+            if sm.work_ms(a, b, rc, g.speed) > t:
+                return False
+            chunks = [*own[r], (a, b)]
+            mem = rank_memory_bytes(sm.costs, chunks, [rc] * len(chunks), sm.training, inflight=sm.inflight[r])
+            return math.ceil(mem) <= g.limit_bytes
+
+        b = farthest(fits, lo_b, hi_b)
+        if b is None:
+            return None
+        own[r].append((a, b))
+        out.append((a, b))
+        a = b
+    return tuple(out)
