@@ -3,6 +3,7 @@
     python benchmarks/planner.py            # the suite and the two scale rows
     python benchmarks/planner.py --quick    # fewer device counts
     python benchmarks/planner.py --scale-only --repeat 5
+    python benchmarks/planner.py --small-only   # the small-instance exactness row
 
 Columns: our predicted step time divided by each baseline's (< 1 is better; "n/f" = the
 baseline does not fit memory), ours divided by the lower bound (total work / devices),
@@ -82,6 +83,59 @@ def random_layers(layers: int = 48, seed: int = 0) -> Profile:
                    microbatch_sizes=sizes, input_bytes=[MiB * b for b in sizes], layers=out)
 
 
+def noisy_small(layers: int, seed: int) -> Profile:
+    """A small measured-looking profile: tiny layers whose figures carry +-40 % timer noise (a
+    larger micro-batch is sometimes measured faster), as profiling a small MLP on a CPU gives."""
+    rng = random.Random(seed)
+    sizes = [1, 2]
+    out = []
+    for i in range(layers):
+        f = rng.uniform(0.02, 0.1)
+        act = rng.randint(1, 64) * MiB
+        out.append(
+            LayerProfile(
+                name=f"{i}",
+                param_bytes=rng.randint(0, 64) * MiB,
+                forward_ms=[f * b * rng.uniform(0.6, 1.4) for b in sizes],
+                backward_ms=[2 * f * b * rng.uniform(0.6, 1.4) for b in sizes],
+                activation_bytes=[act * b for b in sizes],
+                output_bytes=[rng.randint(0, 8) * MiB * b for b in sizes],
+            )
+        )
+    return Profile(model=f"noisy-{layers}l", measured_on=MeasuredOn(device="cpu"), microbatch_sizes=sizes,
+                   input_bytes=[MiB * b for b in sizes], layers=out)
+
+
+def small_instances(count: int, time_limit: float) -> list[str]:
+    """Random small instances (L <= 16 layers, N <= 4 devices, tight and loose memory): the share
+    solved to ``optimal`` (gap 0), and the wall times."""
+    rng = random.Random(1)
+    optimal = feasible = infeasible = 0
+    walls = []
+    for i in range(count):
+        layers, n = rng.randint(4, 16), rng.randint(1, 4)
+        memory = rng.choice(["512MiB", "1GiB", "4GiB", "16GiB"])
+        cluster = Cluster.model_validate({"devices": n, "memory": memory, "intra_node": "pcie4"})
+        training = TrainingSetup(global_batch_size=rng.choice([4, 8, 16]), optimizer="adam")
+        t0 = time.perf_counter()
+        try:
+            plan = solve(noisy_small(layers, i), cluster, training, PlanOptions(time_limit_s=time_limit))
+        except InfeasibleError:
+            infeasible += 1
+            continue
+        walls.append(time.perf_counter() - t0)
+        if plan.solver.status == "optimal":
+            optimal += 1
+        else:
+            feasible += 1
+    solved = optimal + feasible
+    share = f"{optimal / solved:.0%}" if solved else "-"
+    return [
+        f"small instances: {optimal}/{solved} optimal ({share}), {infeasible} proven infeasible; "
+        f"wall median {statistics.median(walls):.2f} s, max {max(walls):.2f} s" if walls else "small instances: none solved"
+    ]
+
+
 def homogeneous(n: int, device_type: str = "a100-80g") -> Cluster:
     return Cluster.model_validate({"devices": n, "device_type": device_type})
 
@@ -144,9 +198,14 @@ def main() -> None:
     parser.add_argument("--scale-only", action="store_true", help="only the 128x8 and 1024x64 rows")
     parser.add_argument("--repeat", type=int, default=3, help="solves per scale row (median wall time)")
     parser.add_argument("--time-limit", type=float, default=5.0)
+    parser.add_argument("--small", type=int, default=40, help="random small instances (L <= 16, N <= 4)")
+    parser.add_argument("--small-only", action="store_true", help="only the small-instance row")
     args = parser.parse_args()
     training = TrainingSetup(global_batch_size=256, optimizer="adam-mixed")
     rows: list[list[str]] = []
+    if args.small_only:
+        print("\n".join(small_instances(args.small, args.time_limit)))
+        return
     if not args.scale_only:
         suite = [
             ("uniform-transformer", uniform_transformer(), homogeneous),
@@ -164,6 +223,8 @@ def main() -> None:
     rows.append(run_row("scale 1024x64", big, homogeneous(64), TrainingSetup(global_batch_size=1024, optimizer="adam-mixed"),
                         args.time_limit, args.repeat))
     print_table(rows)
+    if not args.scale_only:
+        print("\n".join(small_instances(args.small, args.time_limit)))
 
 
 if __name__ == "__main__":

@@ -158,17 +158,34 @@ def rank_memory_bytes(
     during its backward.  For v chunks, the in-flight count multiplies the largest chunk's
     footprint (an upper bound).
     """
+    static, acts, inputs = rank_memory_terms(costs, ranges, training)
+    return rank_memory_from_terms(static, acts, inputs, recompute, inflight=inflight)
+
+
+def rank_memory_terms(
+    costs: LayerCosts, ranges: Sequence[tuple[int, int]], training: TrainingSetup
+) -> tuple[float, list[float], list[float]]:
+    """What :func:`rank_memory_bytes` reads of a rank's stages: its static bytes, and each
+    stage's activations and input bytes (for searches that try many recompute choices)."""
     params = sum(costs.prefix_param[b] - costs.prefix_param[a] for a, b in ranges)
+    acts = [costs.prefix_activation[b] - costs.prefix_activation[a] for a, b in ranges]
+    inputs = [costs.stage_input_bytes(a) for a, _ in ranges]
+    return static_bytes(params, training), acts, inputs
+
+
+def rank_memory_from_terms(
+    static: float, acts: Sequence[float], inputs: Sequence[float], recompute: Sequence[bool], *, inflight: int
+) -> float:
+    """:func:`rank_memory_bytes` from :func:`rank_memory_terms` and the recompute flags."""
     stash = 0.0
     live = 0.0
-    for (a, b), rc in zip(ranges, recompute, strict=True):
-        acts = costs.prefix_activation[b] - costs.prefix_activation[a]
+    for act, inp, rc in zip(acts, inputs, recompute, strict=True):
         if rc:
-            stash = max(stash, costs.stage_input_bytes(a))
-            live = max(live, acts)
+            stash = max(stash, inp)
+            live = max(live, act)
         else:
-            stash = max(stash, acts)
-    return static_bytes(params, training) + inflight * stash + live
+            stash = max(stash, act)
+    return static + inflight * stash + live
 
 
 # --------------------------------------------------------------------------- time

@@ -41,8 +41,11 @@ def config_fits(
     sm = StageModel(costs, cfg, training)
     orders = device_orders(groups)
     fixed = fixed_ranges(options) is not None
-    if not fixed and enumerable(sm.L, cfg.num_stages, len(orders)):
-        # the solver enumerates such chains: so does this test
+    if not fixed and enumerable(sm.L, cfg.num_stages, len(orders), small_instances=False):
+        # the solver enumerates such chains: so does this test.  (It also enumerates the
+        # longer chains of small models; there the greedy below may miss a fitting split, so
+        # a fix suggested on its strength can ask for more than needed, never for too little:
+        # every split it finds is one the solver's enumeration finds too.)
         return next(fitting_splits(search, sm, groups, orders), None) is not None
     for order in orders:
         if fixed:

@@ -4,6 +4,14 @@
 memory, or None.  Every split search ends with it (the fixed, interleaved and enumerated
 splits, the polish, the baselines' splits, CP-SAT's), and so does the feasibility test of
 :mod:`planner.search.feasibility`.
+
+With one stage per rank (v = 1) its choice is exact: recompute only where the stage cannot
+fit without it.  With v chunks per rank it picks the fitting set of chunks that adds the least
+forward time, which need not give the fastest schedule.  :func:`recompute_variants` gives
+every candidate that can be fastest instead: the step time is non-decreasing in every action's
+duration (each rank runs its actions in a fixed order, each starting when its rank and its
+inputs are ready), and recompute only lengthens backwards, so only the inclusion-minimal
+fitting sets of each rank can be optimal; their product over the ranks is exact.
 """
 
 from __future__ import annotations
@@ -12,7 +20,7 @@ import itertools
 import math
 from collections.abc import Sequence
 
-from planner.costmodel import rank_memory_bytes
+from planner.costmodel import rank_memory_bytes, rank_memory_from_terms, rank_memory_terms
 from planner.search.model import Split, StageModel, recompute_options
 from planner.search.space import Group
 from planner.search.state import SearchState
@@ -47,3 +55,80 @@ def with_recompute(
         if not found:
             return None
     return Split(ranges, tuple(rcs), stage_groups)
+
+
+#: most recompute variants of one split (product over ranks) before giving up on exactness
+VARIANT_LIMIT = 256
+
+
+def _minimal_fitting(
+    sm: StageModel, groups: Sequence[Group], ranges: tuple[tuple[int, int], ...], own: list[int],
+    choices: list[tuple[bool, ...]], limit_bytes: int, rank: int,
+) -> list[tuple[bool, ...]]:
+    """The inclusion-minimal recompute sets of one rank's chunks that fit, smallest first
+    (supersets of a fitting set are never evaluated)."""
+
+    static, acts, inputs = rank_memory_terms(sm.costs, [ranges[s] for s in own], sm.training)
+    inflight = sm.inflight[rank]
+
+    def fits(combo: tuple[bool, ...]) -> bool:
+        return math.ceil(rank_memory_from_terms(static, acts, inputs, combo, inflight=inflight)) <= limit_bytes
+
+    least = tuple(c[0] for c in choices)  # recompute_options lists False first when allowed
+    free = [j for j, c in enumerate(choices) if len(c) > 1]
+    found: list[frozenset[int]] = []
+    for size in range(len(free) + 1):
+        for subset in itertools.combinations(free, size):
+            chosen = frozenset(subset)
+            if any(f <= chosen for f in found):
+                continue
+            if fits(tuple(x or j in chosen for j, x in enumerate(least))):
+                found.append(chosen)
+    return [tuple(x or j in f for j, x in enumerate(least)) for f in found]
+
+
+def recompute_variants(
+    search: SearchState,
+    sm: StageModel,
+    groups: Sequence[Group],
+    ranges: tuple[tuple[int, int], ...],
+    stage_groups: tuple[int, ...],
+    *,
+    cache: dict[tuple[int, int, tuple[tuple[int, int], ...]], list[tuple[bool, ...]]] | None = None,
+) -> list[Split] | None:
+    """Every split of these ranges that can be the fastest (see the module doc): one per
+    combination of each rank's inclusion-minimal fitting recompute sets.  ``[]`` when some rank
+    cannot fit; None when there are more than ``VARIANT_LIMIT`` (then not exact).
+
+    ``cache`` keeps each rank's minimal sets by (rank, memory limit, its chunks' ranges) across
+    the splits of one configuration, where the same chunks recur."""
+    k = sm.cfg.pipeline_degree
+    n = len(ranges)
+    per_rank: list[tuple[list[int], list[tuple[bool, ...]]]] = []
+    count = 1
+    for r in range(k):
+        own = [s for s in range(n) if s % k == r]
+        choices = [tuple(recompute_options(search.options, s)) for s in own]
+        limit = groups[stage_groups[own[0]]].limit_bytes
+        key = (r, limit, tuple(ranges[s] for s in own))
+        if cache is not None and key in cache:
+            minimal = cache[key]
+        else:
+            search.work += n
+            minimal = _minimal_fitting(sm, groups, ranges, own, choices, limit, r)
+            if cache is not None:
+                cache[key] = minimal
+        if not minimal:
+            return []
+        count *= len(minimal)
+        if count > VARIANT_LIMIT:
+            return None
+        per_rank.append((own, minimal))
+    out = []
+    for pick in itertools.product(*(minimal for _, minimal in per_rank)):
+        rcs = [False] * n
+        for (own, _), combo in zip(per_rank, pick, strict=True):
+            for s, x in zip(own, combo, strict=True):
+                rcs[s] = x
+        out.append(Split(ranges, tuple(rcs), stage_groups))
+    return out

@@ -87,3 +87,50 @@ def assert_valid(plan: Plan, profile: Profile) -> None:
     assert expect == profile.num_layers
     assert plan_fits(plan), [(s.memory_bytes, s.memory_limit_bytes) for s in plan.stages]
     assert plan.pipeline_degree * plan.data_parallel_degree <= plan.cluster.num_devices
+
+
+def brute_force_all(profile: Profile, cl: Cluster, training: TrainingSetup) -> float:
+    """Best fitting step time over EVERY configuration of a homogeneous cluster: each data-parallel
+    degree D and pipeline degree K with D·K <= devices, each micro-batch count M, each schedule
+    and chunk count v, each split into K·v stages and each recompute choice per stage.
+
+    Only the planner's documented limits of its space apply: at most MAX_VIRTUAL_STAGES
+    chunks per device, interleaving only across K >= 2 ranks, and micro-batches at most
+    MAX_EXTRAPOLATION times the largest profiled size.  Shapes the executor cannot run are refused by the cost model itself (InputError).
+    """
+    from planner.errors import InputError
+    from planner.search.space import MAX_EXTRAPOLATION, MAX_VIRTUAL_STAGES
+
+    n_dev, n, g = cl.num_devices, profile.num_layers, training.global_batch_size
+    best = math.inf
+    for d in range(1, n_dev + 1):
+        if g % d:
+            continue
+        for k in range(1, n_dev // d + 1):
+            for m in range(1, g // d + 1):
+                if (g // d) % m or g // (d * m) > MAX_EXTRAPOLATION * profile.microbatch_sizes[-1]:
+                    continue
+                shapes: list[tuple[Schedule, int]] = [("gpipe", 1), ("1f1b", 1)]
+                if k >= 2:
+                    shapes += [("interleaved-1f1b", v) for v in range(2, MAX_VIRTUAL_STAGES + 1)]
+                for schedule, v in shapes:
+                    stages = k * v
+                    if stages > n:
+                        continue
+                    for cuts in itertools.combinations(range(1, n), stages - 1):
+                        bounds = (0, *cuts, n)
+                        ranges = [(bounds[i], bounds[i + 1]) for i in range(stages)]
+                        for rc in itertools.product((False, True), repeat=stages):
+                            try:
+                                plan = estimate(
+                                    profile, cl, training, ranges, num_microbatches=m, schedule=schedule,
+                                    recompute=list(rc), data_parallel=d, pipeline_degree=k,
+                                )
+                            except InputError:
+                                break  # this shape (K, M, schedule, v) is not runnable
+                            if plan_fits(plan):
+                                best = min(best, plan.predicted.step_time_ms)
+                        else:
+                            continue
+                        break
+    return best

@@ -1,0 +1,80 @@
+"""Small instances are solved exactly: status ``optimal``, gap 0, and the brute-force optimum
+over every configuration (D, K, M, schedule, v, split, recompute), not only over splits."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from planner.errors import InfeasibleError
+from planner.schema import LayerProfile, MeasuredOn, PlanOptions, Profile, TrainingSetup
+from planner.solver import solve
+from tests.planner.helpers import brute_force_all, cluster
+
+MiB = 2**20
+
+
+@st.composite
+def small_profiles(draw: st.DrawFn) -> Profile:
+    sizes = draw(st.sampled_from([[1, 2], [1, 2, 4], [2]]))
+    layers = []
+    for i in range(draw(st.integers(2, 5))):
+        f = draw(st.floats(0.05, 5.0))
+        # noisy measurements: each size's figure off by up to +-40 % (a larger size may be
+        # measured faster than a smaller one)
+        fwd = [f * b * draw(st.floats(0.6, 1.4)) for b in sizes]
+        bwd = [2 * f * b * draw(st.floats(0.6, 1.4)) for b in sizes]
+        act = draw(st.integers(0, 64)) * MiB
+        layers.append(
+            LayerProfile(
+                name=f"l{i}",
+                param_bytes=draw(st.integers(0, 32)) * MiB,
+                forward_ms=fwd,
+                backward_ms=bwd,
+                activation_bytes=[act * b for b in sizes],
+                output_bytes=[draw(st.integers(0, 8)) * MiB * b for b in sizes],
+            )
+        )
+    return Profile(
+        model="small", measured_on=MeasuredOn(device="cpu"), microbatch_sizes=sizes,
+        input_bytes=[MiB * b for b in sizes], layers=layers,
+    )
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    profile=small_profiles(),
+    devices=st.integers(1, 4),
+    batch=st.sampled_from([2, 4]),
+    memory_mib=st.sampled_from([200, 400, 1000, 4000]),
+)
+def test_small_instances_are_optimal_against_brute_force(
+    profile: Profile, devices: int, batch: int, memory_mib: int
+) -> None:
+    cl = cluster(devices, f"{memory_mib}MiB")
+    training = TrainingSetup(global_batch_size=batch, optimizer="sgd")
+    best = brute_force_all(profile, cl, training)
+    try:
+        plan = solve(profile, cl, training, PlanOptions(time_limit_s=5.0))
+    except InfeasibleError:
+        assert best == math.inf
+        return
+    assert plan.solver.status == "optimal", plan.solver
+    assert plan.solver.gap == 0.0
+    assert math.isclose(plan.predicted.step_time_ms, best, rel_tol=1e-9), (plan.predicted.step_time_ms, best)
+
+
+def test_noisy_13_layer_mlp_on_two_devices_is_optimal(tmp_path: Path) -> None:
+    """The issue's case: 13 tiny noisy layers, 2 devices, K = 2 fixed, every schedule free."""
+    from tests.test_robust_profiles import _noisy_mlp
+
+    profile = Profile.model_validate(json.loads(json.dumps(_noisy_mlp())))
+    plan = solve(
+        profile, cluster(2, "4GiB"), TrainingSetup(global_batch_size=8),
+        PlanOptions(stages=2, data_parallel=1),
+    )
+    assert plan.solver.status == "optimal" and plan.solver.gap == 0.0, plan.solver
