@@ -15,6 +15,7 @@ COMMAND_MODULES = (
     "pipeplan.cmd_synth",
     "pipeplan.cmd_estimate",
     "pipeplan.cmd_plan",
+    "pipeplan.cmd_sweep",
     "pipeplan.cmd_serve",
     "pipeplan.cmd_run",
     "pipeplan.cmd_show",

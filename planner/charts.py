@@ -6,6 +6,7 @@
   hatched, and the bubble fraction in the title.
 * :func:`memory_figure` - per device, stacked parameters, gradients, optimizer state and
   activations against the usable-memory limit.
+* :func:`sweep_figure` - a sweep's throughput and scaling efficiency against devices.
 * :func:`gantt_svg` / :func:`memory_svg` - the same as SVG text (the API serves these);
   :func:`save_chart` writes a figure or a chart kind to ``.svg`` or ``.png``.
 
@@ -24,7 +25,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Literal
 
 from planner.errors import InputError
-from planner.schema import Plan
+from planner.schema import Plan, SweepResult
 from planner.simulator import Simulation
 
 if TYPE_CHECKING:
@@ -404,3 +405,41 @@ def save_chart(fig_or_kind: Figure | str, path: str | Path, *, plan: Plan | None
     except OSError as err:
         raise InputError(f"cannot write chart {str(out)!r}: {err}") from None
     return out
+
+
+def sweep_figure(result: SweepResult, *, dpi: float = 100.0) -> Figure:
+    """Throughput and scaling efficiency against devices, one line per device kind; Pareto
+    points filled, infeasible points marked on the axis."""
+    _require_matplotlib()
+    fig = _new_figure(10.0, 4.0, dpi)
+    ax_t, ax_e = fig.subplots(1, 2)
+    kinds = list(dict.fromkeys(p.device_kind for p in result.points))
+    for kind in kinds:
+        pts = sorted((p for p in result.points if p.device_kind == kind), key=lambda p: p.devices)
+        ok = [p for p in pts if p.status == "ok"]
+        label = kind or result.model
+        if ok:
+            line = ax_t.plot([p.devices for p in ok], [p.throughput_samples_per_s for p in ok], marker="o",
+                             mfc="none", label=label)[0]
+            front = [p for p in ok if p.pareto]
+            ax_t.plot([p.devices for p in front], [p.throughput_samples_per_s for p in front], "o",
+                      color=line.get_color())
+            ax_e.plot([p.devices for p in ok], [p.scaling_efficiency for p in ok], marker="o",
+                      color=line.get_color(), label=label)
+        bad = [p for p in pts if p.status != "ok"]
+        if bad:
+            ax_t.plot([p.devices for p in bad], [0] * len(bad), "x", color="#d62728",
+                      label=f"{label}: does not fit")
+    counts = sorted({p.devices for p in result.points})
+    for ax in (ax_t, ax_e):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(counts, [str(c) for c in counts])
+        ax.minorticks_off()
+        ax.set_xlabel("devices")
+        ax.grid(True, alpha=0.3)
+    ax_t.set_ylabel("samples / s (filled: Pareto front)")
+    ax_e.set_ylabel("scaling efficiency")
+    ax_e.set_ylim(bottom=0)
+    ax_t.legend(fontsize="small")
+    fig.suptitle(f"{result.model}: best plan per cluster size")
+    return fig

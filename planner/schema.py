@@ -429,6 +429,77 @@ def check_coverage(ranges: Sequence[tuple[int, int]], num_layers: int) -> None:
         )
 
 
+# --------------------------------------------------------------------------- sweep
+
+#: most points one sweep may ask for (device counts times device kinds)
+MAX_SWEEP_POINTS = 32
+
+
+class SweepSpec(_Model):
+    """What-if planning: the same model and training on several cluster sizes and device kinds.
+
+    Each point is ``{"devices": n, ...}`` in the cluster shorthand: the device counts times
+    the device types (or memories) given; links and ``devices_per_node`` apply to every point.
+    """
+
+    devices: list[PosInt] = Field(min_length=1, description="device counts, e.g. [8, 16, 32, 64]")
+    device_types: list[str] = Field(default_factory=list, description="device presets to compare")
+    memories: list[Bytes] = Field(default_factory=list, description="memory sizes per device to compare")
+    devices_per_node: PosInt | None = None
+    intra_node: str | Interconnect | None = None
+    inter_node: str | Interconnect | None = None
+    target_samples_per_s: PosFloat | None = Field(
+        default=None, description="report the fewest devices that reach this throughput"
+    )
+    time_limit_s: PosFloat = Field(default=1.0, description="solver time limit per point")
+
+    @model_validator(mode="after")
+    def _check_points(self) -> SweepSpec:
+        if self.device_types and self.memories:
+            raise ValueError("give device_types or memories to compare, not both")
+        kinds = max(1, len(self.device_types), len(self.memories))
+        points = len(set(self.devices)) * kinds
+        if points > MAX_SWEEP_POINTS:
+            raise ValueError(
+                f"{points} sweep points ({len(set(self.devices))} device counts x {kinds} device kinds) "
+                f"is more than {MAX_SWEEP_POINTS}: sweep fewer counts or kinds"
+            )
+        return self
+
+
+class SweepPoint(_Model):
+    devices: PosInt
+    device_kind: str = Field(description="the device type or memory this point compares")
+    status: Literal["ok", "infeasible"]
+    step_time_ms: NonNegFloat | None = None
+    throughput_samples_per_s: NonNegFloat | None = None
+    scaling_efficiency: NonNegFloat | None = Field(
+        default=None,
+        description="throughput per device relative to the smallest feasible point of the same kind",
+    )
+    memory_headroom: float | None = Field(
+        default=None, description="least free share of usable memory over the plan's devices"
+    )
+    gap: NonNegFloat | None = Field(default=None, description="proven gap to the optimum at this point")
+    pareto: bool = Field(default=False, description="no point of this kind with as few devices is as fast")
+    reused: bool = Field(
+        default=False, description="the best plan is a smaller point's plan, which leaves devices idle"
+    )
+    message: str = ""
+    plan: Plan | None = None
+
+
+class SweepResult(_Model):
+    schema_version: Literal[1] = 1
+    model: str
+    profile_sha256: str
+    target_samples_per_s: PosFloat | None = None
+    #: per device kind, the fewest devices reaching the target (None: no point reaches it)
+    fewest_devices_for_target: dict[str, int | None] = Field(default_factory=dict)
+    points: list[SweepPoint]
+    wall_time_s: NonNegFloat = 0.0
+
+
 # --------------------------------------------------------------------------- loading
 
 
@@ -438,6 +509,7 @@ DOCUMENTS: Mapping[str, type[BaseModel]] = MappingProxyType({
     "training": TrainingSetup,
     "plan": Plan,
     "options": PlanOptions,
+    "sweep": SweepSpec,
 })
 
 
