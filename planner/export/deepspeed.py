@@ -89,7 +89,7 @@ def config(d: Decisions, info: PlanInfo) -> dict[str, object]:
 
 
 def render(d: Decisions, info: PlanInfo, *, output: str = DEFAULT_FILE) -> Export:
-    text = json.dumps(config(d, info), indent=2) + "\n"
+    text = _dump(config(d, info)) + "\n"
     world = d.pipeline_degree * d.data_parallel * d.tensor_parallel
     spans = ", ".join(f"{info.layer_names[a]}..{info.layer_names[b - 1]}" for a, b in d.stages[:4])
     notes = (
@@ -99,3 +99,12 @@ def render(d: Decisions, info: PlanInfo, *, output: str = DEFAULT_FILE) -> Expor
         f"(one entry of `layers` per plan layer) and launch {world} ranks",
     )
     return Export(TARGET, (ExportFile(text),), notes)
+
+
+def _dump(value: object, indent: str = "") -> str:
+    """JSON with one key per line and lists of numbers or strings kept on one line."""
+    if isinstance(value, dict):
+        inner = indent + "  "
+        items = [f"{inner}{json.dumps(k)}: {_dump(v, inner)}" for k, v in value.items()]
+        return "{\n" + ",\n".join(items) + "\n" + indent + "}"
+    return json.dumps(value)
