@@ -99,6 +99,7 @@ class Problem:
 
     reason: str
     fix: Fix | None = None
+    replan: str = ""  # `pipeplan plan` flags that keep a new plan within the target's rules
 
 
 @dataclass(frozen=True)
@@ -300,7 +301,10 @@ class ExportRefused(InputError):
     """A plan its target cannot express.  ``reasons`` lists why; ``nearest`` is the nearest plan
     the target can express (priced when a profile was given), or ``None`` when none is."""
 
-    def __init__(self, target: str, reasons: Sequence[str], nearest_plan: Nearest | None, plan: Plan) -> None:
+    def __init__(
+        self, target: str, found: Sequence[Problem], nearest_plan: Nearest | None, plan: Plan
+    ) -> None:
+        reasons = [p.reason for p in found]
         lines = [f"{target} cannot express this plan:"]
         lines += [f"  - {r}" for r in reasons]
         if nearest_plan is None:
@@ -309,6 +313,9 @@ class ExportRefused(InputError):
             lines.append(f"nearest plan {target} can express: {nearest_plan.decisions.summary()}")
             lines.append(nearest_plan.describe(plan))
             lines.append(f"  export it instead with --nearest (pipeplan export PLAN --to {target} --nearest)")
+        flags = " ".join(dict.fromkeys(p.replan for p in found if p.replan))
+        if flags and nearest_plan is not None:
+            lines.append(f"or make a new plan within {target}'s rules: pipeplan plan PROFILE ... {flags}")
         super().__init__("\n".join(lines))
         self.target = target
         self.reasons = list(reasons)

@@ -43,10 +43,13 @@ def problems(d: Decisions, names: Sequence[str]) -> list[Problem]:
                 f"interleaved-1f1b with {d.virtual_stages} chunks per rank: DeepSpeed's pipeline engine runs "
                 "one stage per rank",
                 merge_chunks,
+                "--schedule 1f1b",
             )
         )
     elif d.schedule == "gpipe":
-        out.append(Problem("schedule 'gpipe': DeepSpeed's pipeline engine runs only its 1F1B TrainSchedule", to_1f1b))
+        out.append(
+            Problem("schedule 'gpipe': DeepSpeed's pipeline engine runs only its 1F1B TrainSchedule", to_1f1b, "--schedule 1f1b")
+        )
     if d.zero_stage >= 2:
         out.append(
             Problem(

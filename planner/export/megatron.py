@@ -69,6 +69,7 @@ def problems(d: Decisions, names: Sequence[str]) -> list[Problem]:
                 "schedule 'gpipe': Megatron-LM has no GPipe schedule (it runs 1F1B, or interleaved 1F1B "
                 "with virtual stages)",
                 to_1f1b,
+                "--schedule 1f1b",
             )
         )
     if d.virtual_stages > 1 and d.pipeline_degree == 1:
@@ -77,6 +78,7 @@ def problems(d: Decisions, names: Sequence[str]) -> list[Problem]:
                 f"{d.virtual_stages} virtual stages on pipeline degree 1: Megatron interleaves only "
                 "with --pipeline-model-parallel-size > 1",
                 merge_chunks,
+                "--virtual-stages 1",
             )
         )
     out += recompute_problems(d, stack, "Megatron's --recompute-* flags apply to the decoder layers of every stage alike")
@@ -109,6 +111,7 @@ def recompute_problems(d: Decisions, stack: DecoderStack, why: str) -> list[Prob
         Problem(
             f"stage(s) {_short(on)} recompute but stage(s) {_short(off)} do not: {why}",
             lambda x: uniform_recompute(x, applies),
+            "--no-recompute",
         )
     ]
 

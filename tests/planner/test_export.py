@@ -541,3 +541,23 @@ def test_random_layer_profiles_need_a_decoder_stack_for_megatron() -> None:
     plan = _plan(random_profile(1, 6), [(0, 3), (3, 6)], m=4, batch=8)
     assert problems(plan, "megatron") and not problems(plan, "deepspeed") and not problems(plan, "torch")
     check_round_trip(plan)
+
+
+def test_the_replan_hint_gives_plans_the_target_can_express() -> None:
+    """The flags a refusal suggests (`plan ... --schedule 1f1b`, `--no-recompute`) make the
+    solver's plan expressible."""
+    from planner.solver import solve
+
+    profile = _profile(BUNDLED)
+    training = TrainingSetup(global_batch_size=64)
+    interleaved = solve(profile, Cluster.model_validate({"devices": 8, "device_type": "h100-80g"}), TrainingSetup(global_batch_size=256), PlanOptions(time_limit_s=1))
+    mixed = solve(profile, Cluster.model_validate({"devices": 8, "device_type": "a100-40g"}), training, PlanOptions(time_limit_s=1))
+    for plan, target, flag, options in (
+        (interleaved, "deepspeed", "--schedule 1f1b", PlanOptions(schedule="1f1b", time_limit_s=1)),
+        (mixed, "megatron", "--no-recompute", PlanOptions(recompute=False, time_limit_s=1)),
+    ):
+        with pytest.raises(ExportRefused) as err:
+            export_plan(plan, target, profile=profile)
+        assert f"or make a new plan within {target}'s rules: pipeplan plan PROFILE ... {flag}" in str(err.value)
+        again = solve(profile, plan.cluster, plan.training, options)
+        assert not problems(again, target)
