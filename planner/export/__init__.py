@@ -11,7 +11,7 @@ model when the profile is given; ``use_nearest=True`` exports that plan instead.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from types import ModuleType
 
 from planner.errors import InputError
@@ -86,7 +86,3 @@ def export_plan(
     near_info = PlanInfo.from_plan(near.plan) if near.plan is not None else PlanInfo.from_plan(plan, priced=False)
     result = module.render(near.decisions, near_info, output=out)
     return result, near
-
-
-def target_names() -> Sequence[str]:
-    return tuple(TARGETS)

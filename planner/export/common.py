@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from planner.costmodel import estimate, plan_fits
 from planner.errors import InputError, PipeplanError
+from planner.export.mapping import DecoderStack
 from planner.schema import Plan, Profile, Schedule
 from planner.units import format_bytes
 
@@ -75,10 +76,6 @@ class Decisions:
     @property
     def num_layers(self) -> int:
         return self.stages[-1][1]
-
-    def ranks_of_stage(self, stage: int) -> int:
-        """Pipeline rank of ``stage``: stage ``s`` runs on rank ``s % K`` (loop placement)."""
-        return stage % self.pipeline_degree
 
     def summary(self) -> str:
         v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
@@ -201,6 +198,49 @@ def snap_cuts(d: Decisions, legal: Callable[[int], bool], what: str) -> list[tup
     return [(f"{what}: " + ", ".join(moved), d.replace(stages=stages))]
 
 
+def cut_problems(d: Decisions, names: Sequence[str], stack: DecoderStack, why: str) -> list[Problem]:
+    """Stage boundaries that cut a unit of ``stack`` (a decoder layer cut into parts) in two."""
+    bad = [a for a, _ in d.stages[1:] if not stack.starts_unit(a)]
+    if not bad:
+        return []
+    return [
+        Problem(
+            f"stage boundary at layer {bad[0]} ({names[bad[0]]!r}) cuts {stack.units[bad[0]]} in two: {why}",
+            lambda x: snap_cuts(x, stack.starts_unit, "cuts moved to layer boundaries"),
+        )
+    ]
+
+
+def recompute_problems(d: Decisions, stack: DecoderStack, why: str) -> list[Problem]:
+    """Recompute that is on for some stages with decoder layers and off for others (a stage
+    without decoder layers does not count: these targets recompute decoder layers only)."""
+    applies = [stack.decoder_layers(a, b) > 0 for a, b in d.stages]
+    on = [s for s, (r, ap) in enumerate(zip(d.recompute, applies, strict=True)) if ap and r]
+    off = [s for s, (r, ap) in enumerate(zip(d.recompute, applies, strict=True)) if ap and not r]
+    if not on or not off:
+        return []
+    return [
+        Problem(
+            f"stage(s) {_short(on)} recompute but stage(s) {_short(off)} do not: {why}",
+            lambda x: uniform_recompute(x, applies),
+            "--no-recompute",
+        )
+    ]
+
+
+def _short(stages: Sequence[int]) -> str:
+    return ",".join(map(str, stages[:6])) + (",..." if len(stages) > 6 else "")
+
+
+#: appended to the output name for a plan's action list
+SCHEDULE_CSV_SUFFIX = ".schedule.csv"
+
+
+def actions_csv(actions: Sequence[Sequence[str]]) -> str:
+    """torch's ``compute_only`` schedule CSV: one row per rank, one action per column."""
+    return "\n".join(",".join(rank) for rank in actions) + "\n"
+
+
 # --------------------------------------------------------------------------- the nearest plan
 
 
@@ -277,7 +317,7 @@ def nearest(
     if profile is None:
         d, changes = done[0]
         return Nearest(d, changes, None, "give the model's profile (--profile PROFILE) to price it")
-    if d_mesh_unpriced(done[0][0]):
+    if _mesh_unpriced(done[0][0]):
         d, changes = done[0]
         return Nearest(d, changes, None, "the cost model does not price tensor parallelism or ZeRO yet")
     priced: list[Nearest] = []
@@ -293,7 +333,7 @@ def nearest(
     return min(priced, key=lambda n: (not plan_fits(n.plan), n.plan.predicted.step_time_ms))  # type: ignore[arg-type,union-attr]
 
 
-def d_mesh_unpriced(d: Decisions) -> bool:
+def _mesh_unpriced(d: Decisions) -> bool:
     return d.tensor_parallel != 1 or d.zero_stage != 0 or d.sequence_parallel
 
 

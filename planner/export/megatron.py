@@ -35,10 +35,10 @@ from planner.export.common import (
     ExportFile,
     PlanInfo,
     Problem,
+    cut_problems,
     merge_chunks,
-    snap_cuts,
+    recompute_problems,
     to_1f1b,
-    uniform_recompute,
 )
 from planner.export.mapping import DecoderStack, NotAStack, decoder_stack
 
@@ -53,16 +53,7 @@ def problems(d: Decisions, names: Sequence[str]) -> list[Problem]:
         stack = decoder_stack(names)
     except NotAStack as err:
         return [Problem(f"Megatron places an embedding (E), decoder layers (t) and a loss head (L): {err}")]
-    out: list[Problem] = []
-    bad = [a for a, _ in d.stages[1:] if not stack.starts_unit(a)]
-    if bad:
-        out.append(
-            Problem(
-                f"stage boundary at layer {bad[0]} ({names[bad[0]]!r}) cuts {stack.units[bad[0]]} in two: "
-                "Megatron's layout places whole decoder layers",
-                lambda x: snap_cuts(x, stack.starts_unit, "cuts moved to layer boundaries"),
-            )
-        )
+    out = cut_problems(d, names, stack, "Megatron's layout places whole decoder layers")
     if d.schedule == "gpipe":
         out.append(
             Problem(
@@ -98,22 +89,6 @@ def problems(d: Decisions, names: Sequence[str]) -> list[Problem]:
             )
         )
     return out
-
-
-def recompute_problems(d: Decisions, stack: DecoderStack, why: str) -> list[Problem]:
-    """Recompute that is on for some stages with decoder layers and off for others."""
-    applies = [stack.decoder_layers(a, b) > 0 for a, b in d.stages]
-    on = [s for s, (r, ap) in enumerate(zip(d.recompute, applies, strict=True)) if ap and r]
-    off = [s for s, (r, ap) in enumerate(zip(d.recompute, applies, strict=True)) if ap and not r]
-    if not on or not off:
-        return []
-    return [
-        Problem(
-            f"stage(s) {_short(on)} recompute but stage(s) {_short(off)} do not: {why}",
-            lambda x: uniform_recompute(x, applies),
-            "--no-recompute",
-        )
-    ]
 
 
 def stage_layout(d: Decisions, stack: DecoderStack) -> list[str]:
@@ -206,6 +181,3 @@ def render(d: Decisions, info: PlanInfo, *, output: str = DEFAULT_FILE) -> Expor
     lines.append(")")
     return Export(TARGET, (ExportFile("\n".join(lines) + "\n"),))
 
-
-def _short(stages: Sequence[int]) -> str:
-    return ",".join(map(str, stages[:6])) + (",..." if len(stages) > 6 else "")

@@ -18,9 +18,17 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from planner.export.common import Decisions, Export, ExportFile, PlanInfo, Problem, snap_cuts
+from planner.export.common import (
+    SCHEDULE_CSV_SUFFIX,
+    Decisions,
+    Export,
+    ExportFile,
+    PlanInfo,
+    Problem,
+    actions_csv,
+    snap_cuts,
+)
 from planner.export.mapping import split_point_ok
-from planner.export.torchtitan import SCHEDULE_CSV_SUFFIX, actions_csv
 
 TARGET = "torch"
 DEFAULT_FILE = "split_plan.py"

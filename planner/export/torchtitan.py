@@ -27,13 +27,21 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from planner.export.common import Decisions, Export, ExportFile, PlanInfo, Problem, snap_cuts
+from planner.export.common import (
+    SCHEDULE_CSV_SUFFIX,
+    Decisions,
+    Export,
+    ExportFile,
+    PlanInfo,
+    Problem,
+    actions_csv,
+    cut_problems,
+    recompute_problems,
+)
 from planner.export.mapping import DecoderStack, NotAStack, Unit, decoder_stack
-from planner.export.megatron import recompute_problems
 
 TARGET = "torchtitan"
 DEFAULT_FILE = "torchtitan_parallelism.toml"
-SCHEDULE_CSV_SUFFIX = ".schedule.csv"
 #: pipeplan schedule -> torch.distributed.pipelining schedule name, as torchtitan takes it
 SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B"}
 #: the schedule names torchtitan takes with a per-rank action list read from CSV (by chunks per rank)
@@ -46,16 +54,7 @@ def problems(d: Decisions, names: Sequence[str]) -> list[Problem]:
         stack = decoder_stack(names)
     except NotAStack as err:
         return [Problem(f"torchtitan splits decoder models (tok_embeddings, layers.N, norm, lm_head): {err}")]
-    out: list[Problem] = []
-    bad = [a for a, _ in d.stages[1:] if not stack.starts_unit(a)]
-    if bad:
-        out.append(
-            Problem(
-                f"stage boundary at layer {bad[0]} ({names[bad[0]]!r}) cuts {stack.units[bad[0]]} in two: "
-                "module_fqns_per_model_part places whole modules",
-                lambda x: snap_cuts(x, stack.starts_unit, "cuts moved to layer boundaries"),
-            )
-        )
+    out = cut_problems(d, names, stack, "module_fqns_per_model_part places whole modules")
     out += recompute_problems(d, stack, "torchtitan's activation checkpointing applies to every transformer block alike")
     return out
 
@@ -159,7 +158,3 @@ def render(d: Decisions, info: PlanInfo, *, output: str = DEFAULT_FILE, head_fqn
     text = "\n".join(head) + to_toml(tables)
     return Export(TARGET, (ExportFile(text), *files))
 
-
-def actions_csv(actions: Sequence[Sequence[str]]) -> str:
-    """torch's ``compute_only`` schedule CSV: one row per rank, one action per column."""
-    return "\n".join(",".join(rank) for rank in actions) + "\n"
