@@ -19,6 +19,7 @@ COMMAND_MODULES = (
     "pipeplan.cmd_serve",
     "pipeplan.cmd_run",
     "pipeplan.cmd_show",
+    "pipeplan.cmd_export",
     "pipeplan.cmd_schema",
 )
 

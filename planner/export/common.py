@@ -1,0 +1,362 @@
+"""What every exporter shares: a plan's decisions, refusals with the nearest plan, the result.
+
+An exporter looks at a plan's *decisions* (:class:`Decisions`: stages, recompute, schedule, M,
+K, D and the mesh axes the schema will carry) and lists the :class:`Problem` s its target cannot
+express.  Each problem offers fixes: candidate decisions the target is closer to expressing.
+:func:`nearest` applies fixes until nothing is left to fix, prices every candidate with
+:func:`planner.costmodel.estimate` and keeps the fastest one that fits memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from planner.costmodel import estimate, plan_fits
+from planner.errors import InputError, PipeplanError
+from planner.export.mapping import DecoderStack
+from planner.schema import Plan, Profile, Schedule
+from planner.units import format_bytes
+
+#: how many rounds of fixes :func:`nearest` applies before it gives up
+MAX_FIX_ROUNDS = 6
+
+
+@dataclass(frozen=True)
+class Decisions:
+    """The decisions of a plan that an exporter writes out (layer ranges are ``[start, stop)``).
+
+    ``tensor_parallel``, ``zero_stage`` and ``sequence_parallel`` are read from the plan when
+    its schema carries them (``tensor_parallel_degree``, ``zero_stage``, ``sequence_parallel``)
+    and default to 1, 0, False.  ``actions`` is the plan's own per-rank action list
+    (``"0F3"``, ``"1B2"``, ...) when it carries one (attribute ``actions``), else ``None``.
+    """
+
+    stages: tuple[tuple[int, int], ...]
+    recompute: tuple[bool, ...]
+    schedule: Schedule
+    num_microbatches: int
+    pipeline_degree: int
+    data_parallel: int
+    global_batch_size: int
+    tensor_parallel: int = 1
+    zero_stage: int = 0
+    sequence_parallel: bool = False
+    actions: tuple[tuple[str, ...], ...] | None = None
+
+    @classmethod
+    def from_plan(cls, plan: Plan) -> Decisions:
+        actions = getattr(plan, "actions", None)
+        return cls(
+            stages=tuple((s.start, s.stop) for s in plan.stages),
+            recompute=tuple(s.recompute for s in plan.stages),
+            schedule=plan.schedule,
+            num_microbatches=plan.num_microbatches,
+            pipeline_degree=plan.pipeline_degree,
+            data_parallel=plan.data_parallel_degree,
+            global_batch_size=plan.global_batch_size,
+            tensor_parallel=int(getattr(plan, "tensor_parallel_degree", 1) or 1),
+            zero_stage=int(getattr(plan, "zero_stage", 0) or 0),
+            sequence_parallel=bool(getattr(plan, "sequence_parallel", False)),
+            actions=tuple(tuple(str(a) for a in rank) for rank in actions) if actions else None,
+        )
+
+    def replace(self, **changes: object) -> Decisions:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    @property
+    def virtual_stages(self) -> int:
+        return len(self.stages) // self.pipeline_degree
+
+    @property
+    def microbatch_size(self) -> int:
+        return self.global_batch_size // (self.data_parallel * self.num_microbatches)
+
+    @property
+    def num_layers(self) -> int:
+        return self.stages[-1][1]
+
+    def summary(self) -> str:
+        v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
+        mesh = f" x T={self.tensor_parallel}" if self.tensor_parallel > 1 else ""
+        return (
+            f"{self.schedule}, K={self.pipeline_degree}{v} x D={self.data_parallel}{mesh}, "
+            f"M={self.num_microbatches} micro-batches of {self.microbatch_size}"
+        )
+
+
+#: a fix: candidate decisions, each with a short description of what changed
+Fix = Callable[[Decisions], list[tuple[str, Decisions]]]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Something a target cannot express, and how to get closer (no fix: nothing can)."""
+
+    reason: str
+    fix: Fix | None = None
+    replan: str = ""  # `pipeplan plan` flags that keep a new plan within the target's rules
+
+
+@dataclass(frozen=True)
+class ExportFile:
+    """One file of an export.  ``suffix`` is appended to the output name for side files."""
+
+    text: str
+    suffix: str = ""
+
+
+@dataclass(frozen=True)
+class Export:
+    target: str
+    files: tuple[ExportFile, ...]
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PlanInfo:
+    """What an export says about the plan it comes from (model, layer names, prediction)."""
+
+    model: str
+    layer_names: tuple[str, ...]
+    profile_sha256: str
+    step_time_ms: float | None
+
+    @classmethod
+    def from_plan(cls, plan: Plan, *, priced: bool = True) -> PlanInfo:
+        names = tuple(n for s in plan.stages for n in s.layer_names)
+        step = plan.predicted.step_time_ms if priced else None
+        return cls(plan.model, names, plan.profile_sha256, step)
+
+    def header(self, target: str, decisions: Decisions) -> list[str]:
+        step = f"predicted step {self.step_time_ms:.2f} ms" if self.step_time_ms is not None else "not priced"
+        return [
+            f"pipeplan export --to {target}: {self.model}, {decisions.summary()} "
+            f"(global batch {decisions.global_batch_size})",
+            f"{step} (pipeplan cost model); profile_sha256 {self.profile_sha256[:12]}...",
+        ]
+
+
+# --------------------------------------------------------------------------- fixes shared by targets
+
+
+def merge_chunks(d: Decisions) -> list[tuple[str, Decisions]]:
+    """Interleaved -> one chunk per rank: rank r's stage is chunks r*v .. r*v+v-1 merged."""
+    v = d.virtual_stages
+    stages = tuple((d.stages[r * v][0], d.stages[r * v + v - 1][1]) for r in range(d.pipeline_degree))
+    rc = tuple(any(d.recompute[r * v : (r + 1) * v]) for r in range(d.pipeline_degree))
+    return _with_schedule(d.replace(stages=stages, recompute=rc), "1f1b", f"{v} chunks per rank merged into one stage")
+
+
+def to_1f1b(d: Decisions) -> list[tuple[str, Decisions]]:
+    return _with_schedule(d, "1f1b", "")
+
+
+def _with_schedule(d: Decisions, schedule: Schedule, what: str) -> list[tuple[str, Decisions]]:
+    """``d`` with ``schedule``; for 1F1B, M raised to the smallest count >= K that splits the batch."""
+    k, m = d.pipeline_degree, d.num_microbatches
+    change = [what] if what else []
+    if schedule != d.schedule:
+        change.append(f"schedule {schedule}")
+    if schedule == "1f1b" and m < k:
+        per_replica = d.global_batch_size // d.data_parallel
+        bigger = [x for x in range(k, per_replica + 1) if per_replica % x == 0]
+        if not bigger:
+            return []
+        m = bigger[0]
+        change.append(f"M={m} (1F1B needs M >= K={k})")
+    return [("; ".join(change), d.replace(schedule=schedule, num_microbatches=m, actions=None))]
+
+
+def uniform_recompute(d: Decisions, applies: Sequence[bool]) -> list[tuple[str, Decisions]]:
+    """Recompute on every stage where the target's recompute ``applies``, or on none."""
+    on = tuple(bool(a) for a in applies)
+    off = tuple(False for _ in applies)
+    return [("recompute on every stage", d.replace(recompute=on)), ("recompute on no stage", d.replace(recompute=off))]
+
+
+def snap_cuts(d: Decisions, legal: Callable[[int], bool], what: str) -> list[tuple[str, Decisions]]:
+    """Move each stage start that ``legal`` refuses to the nearest legal layer (earlier on a tie)."""
+    n = d.num_layers
+    starts = [a for a, _ in d.stages]
+    moved = []
+    for i in range(1, len(starts)):
+        if legal(starts[i]):
+            continue
+        lo = next((x for x in range(starts[i] - 1, 0, -1) if legal(x)), None)
+        hi = next((x for x in range(starts[i] + 1, n) if legal(x)), None)
+        options = [x for x in (lo, hi) if x is not None]
+        if not options:
+            return []
+        best = min(options, key=lambda x: (abs(x - starts[i]), x))
+        moved.append(f"stage {i} starts at layer {best} instead of {starts[i]}")
+        starts[i] = best
+    if any(b <= a for a, b in zip(starts, [*starts[1:], n], strict=True)):
+        return []  # a stage would be empty: no plan with this many stages keeps units whole
+    stages = tuple(zip(starts, [*starts[1:], n], strict=True))
+    return [(f"{what}: " + ", ".join(moved), d.replace(stages=stages))]
+
+
+def cut_problems(d: Decisions, names: Sequence[str], stack: DecoderStack, why: str) -> list[Problem]:
+    """Stage boundaries that cut a unit of ``stack`` (a decoder layer cut into parts) in two."""
+    bad = [a for a, _ in d.stages[1:] if not stack.starts_unit(a)]
+    if not bad:
+        return []
+    return [
+        Problem(
+            f"stage boundary at layer {bad[0]} ({names[bad[0]]!r}) cuts {stack.units[bad[0]]} in two: {why}",
+            lambda x: snap_cuts(x, stack.starts_unit, "cuts moved to layer boundaries"),
+        )
+    ]
+
+
+def recompute_problems(d: Decisions, stack: DecoderStack, why: str) -> list[Problem]:
+    """Recompute that is on for some stages with decoder layers and off for others (a stage
+    without decoder layers does not count: these targets recompute decoder layers only)."""
+    applies = [stack.decoder_layers(a, b) > 0 for a, b in d.stages]
+    on = [s for s, (r, ap) in enumerate(zip(d.recompute, applies, strict=True)) if ap and r]
+    off = [s for s, (r, ap) in enumerate(zip(d.recompute, applies, strict=True)) if ap and not r]
+    if not on or not off:
+        return []
+    return [
+        Problem(
+            f"stage(s) {_short(on)} recompute but stage(s) {_short(off)} do not: {why}",
+            lambda x: uniform_recompute(x, applies),
+            "--no-recompute",
+        )
+    ]
+
+
+def _short(stages: Sequence[int]) -> str:
+    return ",".join(map(str, stages[:6])) + (",..." if len(stages) > 6 else "")
+
+
+#: appended to the output name for a plan's action list
+SCHEDULE_CSV_SUFFIX = ".schedule.csv"
+
+
+def actions_csv(actions: Sequence[Sequence[str]]) -> str:
+    """torch's ``compute_only`` schedule CSV: one row per rank, one action per column."""
+    return "\n".join(",".join(rank) for rank in actions) + "\n"
+
+
+# --------------------------------------------------------------------------- the nearest plan
+
+
+@dataclass(frozen=True)
+class Nearest:
+    """The nearest plan a target can express: its decisions, the changes, and its price."""
+
+    decisions: Decisions
+    changes: tuple[str, ...]
+    plan: Plan | None  # priced by the cost model, when a profile was given
+    note: str = ""  # why it is not priced, or why it does not fit
+
+    def describe(self, original: Plan) -> str:
+        lines = [f"  changes: {'; '.join(c for c in self.changes if c) or 'none'}"]
+        if self.plan is None:
+            lines.append(f"  not priced: {self.note}")
+            return "\n".join(lines)
+        p, base = self.plan.predicted.step_time_ms, original.predicted.step_time_ms
+        delta = (p / base - 1) * 100 if base > 0 else 0.0
+        peak = max(self.plan.stages, key=lambda s: s.memory_bytes / max(s.memory_limit_bytes, 1))
+        fits = "fits memory" if plan_fits(self.plan) else "does NOT fit memory"
+        lines.append(
+            f"  predicted step {p:.2f} ms, {self.plan.predicted.throughput_samples_per_s:.1f} samples/s "
+            f"(this plan: {base:.2f} ms, {delta:+.1f}%); {fits} (stage {peak.index}: "
+            f"{format_bytes(peak.memory_bytes)} of {format_bytes(peak.memory_limit_bytes)})"
+        )
+        return "\n".join(lines)
+
+
+def price(plan: Plan, d: Decisions, profile: Profile) -> Plan:
+    """The cost model's plan for decisions ``d`` on ``plan``'s cluster and training setup."""
+    same_stages = len(d.stages) == len(plan.stages)
+    return estimate(
+        profile,
+        plan.cluster,
+        plan.training,
+        list(d.stages),
+        num_microbatches=d.num_microbatches,
+        schedule=d.schedule,
+        recompute=list(d.recompute),
+        data_parallel=d.data_parallel,
+        pipeline_degree=d.pipeline_degree,
+        devices=[s.devices for s in plan.stages] if same_stages else None,
+    )
+
+
+def nearest(
+    plan: Plan,
+    problems: Callable[[Decisions], list[Problem]],
+    *,
+    profile: Profile | None,
+) -> Nearest | None:
+    """The nearest plan without problems, priced with ``profile`` when given; ``None`` if no fix
+    reaches one.  Fixes are applied breadth-first (each problem's candidates), at most
+    :data:`MAX_FIX_ROUNDS` rounds."""
+    frontier: list[tuple[Decisions, tuple[str, ...]]] = [(Decisions.from_plan(plan), ())]
+    done: list[tuple[Decisions, tuple[str, ...]]] = []
+    for _ in range(MAX_FIX_ROUNDS):
+        nxt: list[tuple[Decisions, tuple[str, ...]]] = []
+        for d, changes in frontier:
+            found = problems(d)
+            if not found:
+                done.append((d, changes))
+                continue
+            fix = found[0].fix
+            for what, nd in fix(d) if fix else []:
+                if all(nd != x for x, _ in nxt):
+                    nxt.append((nd, (*changes, what)))
+        frontier = nxt
+        if not frontier:
+            break
+    if not done:
+        return None
+    if profile is None:
+        d, changes = done[0]
+        return Nearest(d, changes, None, "give the model's profile (--profile PROFILE) to price it")
+    if _mesh_unpriced(done[0][0]):
+        d, changes = done[0]
+        return Nearest(d, changes, None, "the cost model does not price tensor parallelism or ZeRO yet")
+    priced: list[Nearest] = []
+    errors: list[str] = []
+    for d, changes in done:
+        try:
+            priced.append(Nearest(d, changes, price(plan, d, profile)))
+        except PipeplanError as err:
+            errors.append(str(err))
+    if not priced:
+        d, changes = done[0]
+        return Nearest(d, changes, None, f"the cost model refuses it: {errors[0]}")
+    return min(priced, key=lambda n: (not plan_fits(n.plan), n.plan.predicted.step_time_ms))  # type: ignore[arg-type,union-attr]
+
+
+def _mesh_unpriced(d: Decisions) -> bool:
+    return d.tensor_parallel != 1 or d.zero_stage != 0 or d.sequence_parallel
+
+
+class ExportRefused(InputError):
+    """A plan its target cannot express.  ``reasons`` lists why; ``nearest`` is the nearest plan
+    the target can express (priced when a profile was given), or ``None`` when none is."""
+
+    def __init__(
+        self, target: str, found: Sequence[Problem], nearest_plan: Nearest | None, plan: Plan
+    ) -> None:
+        reasons = [p.reason for p in found]
+        lines = [f"{target} cannot express this plan:"]
+        lines += [f"  - {r}" for r in reasons]
+        if nearest_plan is None:
+            lines.append(f"no plan of this model can be exported to {target}; try --to torch or --to deepspeed")
+        else:
+            lines.append(f"nearest plan {target} can express: {nearest_plan.decisions.summary()}")
+            lines.append(nearest_plan.describe(plan))
+            lines.append(f"  export it instead with --nearest (pipeplan export PLAN --to {target} --nearest)")
+        flags = " ".join(dict.fromkeys(p.replan for p in found if p.replan))
+        if flags and nearest_plan is not None:
+            lines.append(f"or make a new plan within {target}'s rules: pipeplan plan PROFILE ... {flags}")
+        super().__init__("\n".join(lines))
+        self.target = target
+        self.reasons = list(reasons)
+        self.nearest = nearest_plan

@@ -1,0 +1,113 @@
+"""DeepSpeed: a ``ds_config.json`` with the plan's stage boundaries.
+
+DeepSpeed's ``PipelineModule`` balances its ``layers`` list by parameters, by layer type or
+uniformly; it has no way to take explicit boundaries.  The config written here holds the usual
+batch and ZeRO settings, and under ``pipeline.pipeplan`` the boundaries as positions in the
+layer list (``parts``: stage *s* holds ``layers[parts[s]:parts[s+1]]``) with per-stage recompute.
+``examples/deepspeed_pipeline.py`` is a short ``PipelineModule`` subclass that reads them
+(it overrides ``_partition_layers``); copy it next to your training script.  Its ``layers``
+must be one entry per plan layer, in the plan's order (the config lists their names).
+
+Units are list positions, so any model whose layers you can list works.  Refused, with the
+nearest plan: interleaving and GPipe (the pipeline engine runs one stage per rank with its 1F1B
+``TrainSchedule``), ZeRO 2-3 (the pipeline engine allows ZeRO 0-1), an action list.  DeepSpeed's
+``train_batch_size`` is micro-batch x gradient accumulation x data-parallel size, i.e. the plan's
+global batch with M accumulation steps.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+from planner.export.common import (
+    Decisions,
+    Export,
+    ExportFile,
+    PlanInfo,
+    Problem,
+    merge_chunks,
+    to_1f1b,
+)
+
+TARGET = "deepspeed"
+DEFAULT_FILE = "ds_config.json"
+EXAMPLE = "examples/deepspeed_pipeline.py"
+
+
+def problems(d: Decisions, names: Sequence[str]) -> list[Problem]:
+    out: list[Problem] = []
+    if d.virtual_stages > 1:
+        out.append(
+            Problem(
+                f"interleaved-1f1b with {d.virtual_stages} chunks per rank: DeepSpeed's pipeline engine runs "
+                "one stage per rank",
+                merge_chunks,
+                "--schedule 1f1b",
+            )
+        )
+    elif d.schedule == "gpipe":
+        out.append(
+            Problem("schedule 'gpipe': DeepSpeed's pipeline engine runs only its 1F1B TrainSchedule", to_1f1b, "--schedule 1f1b")
+        )
+    if d.zero_stage >= 2:
+        out.append(
+            Problem(
+                f"ZeRO stage {d.zero_stage}: DeepSpeed's pipeline engine supports ZeRO stages 0 and 1 only",
+                lambda x: [("ZeRO stage 1", x.replace(zero_stage=1))],
+            )
+        )
+    if d.actions is not None:
+        out.append(
+            Problem(
+                "the plan carries its own action list: DeepSpeed runs only its TrainSchedule",
+                lambda x: [("1F1B instead of the action list", x.replace(actions=None))],
+            )
+        )
+    return out
+
+
+def config(d: Decisions, info: PlanInfo) -> dict[str, object]:
+    """The ``ds_config.json`` document."""
+    parts = [a for a, _ in d.stages] + [d.num_layers]
+    return {
+        "train_batch_size": d.global_batch_size,
+        "train_micro_batch_size_per_gpu": d.microbatch_size,
+        "gradient_accumulation_steps": d.num_microbatches,
+        "zero_optimization": {"stage": d.zero_stage},
+        "pipeline": {
+            "stages": d.pipeline_degree,
+            "pipeplan": {
+                "parts": parts,
+                "recompute": list(d.recompute),
+                "layer_names": list(info.layer_names),
+                "data_parallel": d.data_parallel,
+                "tensor_parallel": d.tensor_parallel,
+                "model": info.model,
+                "profile_sha256": info.profile_sha256,
+                "predicted_step_ms": None if info.step_time_ms is None else round(info.step_time_ms, 3),
+            },
+        },
+    }
+
+
+def render(d: Decisions, info: PlanInfo, *, output: str = DEFAULT_FILE) -> Export:
+    text = _dump(config(d, info)) + "\n"
+    world = d.pipeline_degree * d.data_parallel * d.tensor_parallel
+    spans = ", ".join(f"{info.layer_names[a]}..{info.layer_names[b - 1]}" for a, b in d.stages[:4])
+    notes = (
+        *info.header(TARGET, d),
+        f"stages: {spans}{', ...' if len(d.stages) > 4 else ''}",
+        f"build the model with PlannedPipelineModule.from_config(layers, {output!r}) from {EXAMPLE} "
+        f"(one entry of `layers` per plan layer) and launch {world} ranks",
+    )
+    return Export(TARGET, (ExportFile(text),), notes)
+
+
+def _dump(value: object, indent: str = "") -> str:
+    """JSON with one key per line and lists of numbers or strings kept on one line."""
+    if isinstance(value, dict):
+        inner = indent + "  "
+        items = [f"{inner}{json.dumps(k)}: {_dump(v, inner)}" for k, v in value.items()]
+        return "{\n" + ",\n".join(items) + "\n" + indent + "}"
+    return json.dumps(value)

@@ -1,0 +1,183 @@
+"""Megatron-LM: the command-line flags that run a plan.
+
+Units: the embedding is ``E``, decoder layer *i* is the *i*-th ``t``, the head (final norm,
+output layer, loss) is ``L``.  ``--pipeline-model-parallel-layout`` lists the stages separated by
+``|``; stage *i* of that flat list runs on pipeline rank ``i % PP`` as virtual stage ``i // PP``,
+which is pipeplan's placement.  Megatron-LM refuses ``--num-virtual-stages-per-pipeline-rank``
+next to a layout (the layout implies it), so the flag is written only when the plan's split is
+Megatron's own even split and no layout is needed.
+
+What the flags cannot say, and the nearest plan offered instead:
+
+* a cut inside a decoder layer (a profile cut with ``--split-points`` inside blocks): the cut
+  moves to the nearest layer boundary;
+* GPipe (Megatron runs 1F1B, or interleaved 1F1B): 1F1B, same split;
+* interleaving on one pipeline rank: the chunks merge into one stage;
+* recompute on some stages only: ``--recompute-*`` apply to every stage's decoder layers alike
+  (the embedding and the loss head are never recomputed), so recompute on all or none;
+* ZeRO-3: ``--use-distributed-optimizer`` shards optimizer state and gradients (ZeRO 1-2).
+
+Recompute is written as ``--recompute-granularity full --recompute-method uniform
+--recompute-num-layers 1``: every decoder layer recomputes its forward pass in the backward, as
+pipeplan's cost model prices it; Megatron keeps each layer's input (pipeplan counts one input per
+stage), a few MiB per layer and micro-batch in flight more.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Sequence
+
+from planner.export.common import (
+    Decisions,
+    Export,
+    ExportFile,
+    PlanInfo,
+    Problem,
+    cut_problems,
+    merge_chunks,
+    recompute_problems,
+    to_1f1b,
+)
+from planner.export.mapping import DecoderStack, NotAStack, decoder_stack
+
+TARGET = "megatron"
+DEFAULT_FILE = "megatron_args.sh"
+LAYER_CHARS = {"embedding": "E", "decoder": "t", "head": "L"}
+ARRAY = "PIPEPLAN_MEGATRON_ARGS"
+
+
+def problems(d: Decisions, names: Sequence[str]) -> list[Problem]:
+    try:
+        stack = decoder_stack(names)
+    except NotAStack as err:
+        return [Problem(f"Megatron places an embedding (E), decoder layers (t) and a loss head (L): {err}")]
+    out = cut_problems(d, names, stack, "Megatron's layout places whole decoder layers")
+    if d.schedule == "gpipe":
+        out.append(
+            Problem(
+                "schedule 'gpipe': Megatron-LM has no GPipe schedule (it runs 1F1B, or interleaved 1F1B "
+                "with virtual stages)",
+                to_1f1b,
+                "--schedule 1f1b",
+            )
+        )
+    if d.virtual_stages > 1 and d.pipeline_degree == 1:
+        out.append(
+            Problem(
+                f"{d.virtual_stages} virtual stages on pipeline degree 1: Megatron interleaves only "
+                "with --pipeline-model-parallel-size > 1",
+                merge_chunks,
+                "--virtual-stages 1",
+            )
+        )
+    out += recompute_problems(d, stack, "Megatron's --recompute-* flags apply to the decoder layers of every stage alike")
+    if d.actions is not None:
+        out.append(
+            Problem(
+                "the plan carries its own action list: Megatron runs only its named schedules",
+                lambda x: [("its named schedule instead of the action list", x.replace(actions=None))],
+            )
+        )
+    if d.zero_stage > 2:
+        out.append(
+            Problem(
+                "ZeRO stage 3: --use-distributed-optimizer shards optimizer state and gradients (ZeRO 1-2), "
+                "not parameters",
+                lambda x: [("ZeRO stage 2", x.replace(zero_stage=2))],
+            )
+        )
+    return out
+
+
+def stage_layout(d: Decisions, stack: DecoderStack) -> list[str]:
+    """Each stage as Megatron layer characters, e.g. ``["Ettt", "ttt", "tttL"]``."""
+    return ["".join(LAYER_CHARS[u.kind] for u in stack.stage_units(a, b)) for a, b in d.stages]
+
+
+def encode_layout(stages: Sequence[str]) -> str:
+    """The ``--pipeline-model-parallel-layout`` string: ``x*n`` for runs of 3 or more layers in a
+    stage, ``(stage|)*n`` for runs of equal stages, ``|`` between stages."""
+    short = [re.sub(r"(t{3,})", lambda m: f"t*{len(m.group(1))}", s) for s in stages]
+    pieces: list[str] = []
+    i = 0
+    while i < len(short):
+        j = i
+        while j + 1 < len(short) and short[j + 1] == short[i]:
+            j += 1
+        run, last = j - i + 1, j == len(short) - 1
+        s = short[i]
+        if run >= 2 and last:
+            pieces.append(f"({s}|)*{run - 1}{s}" if run > 2 else f"{s}|{s}")
+        elif run >= 2:
+            pieces.append(f"({s}|)*{run}")
+        else:
+            pieces.append(s if last else f"{s}|")
+        i = j + 1
+    return "".join(pieces)
+
+
+def expand_layout(text: str) -> list[str]:
+    """Read a layout string back into one string of layer characters per stage (Megatron's
+    syntax: ``,`` is cosmetic, ``(...)*n`` and ``x*n`` repeat, ``|`` separates stages)."""
+    text = text.replace(",", "")
+    text = re.sub(r"\(([^)]+)\)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), text)
+    text = re.sub(r"(.)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), text)
+    return text.split("|")
+
+
+def is_even_split(stages: Sequence[str], num_decoder_layers: int) -> bool:
+    """Whether ``stages`` is Megatron's split without a layout: the same number of decoder
+    layers on every (virtual) stage, the embedding on the first, the loss on the last."""
+    n, rem = divmod(num_decoder_layers, len(stages))
+    if rem or n == 0:
+        return False
+    expect = ["t" * n for _ in stages]
+    expect[0] = "E" + expect[0]
+    expect[-1] += "L"
+    return list(stages) == expect
+
+
+def argv(d: Decisions, names: Sequence[str]) -> list[str]:
+    """The flags, one argv entry each (call only for a plan without :func:`problems`)."""
+    stack = decoder_stack(names)
+    stages = stage_layout(d, stack)
+    args = ["--pipeline-model-parallel-size", str(d.pipeline_degree), "--tensor-model-parallel-size", str(d.tensor_parallel)]
+    if d.sequence_parallel and d.tensor_parallel > 1:
+        args.append("--sequence-parallel")
+    if not is_even_split(stages, stack.num_decoder_layers):
+        args += ["--pipeline-model-parallel-layout", encode_layout(stages)]
+    elif d.virtual_stages > 1:
+        args += ["--num-virtual-stages-per-pipeline-rank", str(d.virtual_stages)]
+    args += ["--micro-batch-size", str(d.microbatch_size), "--global-batch-size", str(d.global_batch_size)]
+    if any(d.recompute):
+        args += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    if d.zero_stage >= 1:
+        args.append("--use-distributed-optimizer")
+    return args
+
+
+def render(d: Decisions, info: PlanInfo, *, output: str = DEFAULT_FILE) -> Export:
+    stack = decoder_stack(info.layer_names)
+    args = argv(d, info.layer_names)
+    world = d.tensor_parallel * d.pipeline_degree * d.data_parallel
+    lines = [f"# {line}" for line in info.header(TARGET, d)]
+    lines += [
+        f"# Megatron-LM flags. Launch {world} ranks (TP {d.tensor_parallel} x PP {d.pipeline_degree} x DP "
+        f"{d.data_parallel}); your model flags must say --num-layers {stack.num_decoder_layers}.",
+        f"# Layout stage i runs on pipeline rank i % {d.pipeline_degree}. Use:",
+        f'#   source {output} && torchrun ... pretrain_gpt.py "${{{ARRAY}[@]}}" <model, data and optimizer flags>',
+        f"{ARRAY}=(",
+    ]
+    i = 0
+    while i < len(args):
+        if i + 1 < len(args) and not args[i + 1].startswith("--"):
+            lines.append(f"  {args[i]} {shlex.quote(args[i + 1])}")
+            i += 2
+        else:
+            lines.append(f"  {args[i]}")
+            i += 1
+    lines.append(")")
+    return Export(TARGET, (ExportFile("\n".join(lines) + "\n"),))
+

@@ -1,0 +1,160 @@
+"""torchtitan: a TOML ``[parallelism]`` fragment, with the same settings as command-line overrides.
+
+Units: the embedding is ``tok_embeddings``, decoder layer *i* is ``layers.i``, the head is
+``norm`` and ``lm_head`` (torchtitan 0.3's decoder; 0.2 called the output layer ``output``:
+``head_fqns``).  ``module_fqns_per_model_part`` lists one part per stage; with
+``Interleaved1F1B`` torchtitan places part *i* on pipeline rank ``i % pipeline_parallel_degree``
+("loop" style), which is pipeplan's placement.
+
+torchtitan 0.2 reads the fragment from ``--job.config_file``.  torchtitan 0.3 configures a job in
+Python (``config_registry``) and takes overrides on the command line; the header of the file holds
+those overrides, ``--parallelism.<field> <value>``, ending with ``activation-checkpoint:full`` or
+``activation-checkpoint:none``.
+
+Micro-batches: ``pipeline_parallel_microbatch_size`` is the plan's micro-batch size and
+``training.local_batch_size`` the batch of one data-parallel replica per step (micro-batch size x
+M), so torchtitan cuts it into the plan's M micro-batches.  Data parallelism: ZeRO 0 replicates
+(``data_parallel_replicate_degree`` = D), ZeRO 1-2 shard without resharding after forward
+(``fsdp_reshard_after_forward = "never"``), ZeRO 3 shards (FSDP's default).
+
+Refused, with the nearest plan: a cut inside a decoder layer, and recompute on some stages only
+(torchtitan's activation checkpointing applies to every transformer block alike).  A plan that
+carries its own action list is written as ``pipeline_parallel_schedule_csv`` plus the CSV.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+from planner.export.common import (
+    SCHEDULE_CSV_SUFFIX,
+    Decisions,
+    Export,
+    ExportFile,
+    PlanInfo,
+    Problem,
+    actions_csv,
+    cut_problems,
+    recompute_problems,
+)
+from planner.export.mapping import DecoderStack, NotAStack, Unit, decoder_stack
+
+TARGET = "torchtitan"
+DEFAULT_FILE = "torchtitan_parallelism.toml"
+#: pipeplan schedule -> torch.distributed.pipelining schedule name, as torchtitan takes it
+SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B"}
+#: the schedule names torchtitan takes with a per-rank action list read from CSV (by chunks per rank)
+CSV_SCHEDULES = ("PipelineScheduleSingle", "PipelineScheduleMulti")
+HEAD_FQNS = ("norm", "lm_head")
+
+
+def problems(d: Decisions, names: Sequence[str]) -> list[Problem]:
+    try:
+        stack = decoder_stack(names)
+    except NotAStack as err:
+        return [Problem(f"torchtitan splits decoder models (tok_embeddings, layers.N, norm, lm_head): {err}")]
+    out = cut_problems(d, names, stack, "module_fqns_per_model_part places whole modules")
+    out += recompute_problems(d, stack, "torchtitan's activation checkpointing applies to every transformer block alike")
+    return out
+
+
+def fqns(unit: Unit, head_fqns: Sequence[str] = HEAD_FQNS) -> list[str]:
+    if unit.kind == "embedding":
+        return ["tok_embeddings"]
+    if unit.kind == "decoder":
+        return [f"layers.{unit.index}"]
+    return list(head_fqns)
+
+
+def model_parts(d: Decisions, stack: DecoderStack, head_fqns: Sequence[str] = HEAD_FQNS) -> list[list[str]]:
+    return [[f for u in stack.stage_units(a, b) for f in fqns(u, head_fqns)] for a, b in d.stages]
+
+
+def settings(
+    d: Decisions, names: Sequence[str], *, head_fqns: Sequence[str] = HEAD_FQNS, csv_path: str = ""
+) -> dict[str, dict[str, object]]:
+    """The TOML tables as a dict: ``parallelism``, ``training``, ``activation_checkpoint``
+    (``csv_path``: where the plan's action list is written, when it has one)."""
+    stack = decoder_stack(names)
+    schedule = SCHEDULES[d.schedule] if d.actions is None else CSV_SCHEDULES[d.virtual_stages > 1]
+    par: dict[str, object] = {
+        "pipeline_parallel_degree": d.pipeline_degree,
+        "pipeline_parallel_schedule": schedule,
+        "pipeline_parallel_microbatch_size": d.microbatch_size,
+        "module_fqns_per_model_part": model_parts(d, stack, head_fqns),
+        "tensor_parallel_degree": d.tensor_parallel,
+        "data_parallel_replicate_degree": d.data_parallel if d.zero_stage == 0 else 1,
+        "data_parallel_shard_degree": 1 if d.zero_stage == 0 else d.data_parallel,
+    }
+    if d.tensor_parallel > 1:
+        par["enable_sequence_parallel"] = d.sequence_parallel
+    if d.zero_stage in (1, 2):
+        par["fsdp_reshard_after_forward"] = "never"
+    if d.actions is not None:
+        par["pipeline_parallel_schedule_csv"] = csv_path
+    return {
+        "parallelism": par,
+        "training": {
+            "local_batch_size": d.microbatch_size * d.num_microbatches,
+            "global_batch_size": d.global_batch_size,
+        },
+        "activation_checkpoint": {"mode": "full" if any(d.recompute) else "none"},
+    }
+
+
+def cli_overrides(tables: dict[str, dict[str, object]]) -> list[str]:
+    """torchtitan 0.3's command-line form of the same settings."""
+    args: list[str] = []
+    for section in ("parallelism", "training"):
+        for key, value in tables[section].items():
+            args.append(f"--{section}.{key}")
+            if isinstance(value, bool):  # tyro's flag form
+                args[-1] = f"--{section}.{key}" if value else f"--{section}.no_{key}"
+            elif isinstance(value, list):
+                args += [",".join(part) for part in value]
+            else:
+                args.append(str(value))
+    args.append(f"activation-checkpoint:{tables['activation_checkpoint']['mode']}")
+    return args
+
+
+def to_toml(tables: dict[str, dict[str, object]]) -> str:
+    """TOML for the value types used here: integers, strings, booleans, lists of string lists."""
+    lines: list[str] = []
+    for section, values in tables.items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            if isinstance(value, bool):
+                lines.append(f"{key} = {'true' if value else 'false'}")
+            elif isinstance(value, int):
+                lines.append(f"{key} = {value}")
+            elif isinstance(value, str):
+                lines.append(f"{key} = {json.dumps(value)}")
+            elif isinstance(value, list):
+                lines.append(f"{key} = [")
+                lines += [f"  [{', '.join(json.dumps(x) for x in part)}]," for part in value]
+                lines.append("]")
+            else:  # pragma: no cover - only the types above are written
+                raise TypeError(f"cannot write {type(value).__name__} {key!r} to TOML")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def render(d: Decisions, info: PlanInfo, *, output: str = DEFAULT_FILE, head_fqns: Sequence[str] = HEAD_FQNS) -> Export:
+    tables = settings(d, info.layer_names, head_fqns=head_fqns, csv_path=output + SCHEDULE_CSV_SUFFIX)
+    files: list[ExportFile] = []
+    if d.actions is not None:
+        files.append(ExportFile(actions_csv(d.actions), SCHEDULE_CSV_SUFFIX))
+    overrides = " ".join(cli_overrides(tables))
+    head = [f"# {line}" for line in info.header(TARGET, d)]
+    head += [
+        f"# torchtitan <= 0.2: merge these tables into the job's TOML (--job.config_file); launch "
+        f"{d.tensor_parallel * d.pipeline_degree * d.data_parallel} ranks.",
+        "# torchtitan 0.3 takes the same settings as command-line overrides:",
+        f"#   {overrides}",
+        "",
+    ]
+    text = "\n".join(head) + to_toml(tables)
+    return Export(TARGET, (ExportFile(text), *files))
+
