@@ -133,8 +133,8 @@ def invalid_request(entries: list[dict[str, Any]]) -> InputError:
 # --------------------------------------------------------------------------- reading
 
 
-def _server(fix: str) -> dict[str, str]:
-    return {"by": "this server plans", "fix": fix}
+#: whose limits a size is beyond, in messages
+_BY = "this server plans"
 
 
 def _parse(raw: bytes) -> Any:
@@ -153,13 +153,13 @@ def _precheck(data: Any, limits: Limits) -> None:
         data.get("profile"),
         max_layers=limits.max_layers,
         loc="body.profile",
-        **_server("merge layers into blocks, or raise PIPEPLAN_MAX_LAYERS"),
+        by=_BY, fix="merge layers into blocks, or raise PIPEPLAN_MAX_LAYERS",
     )
     check_cluster_data(
         data.get("cluster"),
         max_devices=limits.max_devices,
         loc="body.cluster",
-        **_server("plan one data-parallel group, or raise PIPEPLAN_MAX_DEVICES"),
+        by=_BY, fix="plan one data-parallel group, or raise PIPEPLAN_MAX_DEVICES",
     )
     training = data.get("training")
     if isinstance(training, dict):
@@ -168,7 +168,7 @@ def _precheck(data: Any, limits: Limits) -> None:
             check_count(
                 "samples per step", int(g) if math.isfinite(g) else 2**63, limits.max_global_batch,
                 loc="body.training.global_batch_size",
-                **_server("raise PIPEPLAN_MAX_GLOBAL_BATCH"),
+                by=_BY, fix="raise PIPEPLAN_MAX_GLOBAL_BATCH",
             )
 
 
@@ -176,7 +176,7 @@ def _check_microbatches(m: int | None, limits: Limits, loc: str) -> None:
     if m is not None:
         check_count(
             "micro-batches", m, limits.max_microbatches, loc=loc,
-            **_server("use fewer, larger micro-batches, or raise PIPEPLAN_MAX_MICROBATCHES"),
+            by=_BY, fix="use fewer, larger micro-batches, or raise PIPEPLAN_MAX_MICROBATCHES",
         )
 
 

@@ -57,7 +57,7 @@ class ApiSettings(BaseSettings):
     max_time_limit_s: float = Field(
         default=60.0, gt=0, le=MAX_TIME_LIMIT_S, description="cap on the solver time limit a request may ask for"
     )
-    max_body_bytes: int = Field(default=32 * 2**20, ge=1024, description="larger request bodies get 413")
+    max_body_bytes: int = Field(default=16 * 2**20, ge=1024, description="larger request bodies get 413")
     max_layers: int = Field(
         default=4096, ge=1, le=MAX_LAYERS, description="profiles with more layers get 422"
     )

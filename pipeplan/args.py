@@ -73,7 +73,7 @@ def check_flag(flag: str, value: float | None, limit: float, what: str) -> None:
     if value is None or value <= limit:
         return
     if isinstance(value, int):
-        raise InputError(f"{flag} {value}: {too_large(what, value, int(limit))}")
+        raise InputError(f"{flag} {value}: {too_large(what, value, int(limit), suggest=True)}")
     raise InputError(f"{flag} {value:g}: more {what} than pipeplan allows (at most {limit:g})")
 
 

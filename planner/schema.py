@@ -243,7 +243,7 @@ class Cluster(_Model):
             if devices < 1:
                 raise ValueError(f"devices must be >= 1, got {devices}")
             if devices > MAX_DEVICES:  # before anything proportional to it exists
-                raise ValueError(too_large("devices", devices, MAX_DEVICES))
+                raise ValueError(too_large("devices", devices, MAX_DEVICES, suggest=True))
             if memory is None and preset is None:
                 raise ValueError(
                     f"devices={devices} needs a memory size per device: add \"memory\": \"80GiB\" "
