@@ -160,6 +160,7 @@ def _precheck(data: Any, limits: Limits) -> None:
         max_devices=limits.max_devices,
         loc="body.cluster",
         by=_BY, fix="plan one data-parallel group, or raise PIPEPLAN_MAX_DEVICES",
+        suggest=False,
     )
     training = data.get("training")
     if isinstance(training, dict):

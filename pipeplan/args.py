@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from importlib import resources
 from typing import Any
 
@@ -70,7 +71,11 @@ def add_output_args(p: argparse.ArgumentParser) -> None:
 
 def check_flag(flag: str, value: float | None, limit: float, what: str) -> None:
     """``--devices 20000000``: an error at once, before anything that size is built."""
-    if value is None or value <= limit:
+    if value is None:
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InputError(f"{flag} {value}: give a finite number")
+    if value <= limit:
         return
     if isinstance(value, int):
         raise InputError(f"{flag} {value}: {too_large(what, value, int(limit), suggest=True)}")

@@ -186,7 +186,9 @@ def loads_strict(text: str | bytes, *, what: str = "the JSON", loc_prefix: str =
             {"loc": f"{prefix}{p}", "msg": "JSON has no NaN or Infinity: give a finite number", "input": seen_text}
             for p, seen_text in zip(paths, seen, strict=False)
         ]
-        where = ", ".join(e["loc"] or "(top level)" for e in entries)
+        where = ", ".join(e["loc"] or "(top level)" for e in entries) or "a key given twice (the later value won)"
+        if not entries:
+            entries = [{"loc": loc_prefix, "msg": "JSON has no NaN or Infinity", "input": seen[0]}]
         raise InputError(
             f"{what} holds {seen[0]} at {where}: JSON has no NaN or Infinity (and numbers must fit a "
             "64-bit float); give a finite number",
@@ -320,7 +322,13 @@ def check_plan_data(data: Any, *, loc: str = "") -> None:
 
 
 def check_cluster_data(
-    data: Any, *, max_devices: int = MAX_DEVICES, loc: str = "", by: str = "pipeplan plans", fix: str = ""
+    data: Any,
+    *,
+    max_devices: int = MAX_DEVICES,
+    loc: str = "",
+    by: str = "pipeplan plans",
+    fix: str = "",
+    suggest: bool = True,
 ) -> None:
     """The device count of a cluster as parsed JSON (a count or a list), before it is validated
     or the shorthand expanded."""
@@ -329,4 +337,4 @@ def check_cluster_data(
     devices = data.get("devices")
     n = len(devices) if isinstance(devices, list) else _int(devices)
     if n is not None:
-        check_count("devices", n, max_devices, loc=_join(loc, "devices"), by=by, fix=fix)
+        check_count("devices", n, max_devices, loc=_join(loc, "devices"), by=by, fix=fix, suggest=suggest)
