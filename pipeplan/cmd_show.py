@@ -47,8 +47,10 @@ def run(args: argparse.Namespace) -> int:
 
         if args.slot_ms is not None and not (args.slot_ms > 0 and math.isfinite(args.slot_ms)):
             raise InputError(f"--slot-ms must be a positive number of milliseconds, got {args.slot_ms}")
-        if not 1 <= args.width <= MAX_COLUMNS:
-            raise InputError(f"--width must be between 1 and {MAX_COLUMNS:,} columns, got {args.width}")
+        if args.width < 1:
+            raise InputError(f"--width must be >= 1 column, got {args.width}")
+        if args.width > MAX_COLUMNS:
+            raise InputError(f"--width {args.width}: at most {MAX_COLUMNS:,} columns")
         if args.slot_ms is not None:
             from planner.costmodel import simulate_plan
 

@@ -36,8 +36,8 @@ MAX_SCHEDULE_CELLS = 2**22
 MAX_LAYER_MS = 1e12
 #: solver time limit, seconds
 MAX_TIME_LIMIT_S = 3_600.0
-#: memory of one device, bytes (1 PiB)
-MAX_MEMORY_BYTES = 2**50
+#: memory of one device, and any byte count in a profile (4 EiB: sums stay exact floats' range)
+MAX_MEMORY_BYTES = 2**62
 #: a JSON file the command line reads
 MAX_FILE_BYTES = 512 * 2**20
 #: nesting of free-form JSON (a profile's metadata)
@@ -229,6 +229,33 @@ def _join(loc: str, name: str) -> str:
 
 
 _MS_FIELDS = ("forward_ms", "backward_ms", "forward_ms_spread", "backward_ms_spread")
+_BYTES_FIELDS = ("param_bytes", "activation_bytes", "output_bytes", "cut_bytes", "peak_memory_bytes")
+
+
+def _largest(values: Any) -> Any:
+    """The largest of a number or a list of numbers; ``None`` for anything else (validation
+    names wrong types)."""
+    if isinstance(values, int | float) and not isinstance(values, bool):
+        return values
+    if not isinstance(values, list) or not values:
+        return None
+    try:
+        worst = max(values)
+    except TypeError:  # mixed types
+        return None
+    return worst if isinstance(worst, int | float) and not isinstance(worst, bool) else None
+
+
+def _check_value(value: Any, limit: float, where: str, unit: str, fix: str) -> None:
+    if value is not None and value > limit:
+        if isinstance(value, float):
+            shown = f"{value:g}"
+        else:
+            shown = f"{value:,}" if value < 10**30 else f"a {len(str(value))}-digit number of"
+        raise InputError(
+            f"{where} holds {shown} {unit}, beyond what pipeplan plans (at most {limit:g} {unit}): {fix}",
+            [{"loc": where, "msg": f"at most {limit:g} {unit}", "input": value if isinstance(value, float) else str(value)}],
+        )
 
 
 def check_profile_data(
@@ -263,26 +290,18 @@ def check_profile_data(
             f"{_join(loc, 'metadata')} nests deeper than {MAX_JSON_DEPTH} levels: keep metadata flat",
             [{"loc": _join(loc, "metadata"), "msg": f"at most {MAX_JSON_DEPTH} levels", "input": None}],
         )
+    _check_value(_largest(data.get("input_bytes")), MAX_MEMORY_BYTES, _join(loc, "input_bytes"), "bytes", "check the profile's units")
     if not isinstance(layers, list):
         return
     for i, layer in enumerate(layers):
         if not isinstance(layer, dict):
             continue
         for field in _MS_FIELDS:
-            values = layer.get(field)
-            if not isinstance(values, list) or not values:
-                continue
-            try:
-                worst = max(values)
-            except TypeError:  # mixed types: validation names them
-                continue
-            if isinstance(worst, int | float) and worst > MAX_LAYER_MS:
-                where = _join(loc, f"layers[{i}].{field}")
-                raise InputError(
-                    f"{where} holds {worst:g} ms, beyond what pipeplan plans (at most {MAX_LAYER_MS:g} ms): "
-                    "check the profile's units (milliseconds)",
-                    [{"loc": where, "msg": f"at most {MAX_LAYER_MS:g} ms", "input": worst}],
-                )
+            where = _join(loc, f"layers[{i}].{field}")
+            _check_value(_largest(layer.get(field)), MAX_LAYER_MS, where, "ms", "check the profile's units (milliseconds)")
+        for field in _BYTES_FIELDS:
+            where = _join(loc, f"layers[{i}].{field}")
+            _check_value(_largest(layer.get(field)), MAX_MEMORY_BYTES, where, "bytes", "check the profile's units (bytes)")
 
 
 def check_schedule_size(

@@ -80,6 +80,9 @@ def test_profile_precheck() -> None:
         check_profile_data({"layers": [{}] * 5}, max_layers=4, by="this server plans")
     with pytest.raises(InputError, match=r"layers\[1\].forward_ms holds 1e\+300 ms"):
         check_profile_data({"layers": [{}, {"forward_ms": [1, 1e300]}]})
+    with pytest.raises(InputError, match=r"layers\[0\].param_bytes holds a 151-digit number of bytes"):
+        check_profile_data({"layers": [{"param_bytes": 10**150}]})
+    check_profile_data({"layers": [{"param_bytes": 2**62, "activation_bytes": [2**62]}]})
     with pytest.raises(InputError, match="metadata nests deeper"):
         check_profile_data({"metadata": json.loads('{"a":' * 40 + "1" + "}" * 40)})
     check_profile_data({"layers": [{"forward_ms": ["x", 1]}], "metadata": "wrong type"})  # left to validation

@@ -81,7 +81,8 @@ AT_LIMITS: dict[str, tuple[Any, ...]] = {
     "layers": (Repeat(MAX_LAYERS), Repeat(MAX_LAYERS + 1), Repeat(0)),
     "microbatch_sizes": (Repeat(MAX_PROFILE_SIZES), Repeat(MAX_PROFILE_SIZES + 1), [1, 2, 2**20 + 1], [1, 2, 10**18]),
     "recompute": (Repeat(MAX_LAYERS + 1),),
-    "memory": ("1PiB", 2**50, 2**50 + 1, "1e30GB"),
+    "memory": ("1PiB", 2**62, 2**62 + 1, "1e30GB"),
+    "param_bytes": (2**62, 2**62 + 1, 10**150),
     "forward_ms": ([1e12, 1e12, 1e12], [1.1e12, 1, 1], [1e300, 1e300, 1e300]),
     "metadata": (*DEEP[:2], {str(i): i for i in range(10_000)}),
 }

@@ -1,5 +1,5 @@
 """Hostile and careless files and flags for the command line: a clear ``error:`` line and exit
-code 1 (2 for infeasible) at once, never a traceback or a hang.
+code 1 within a second (2 for infeasible, after the planner's search), never a traceback or a hang.
 
 The files are the service suite's generated documents (:mod:`hostile_inputs`): profiles,
 plans, clusters and training setups with NaN/Infinity, extreme integers, wrong types, deep
@@ -53,6 +53,7 @@ def check_clear(argv: list[str]) -> tuple[int, str]:
     assert code in (0, 1, 2), (code, err)
     if code != 0:
         assert err.startswith(("error: ", "usage: ")), err[:500]
+    if code == 1:  # refused input (2 is "infeasible": the planner's answer, after it searched)
         assert elapsed < REJECT_S, (elapsed, err[:300])
     else:
         assert elapsed < FINISH_S
@@ -162,7 +163,7 @@ def test_generated_cluster_and_training_files(tmp_path: Path) -> None:
         (["plan", TINY, "--devices", "4", "--memory", "1GiB", "--devices-per-node", str(10**9)], "devices per node"),
         (["plan", TINY, "--devices", "4", "--memory", "1e400GiB"], "too large"),
         (["plan", TINY, "--devices", "4", "--memory", "2PiB"], "cannot read"),
-        (["plan", TINY, "--devices", "4", "--memory", str(2**51)], "less than or equal to 1125899906842624"),
+        (["plan", TINY, "--devices", "4", "--memory", str(2**63)], "less than or equal to 4611686018427387904"),
         (["plan", TINY, "--memories", ",".join(["1GiB"] * 20_000)], "--memories 20000: 20,000 devices is beyond"),
         (["estimate", TINY, "--stages", "0:8", "--microbatches", str(10**9), "--devices", "1", "--memory", "1GiB"],
          "micro-batches per step is beyond"),
