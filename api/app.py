@@ -12,8 +12,9 @@ from fastapi.responses import HTMLResponse, JSONResponse
 
 from api import errors
 from api.deps import require_token
+from api.intake import Limits, RequestReader
 from api.middleware import AccessLogMiddleware, BodyLimitMiddleware
-from api.models import PlanRequest
+from api.models import EstimateRequest, PlanRequest
 from api.routers import estimate, health, plans, presets
 from api.settings import ApiSettings
 from api.solving import SolverPool
@@ -54,11 +55,17 @@ def create_app(
         )
     )
 
+    reader = RequestReader(
+        Limits.from_settings(settings), workers=settings.reader_workers, mode=settings.solver_mode
+    )
+
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        reader.start()  # spawns the reading processes now, so the first request does not wait
         try:
             yield
         finally:
+            reader.close()
             solver.close()
             store.close()
 
@@ -74,6 +81,7 @@ def create_app(
     app.state.settings = settings
     app.state.store = store
     app.state.solver = solver
+    app.state.reader = reader
     app.state.inflight = {}
     app.state.raw_index = plans.RawIndex()
 
@@ -88,10 +96,11 @@ def create_app(
         if app.openapi_schema is None:
             doc = FastAPI.openapi(app)
             components = doc.setdefault("components", {}).setdefault("schemas", {})
-            schema = PlanRequest.model_json_schema(ref_template="#/components/schemas/{model}")
-            for name, sub in schema.pop("$defs", {}).items():
-                components.setdefault(name, sub)
-            components["PlanRequest"] = schema
+            for model in (PlanRequest, EstimateRequest):
+                schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                for name, sub in schema.pop("$defs", {}).items():
+                    components.setdefault(name, sub)
+                components[model.__name__] = schema
             app.openapi_schema = doc
         return app.openapi_schema
 

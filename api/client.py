@@ -14,7 +14,8 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 
 from planner.errors import InfeasibleError, InputError, PipeplanError
-from planner.schema import Cluster, Plan, PlanOptions, Profile, TrainingSetup
+from planner.limits import loads_strict
+from planner.schema import Cluster, Plan, PlanOptions, Profile, TrainingSetup, parse_document
 
 
 class ServiceError(PipeplanError):
@@ -92,8 +93,8 @@ def _send(method: str, url: str, *, token: str | None, timeout_s: float, body: b
     if response.status_code >= 300:
         raise _error(response, url, sent_token=bool(token))
     try:
-        return response.json()
-    except ValueError:
+        return loads_strict(response.content, what=f"the answer from {url}")
+    except ValueError:  # not JSON, or NaN/Infinity in it (InputError is a ValueError too)
         raise ServiceError(f"the planning service at {url} did not answer JSON: is this a pipeplan server?") from None
 
 
@@ -101,7 +102,7 @@ def _plan_of(data: Any, url: str) -> tuple[str, Plan]:
     if not isinstance(data, dict) or "plan" not in data or "id" not in data:
         raise ServiceError(f"the answer from {url} holds no plan: is this a pipeplan server?")
     try:
-        plan = Plan.model_validate(data["plan"])
+        plan: Plan = parse_document("plan", data["plan"], source=f"from {url}")
     except ValueError as err:
         raise ServiceError(f"the plan from {url} does not validate ({err}): server and client versions differ?") from None
     return str(data["id"]), plan

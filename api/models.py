@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from planner.limits import MAX_DEVICES, MAX_LAYERS, MAX_MICROBATCHES
 from planner.schema import Cluster, Plan, PlanOptions, Profile, Schedule, StageRange, TrainingSetup
 
 
@@ -38,15 +39,21 @@ class EstimateRequest(_Body):
     profile: Profile
     cluster: Cluster
     training: TrainingSetup = Field(default_factory=TrainingSetup)
-    stages: list[StageRange] = Field(min_length=1, description="[start, stop) layer ranges, in order")
-    num_microbatches: int = Field(ge=1)
-    schedule: Schedule = "1f1b"
-    recompute: bool | list[bool] = False
-    data_parallel: int = Field(default=1, ge=1)
-    pipeline_degree: int | None = Field(default=None, ge=1)
-    devices: list[list[int]] | None = Field(
-        default=None, description="device index of each data-parallel replica, per stage"
+    stages: list[StageRange] = Field(
+        min_length=1, max_length=MAX_LAYERS, description="[start, stop) layer ranges, in order"
     )
+    num_microbatches: int = Field(ge=1, le=MAX_MICROBATCHES)
+    schedule: Schedule = "1f1b"
+    recompute: bool | Annotated[list[bool], Field(max_length=MAX_LAYERS)] = False
+    data_parallel: int = Field(default=1, ge=1, le=MAX_DEVICES)
+    pipeline_degree: int | None = Field(default=None, ge=1, le=MAX_DEVICES)
+    devices: (
+        Annotated[
+            list[Annotated[list[Annotated[int, Field(ge=0, lt=MAX_DEVICES)]], Field(max_length=MAX_DEVICES)]],
+            Field(max_length=MAX_LAYERS),
+        ]
+        | None
+    ) = Field(default=None, description="device index of each data-parallel replica, per stage")
 
 
 class ErrorEntry(BaseModel):

@@ -13,6 +13,13 @@ from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from api.store import parse_database_url
+from planner.limits import (
+    MAX_DEVICES,
+    MAX_GLOBAL_BATCH,
+    MAX_LAYERS,
+    MAX_MICROBATCHES,
+    MAX_TIME_LIMIT_S,
+)
 
 DEFAULT_DB = "sqlite:///pipeplan-plans.db"
 
@@ -48,19 +55,35 @@ class ApiSettings(BaseSettings):
         "requests are stored",
     )
     max_time_limit_s: float = Field(
-        default=60.0, gt=0, description="cap on the solver time limit a request may ask for"
+        default=60.0, gt=0, le=MAX_TIME_LIMIT_S, description="cap on the solver time limit a request may ask for"
     )
-    max_body_bytes: int = Field(default=32 * 2**20, ge=1024, description="larger request bodies get 413")
-    max_layers: int = Field(default=4096, ge=1, description="profiles with more layers get 422")
-    max_devices: int = Field(default=4096, ge=1, description="clusters with more devices get 422")
+    max_body_bytes: int = Field(default=16 * 2**20, ge=1024, description="larger request bodies get 413")
+    max_layers: int = Field(
+        default=4096, ge=1, le=MAX_LAYERS, description="profiles with more layers get 422"
+    )
+    max_devices: int = Field(
+        default=4096, ge=1, le=MAX_DEVICES, description="clusters with more devices get 422"
+    )
     max_microbatches: int = Field(
-        default=1024, ge=1, description="micro-batches per step a request may fix (estimate, options)"
+        default=1024,
+        ge=1,
+        le=MAX_MICROBATCHES,
+        description="micro-batches per step a request may fix (estimate, options)",
+    )
+    max_global_batch: int = Field(
+        default=MAX_GLOBAL_BATCH, ge=1, le=MAX_GLOBAL_BATCH, description="larger global batch sizes get 422"
     )
     solver_workers: int = Field(default=2, ge=1, description="solves that run at the same time")
+    reader_workers: int = Field(
+        default=2,
+        ge=1,
+        description="request bodies parsed and validated at the same time (in worker processes in "
+        "'process' mode, so a large body never stalls the event loop)",
+    )
     solver_mode: Literal["process", "thread"] = Field(
         default="process",
-        description="'process': solves run in a pool of worker processes (isolated, off the "
-        "GIL); 'thread': in a thread pool of this process",
+        description="'process': solves (and request reading) run in worker processes (isolated, "
+        "off the GIL, stopped when they overrun); 'thread': in threads of this process",
     )
     solver: str = Field(
         default="planner.solver:solve",

@@ -1,22 +1,22 @@
 """Solving off the event loop, in a bounded pool of worker processes (or threads).
 
-A worker receives the canonical request as JSON text and sends back JSON text: nothing is
+A worker receives the canonical request as JSON text and sends back text: nothing is
 pickled from a request, and the solver's exceptions travel as plain data (an
-``InfeasibleError``'s ``details`` survive the trip).
+``InfeasibleError``'s ``details`` survive the trip).  A solve that overruns its time limit
+by the grace period has its worker process killed and replaced (:mod:`api.workers`).
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures as cf
+import functools
 import importlib
 import json
-import multiprocessing
 import threading
-from collections.abc import Callable
-from concurrent.futures.process import BrokenProcessPool
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
+from api.intake import json_safe, safe_entries, safe_text
+from api.workers import Job, WorkerDiedError, WorkerPool, WorkerTimeoutError
 from planner.errors import InfeasibleError, InputError
 from planner.schema import Cluster, Plan, PlanOptions, Profile, TrainingSetup
 
@@ -45,11 +45,15 @@ def resolve(path: str) -> SolveFn:
     return fn
 
 
-def solve_json(solver: str | SolveFn, request_json: str) -> str:
-    """Parse a canonical request, solve it, and return the outcome as JSON text.
+def _outcome(kind: str, payload: str) -> bytes:
+    return kind.encode() + b"\n" + payload.encode("utf-8", "replace")
 
-    ``{"plan": {...}}``, ``{"infeasible": {"message", "details"}}``,
-    ``{"invalid": {"message", "errors"}}`` or ``{"failed": {"message"}}``.
+
+def solve_json(solver: str | SolveFn, request_json: str) -> bytes:
+    """Parse a canonical request, solve it, and return the outcome.
+
+    ``plan\n<plan JSON>``, ``infeasible\n{"message", "details"}``,
+    ``invalid\n{"message", "errors"}`` or ``failed\n<message>``.
     """
     try:
         fn = resolve(solver) if isinstance(solver, str) else solver
@@ -58,44 +62,87 @@ def solve_json(solver: str | SolveFn, request_json: str) -> str:
         cluster = Cluster.model_validate(data["cluster"])
         training = TrainingSetup.model_validate(data["training"])
         options = PlanOptions.model_validate(data["options"])
-        plan = fn(profile, cluster, training, options)
-        return json.dumps({"plan": plan.model_dump(mode="json")})
-    except InfeasibleError as err:
-        return json.dumps({"infeasible": {"message": str(err), "details": err.details}}, default=str)
-    except InputError as err:
-        return json.dumps({"invalid": {"message": str(err), "errors": err.errors}}, default=str)
-    except ValueError as err:  # PipeplanError and the validators' errors: bad input
-        return json.dumps({"invalid": {"message": str(err), "errors": []}})
-    except Exception as err:
-        return json.dumps({"failed": {"message": f"{type(err).__name__}: {err}"}})
+        return _outcome("plan", fn(profile, cluster, training, options).model_dump_json())
+    except BaseException as err:
+        return _failure(err)
 
 
-def _warm(solver: str) -> None:
-    """Worker initializer: import the solver once, so the first request does not pay for it."""
+def _failure(err: BaseException) -> bytes:
+    if isinstance(err, InfeasibleError):
+        return _outcome("infeasible", json.dumps({"message": safe_text(str(err)), "details": json_safe_details(err.details)}))
+    if isinstance(err, InputError):
+        return _outcome("invalid", json.dumps({"message": safe_text(str(err)), "errors": safe_entries(err.errors)}))
+    if isinstance(err, ValueError):  # PipeplanError and the validators' errors: bad input
+        return _outcome("invalid", json.dumps({"message": safe_text(str(err)), "errors": []}))
+    return _outcome("failed", f"{type(err).__name__}: {err}")
+
+
+def json_safe_details(details: Mapping[str, Any]) -> dict[str, Any]:
+    return {safe_text(str(k), 200): json_safe(v) for k, v in list(details.items())[:50]}
+
+
+def estimate_json(request_json: str) -> bytes:
+    """The cost model's plan for a canonical :class:`EstimateRequest`, as an outcome like :func:`solve_json`."""
+    from api.models import EstimateRequest
+    from planner.costmodel import estimate
+
     try:
-        resolve(solver)
-    except Exception:  # reported on the first solve instead
-        pass
+        body = EstimateRequest.model_validate_json(request_json)
+        plan = estimate(
+            body.profile,
+            body.cluster,
+            body.training,
+            body.stages,
+            num_microbatches=body.num_microbatches,
+            schedule=body.schedule,
+            recompute=body.recompute,
+            data_parallel=body.data_parallel,
+            pipeline_degree=body.pipeline_degree,
+            devices=body.devices,
+        )
+        return _outcome("plan", plan.model_dump_json())
+    except BaseException as err:
+        return _failure(err)
 
 
-def outcome_plan(text: str) -> Plan:
-    """The plan of a worker's answer, or the exception it stands for."""
-    out: dict[str, Any] = json.loads(text)
-    if "plan" in out:
-        return Plan.model_validate(out["plan"])
-    if "infeasible" in out:
-        raise InfeasibleError(out["infeasible"]["message"], out["infeasible"]["details"])
-    if "invalid" in out:
-        raise InputError(out["invalid"]["message"], out["invalid"]["errors"])
-    raise SolverFailedError(out["failed"]["message"])
+def solve_job(payload: bytes) -> bytes:
+    """Job of a solver worker: ``solver path \n canonical request`` -> an outcome."""
+    solver, _, request = payload.partition(b"\n")
+    return solve_json(solver.decode(), request.decode())
+
+
+def estimate_job(payload: bytes) -> bytes:
+    """Job of a solver worker: a canonical estimate request -> an outcome."""
+    return estimate_json(payload.decode())
+
+
+def outcome_text(answer: bytes) -> str:
+    """The plan JSON text of a worker's answer, or the exception it stands for."""
+    kind, _, rest = answer.partition(b"\n")
+    if kind == b"plan":
+        return rest.decode()
+    if kind == b"infeasible":
+        out = json.loads(rest)
+        raise InfeasibleError(out["message"], out["details"])
+    if kind == b"invalid":
+        out = json.loads(rest)
+        raise InputError(out["message"], out["errors"])
+    raise SolverFailedError(rest.decode("utf-8", "replace"))
+
+
+def outcome_plan(answer: bytes) -> Plan:
+    """The :class:`Plan` of a worker's answer, or the exception it stands for."""
+    return Plan.model_validate_json(outcome_text(answer))
 
 
 class SolverPool:
     """At most ``workers`` solves run at once and at most ``max_pending`` wait or run.
 
     ``mode="process"`` runs solves in spawned worker processes (the event loop and the GIL
-    stay free); ``"thread"`` in threads of this process (for tests and small machines).
-    The pool starts on the first solve.
+    stay free; a solve that runs ``grace_s`` past its time limit has its process killed and
+    replaced); ``"thread"`` in threads of this process (for tests and small machines: a
+    runaway solve is abandoned, not stopped).  The processes start on the first solve.
+    Estimates (``/v1/estimate``) run here too.
     """
 
     def __init__(
@@ -114,32 +161,24 @@ class SolverPool:
         self.max_pending = max_pending
         self.solver = solver
         self.grace_s = grace_s
-        self._executor: cf.Executor | None = None
+        jobs: dict[str, Job] = {"estimate": estimate_job}
+        jobs["solve"] = solve_job if isinstance(solver, str) else functools.partial(_solve_with, solver)
+        self.pool = WorkerPool(
+            jobs,
+            workers=workers,
+            mode=mode,
+            warm=(solver,) if isinstance(solver, str) else (),
+            name="pipeplan-solver",
+        )
         self._lock = threading.Lock()
         self._pending = 0
 
     @property
     def pending(self) -> int:
-        """Solves queued or running now."""
+        """Solves and estimates queued or running now."""
         return self._pending
 
-    def _pool(self) -> cf.Executor:
-        with self._lock:
-            if self._executor is None:
-                if self.mode == "process":
-                    assert isinstance(self.solver, str)
-                    self._executor = cf.ProcessPoolExecutor(
-                        max_workers=self.workers,
-                        mp_context=multiprocessing.get_context("spawn"),
-                        initializer=_warm,
-                        initargs=(self.solver,),
-                    )
-                else:
-                    self._executor = cf.ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="solve")
-            return self._executor
-
-    async def solve(self, request_json: str, *, time_limit_s: float) -> Plan:
-        """Solve a canonical request (JSON text) without blocking the event loop."""
+    async def _run(self, job: str, payload: bytes, *, timeout_s: float, what: str) -> str:
         with self._lock:
             if self._pending >= self.max_pending:
                 raise SolverBusyError(
@@ -148,34 +187,34 @@ class SolverPool:
                 )
             self._pending += 1
         try:
-            try:
-                future = self._pool().submit(solve_json, self.solver, request_json)
-            except (BrokenProcessPool, RuntimeError, OSError) as err:
-                with self._lock:
-                    self._executor = None
-                raise SolverFailedError(f"cannot start a solver worker: {err}") from None
-            waited = asyncio.wrap_future(future)
-            # queued solves wait for the ones ahead of them: allow for a full round of those
-            rounds = 1 + self._pending // max(1, self.workers)
-            try:
-                text = await asyncio.wait_for(waited, timeout=rounds * time_limit_s + self.grace_s)
-            except asyncio.TimeoutError:
-                future.cancel()
-                raise SolverTimeoutError(
-                    f"the solve did not finish within {time_limit_s:g} s + {self.grace_s:g} s of grace: "
-                    "retry with fewer free decisions (fix stages or schedule in options)"
-                ) from None
-            except BrokenProcessPool:
-                with self._lock:
-                    self._executor = None
-                raise SolverFailedError("a solver worker process died (out of memory?): retry") from None
-            return outcome_plan(text)
+            answer = await self.pool.run(job, payload, timeout_s=timeout_s)
+        except WorkerTimeoutError:
+            raise SolverTimeoutError(
+                f"the {what} did not finish within {timeout_s:g} s and was stopped: retry with fewer "
+                "free decisions (fix stages or schedule in options)"
+            ) from None
+        except WorkerDiedError:
+            raise SolverFailedError(f"the {what}'s worker process died (out of memory?): retry") from None
         finally:
             with self._lock:
                 self._pending -= 1
+        return outcome_text(answer)
+
+    async def solve(self, request_json: str, *, time_limit_s: float) -> str:
+        """Solve a canonical request (JSON text) off the event loop: the plan's JSON text."""
+        header = self.solver.encode() if isinstance(self.solver, str) else b""
+        return await self._run(
+            "solve", header + b"\n" + request_json.encode(), timeout_s=time_limit_s + self.grace_s, what="solve"
+        )
+
+    async def estimate(self, request_json: str, *, timeout_s: float) -> str:
+        """The cost model's plan for a canonical estimate request: the plan's JSON text."""
+        return await self._run("estimate", request_json.encode(), timeout_s=timeout_s, what="estimate")
 
     def close(self) -> None:
-        with self._lock:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True, cancel_futures=True)
-                self._executor = None
+        self.pool.close()
+
+
+def _solve_with(solver: SolveFn, payload: bytes) -> bytes:
+    """Thread-mode job for a solver given as a function (tests)."""
+    return solve_json(solver, payload.partition(b"\n")[2].decode())

@@ -1,26 +1,36 @@
-"""Benchmark of the planning service: ``POST /v1/plans`` latency and throughput.
+"""Benchmark of the planning service: latency, throughput, load, durability and hostile input.
 
-Starts ``pipeplan serve`` (uvicorn, the real solver, a fresh SQLite file) on a free loopback
-port and measures, for a 128-layer GPT profile (``profiler.synth.synth_transformer``) on
-8 x h100-80g:
+Starts ``pipeplan serve`` (uvicorn, the real solver, a fresh SQLite file) on free loopback
+ports only, and measures:
 
-* uncached latency (p50/p99): distinct requests, each solved, against the same solve called
-  in-process (``planner.solver.solve``) -- the ratio is the service's overhead;
-* cached latency (p50/p99): an identical request, answered from the store, against
-  ``GET /healthz`` (the HTTP + framework floor);
-* cached throughput at 1, 8 and 32 concurrent clients, against 1 client.
+* ``latency``: for a 128-layer GPT profile (``profiler.synth.synth_transformer``) on
+  8 x h100-80g, uncached latency (p50/p99) of distinct requests against the same solve called
+  in-process (the ratio is the service's overhead); cached latency against ``GET /healthz``
+  (the HTTP + framework floor); cached throughput at 1, 8 and 32 concurrent clients;
+* ``load``: 50 concurrent clients x 10 distinct plans each (the 8-layer example profile,
+  each one solved): p50/p99 latency and errors (goal: 0), against one client alone;
+* ``durability``: clients keep posting distinct plans while the server is SIGKILLed, three
+  times; after each restart every plan that got a 201 must still be served, identical, and
+  the database must pass ``PRAGMA integrity_check`` (goal: 0 plans lost);
+* ``hostile``: rejection latency of hostile bodies (a 10^9-device cluster, NaN, a global
+  batch of 10^18, a 16 MiB body of 75,000 layers, 100,000-deep nesting) and ``/healthz``
+  latency, probed from another process, while they are handled, against an idle server.
 
 Run from the repository root::
 
-    python benchmarks/service.py            # about a minute on 2 cores
-    python benchmarks/service.py --quick    # fewer samples
+    python benchmarks/service.py                     # all of it, a few minutes on 2 cores
+    python benchmarks/service.py --quick             # fewer samples
+    python benchmarks/service.py --only load,hostile # some sections
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import signal
 import socket
+import sqlite3
 import statistics
 import subprocess
 import sys
@@ -102,11 +112,53 @@ def throughput(url: str, payload: bytes, clients: int, per_client: int) -> tuple
     return clients * per_client / elapsed, latencies
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fewer samples")
-    parser.add_argument("--time-limit", type=float, default=2.0, help="solver time limit per request (s)")
-    args = parser.parse_args()
+class Server:
+    """``pipeplan serve`` on a free loopback port, on ``db``; :meth:`kill` is a SIGKILL."""
+
+    def __init__(self, db: Path, log: Path, **env: str) -> None:
+        self.db, self.log, self.env = db, log, env
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Server:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **self.env)
+        env.pop("PIPEPLAN_API_TOKEN", None)
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "pipeplan", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+                 "--db", str(self.db), "--log-level", "warning"],
+                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise RuntimeError("the server did not start:\n" + self.log.read_text())
+            time.sleep(0.1)
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=30)
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def latency_section(args: argparse.Namespace, tmp: Path) -> None:
     n_uncached = 3 if args.quick else 6
     n_cached = 100 if args.quick else 300
     per_client = 10 if args.quick else 25
@@ -126,54 +178,30 @@ def main() -> int:
 
     direct_solve(-1)  # warms OR-Tools up, like the server's warm-up solve below
     direct: list[float] = []
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryDirectory() as tmp:
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-        env.pop("PIPEPLAN_API_TOKEN", None)
-        log = open(Path(tmp) / "server.log", "wb")
-        server = subprocess.Popen(
-            [sys.executable, "-m", "pipeplan", "serve", "--port", str(port), "--db", f"{tmp}/plans.db",
-             "--log-level", "warning"],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-        )
-        try:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise RuntimeError("the server did not start:\n" + (Path(tmp) / "server.log").read_text())
-                time.sleep(0.1)
-            with httpx.Client(base_url=url, timeout=300) as c:
-                # warm the solver worker (first solve imports OR-Tools in the worker process)
-                assert c.post("/v1/plans", json=body(profile, 10_000, args.time_limit)).status_code == 201
-                uncached = []
-                for i in range(n_uncached):  # interleaved, so both see the same machine load
-                    b = body(profile, i, args.time_limit)
-                    uncached.append(timed(lambda b=b: _expect(c.post("/v1/plans", json=b), 201)))
-                    direct.append(direct_solve(i))
-                cached_payload = httpx.Request("POST", url, json=body(profile, 0, args.time_limit)).read()
-                headers = {"content-type": "application/json"}
-                health = [timed(lambda: _expect(c.get("/healthz"), 200)) for _ in range(n_cached)]
-                cached = [
-                    timed(lambda: _expect(c.post("/v1/plans", content=cached_payload, headers=headers), 200))
-                    for _ in range(n_cached)
-                ]
-            rates = {n: throughput(url, cached_payload, n, per_client) for n in (1, 8, 32)}
-        finally:
-            server.terminate()
-            server.wait(timeout=30)
-            log.close()
+    with Server(tmp / "latency.db", tmp / "latency.log") as server:
+        url = server.url
+        with httpx.Client(base_url=url, timeout=300) as c:
+            # warm the solver worker (first solve imports OR-Tools in the worker process)
+            assert c.post("/v1/plans", json=body(profile, 10_000, args.time_limit)).status_code == 201
+            uncached = []
+            for i in range(n_uncached):  # interleaved, so both see the same machine load
+                b = body(profile, i, args.time_limit)
+                uncached.append(timed(lambda b=b: _expect(c.post("/v1/plans", json=b), 201)))
+                direct.append(direct_solve(i))
+            cached_payload = httpx.Request("POST", url, json=body(profile, 0, args.time_limit)).read()
+            headers = {"content-type": "application/json"}
+            health = [timed(lambda: _expect(c.get("/healthz"), 200)) for _ in range(n_cached)]
+            cached = [
+                timed(lambda: _expect(c.post("/v1/plans", content=cached_payload, headers=headers), 200))
+                for _ in range(n_cached)
+            ]
+        rates = {n: throughput(url, cached_payload, n, per_client) for n in (1, 8, 32)}
 
     rows = [
         ("POST /v1/plans uncached", uncached, "solve() in-process", direct),
         ("POST /v1/plans cached", cached, "GET /healthz", health),
     ]
-    print(f"128-layer GPT ({len(cached_payload) / 1e3:.0f} kB request) on 8 x h100-80g, "
+    print(f"== latency: 128-layer GPT ({len(cached_payload) / 1e3:.0f} kB request) on 8 x h100-80g, "
           f"solver time limit {args.time_limit:g} s, {os.cpu_count()} CPUs\n")
     print(f"{'measure':<26} {'n':>4} {'p50 ms':>9} {'p99 ms':>9}   {'baseline':<20} {'p50 ms':>9} {'p99 ms':>9} {'ratio p50':>9}")
     for name, values, base_name, base in rows:
@@ -187,7 +215,242 @@ def main() -> int:
     one = rates[1][0]
     for n, (rate, lat) in rates.items():
         print(f"{f'{n} concurrent clients':<26} {rate:>9.0f} {percentile(lat, 0.5):>9.1f} {percentile(lat, 0.99):>9.1f} {rate / one:>12.2f}")
-    print(f"\n(uncached medians: service {statistics.median(uncached):.0f} ms vs direct {statistics.median(direct):.0f} ms)")
+    print(f"\n(uncached medians: service {statistics.median(uncached):.0f} ms vs direct {statistics.median(direct):.0f} ms)\n")
+
+
+# --------------------------------------------------------------------------- load
+
+
+def tiny_body(tag: str, time_limit_s: float) -> dict[str, Any]:
+    """A distinct request (the tag is in the metadata) for the 8-layer example profile on 4 devices."""
+    profile = json.loads((ROOT / "examples" / "profiles" / "tiny.json").read_text())
+    profile["metadata"] = {"bench": tag}
+    return {
+        "profile": profile,
+        "cluster": {"devices": 4, "memory": "16GiB"},
+        "training": {"global_batch_size": 32},
+        "options": {"time_limit_s": time_limit_s},
+    }
+
+
+def _client_run(url: str, tags: list[str], time_limit_s: float, barrier: threading.Barrier | None) -> tuple[list[float], list[str]]:
+    latencies: list[float] = []
+    errors: list[str] = []
+    with httpx.Client(base_url=url, timeout=300) as c:
+        c.get("/healthz")
+        if barrier is not None:
+            barrier.wait()
+        for tag in tags:
+            start = time.perf_counter()
+            try:
+                r = c.post("/v1/plans", json=tiny_body(tag, time_limit_s))
+                if r.status_code != 201:
+                    errors.append(f"{r.status_code}: {r.text[:200]}")
+            except httpx.HTTPError as err:
+                errors.append(f"{type(err).__name__}: {err}")
+            latencies.append((time.perf_counter() - start) * 1e3)
+    return latencies, errors
+
+
+def load_section(args: argparse.Namespace, tmp: Path) -> None:
+    clients, per_client = (20, 5) if args.quick else (50, 10)
+    limit = 0.5
+    with Server(tmp / "load.db", tmp / "load.log") as server:
+        _client_run(server.url, ["warm-up"], limit, None)  # the workers import OR-Tools
+        alone, alone_errors = _client_run(server.url, [f"alone-{i}" for i in range(per_client)], limit, None)
+        barrier = threading.Barrier(clients + 1)
+        results: list[tuple[list[float], list[str]]] = []
+        lock = threading.Lock()
+
+        def run(c: int) -> None:
+            out = _client_run(server.url, [f"c{c}-{i}" for i in range(per_client)], limit, barrier)
+            with lock:
+                results.append(out)
+
+        threads = [threading.Thread(target=run, args=(c,)) for c in range(clients)]
+        for t in threads:
+            t.start()
+        barrier.wait()
+        start = time.perf_counter()
+        for t in threads:
+            t.join()
+        elapsed = time.perf_counter() - start
+    latencies = [x for lat, _ in results for x in lat]
+    errors = [e for _, errs in results for e in errs]
+    print(f"== load: {clients} concurrent clients x {per_client} distinct plans each (8-layer profile, 4 devices, "
+          f"solved each, time limit {limit:g} s, 2 solver workers), {os.cpu_count()} CPUs\n")
+    print(f"{'measure':<28} {'n':>5} {'errors':>7} {'p50 ms':>9} {'p99 ms':>9} {'max ms':>9} {'plans/s':>8}")
+    for name, values, errs, secs in (
+        ("1 client alone (baseline)", alone, alone_errors, sum(alone) / 1e3),
+        (f"{clients} concurrent clients", latencies, errors, elapsed),
+    ):
+        print(f"{name:<28} {len(values):>5} {len(errs):>7} {percentile(values, 0.5):>9.0f} {percentile(values, 0.99):>9.0f} "
+              f"{max(values):>9.0f} {len(values) / secs:>8.1f}")
+    print(f"\nthroughput under load vs alone: {len(latencies) / elapsed / (len(alone) / (sum(alone) / 1e3)):.2f}x "
+          f"(goal: 0 errors; got {len(errors)})")
+    for e in errors[:5]:
+        print("  error:", e)
+    print()
+
+
+# --------------------------------------------------------------------------- durability
+
+
+def durability_section(args: argparse.Namespace, tmp: Path) -> None:
+    rounds = 2 if args.quick else 3
+    db = tmp / "durable.db"
+    created: dict[str, dict[str, Any]] = {}  # id -> plan, for every 201 received
+    lock = threading.Lock()
+    rows = []
+    for r in range(rounds):
+        server = Server(db, tmp / "durable.log").start()
+        stop = threading.Event()
+
+        def writer(w: int, url: str = server.url, round_: int = r, stop: threading.Event = stop) -> None:
+            i = 0
+            with httpx.Client(base_url=url, timeout=30) as c:
+                while not stop.is_set():
+                    try:
+                        resp = c.post("/v1/plans", json=tiny_body(f"r{round_}-w{w}-{i}", 0.2))
+                    except httpx.HTTPError:
+                        return  # the server is gone
+                    if resp.status_code == 201:
+                        with lock:
+                            created[resp.json()["id"]] = resp.json()["plan"]
+                    i += 1
+
+        before = len(created)
+        threads = [threading.Thread(target=writer, args=(w,)) for w in range(8)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while len(created) - before < (15 if args.quick else 40) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        server.kill()  # SIGKILL in the middle of the writes
+        stop.set()
+        for t in threads:
+            t.join()
+        with sqlite3.connect(db) as conn:
+            integrity = conn.execute("PRAGMA integrity_check").fetchone()[0]
+            rows_in_db = conn.execute("SELECT count(*) FROM plans").fetchone()[0]
+        with Server(db, tmp / "durable.log") as again, httpx.Client(base_url=again.url, timeout=30) as c:
+            lost = changed = 0
+            for plan_id, plan in list(created.items()):
+                got = c.get(f"/v1/plans/{plan_id}")
+                if got.status_code != 200:
+                    lost += 1
+                elif got.json()["plan"] != plan:
+                    changed += 1
+        rows.append((r + 1, len(created) - before, len(created), rows_in_db, integrity, lost, changed))
+    print(f"== durability: 8 clients post distinct plans; the server is SIGKILLed mid-writes, restarted, "
+          f"and asked for every plan that got a 201 ({rounds} rounds, one database)\n")
+    print(f"{'round':>5} {'201s this round':>16} {'201s in all':>12} {'rows in db':>11} {'integrity_check':>16} {'lost':>5} {'changed':>8}")
+    for row in rows:
+        print(f"{row[0]:>5} {row[1]:>16} {row[2]:>12} {row[3]:>11} {row[4]:>16} {row[5]:>5} {row[6]:>8}")
+    print(f"\nplans lost after kills: {sum(r[5] for r in rows)} (goal 0)\n")
+
+
+# --------------------------------------------------------------------------- hostile input
+
+_PROBE = r"""
+import http.client, sys, time
+conn = http.client.HTTPConnection("127.0.0.1", int(sys.argv[1]), timeout=30)
+out = open(sys.argv[2], "w", buffering=1)
+while True:
+    start = time.perf_counter()
+    conn.request("GET", "/healthz")
+    response = conn.getresponse()
+    response.read()
+    out.write(f"{response.status} {(time.perf_counter() - start) * 1e3:.3f}\n")
+    time.sleep(0.02)
+"""
+
+
+def _probe_ms(path: Path) -> list[float]:
+    out = []
+    for line in path.read_text().splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0] == "200":
+            out.append(float(parts[1]))
+    return out
+
+
+def hostile_bodies() -> dict[str, bytes]:
+    base = tiny_body("hostile", 1.0)
+    def with_(**parts: Any) -> bytes:
+        return json.dumps({**base, **parts}).encode()
+    layer = base["profile"]["layers"][1]
+    many = dict(base["profile"], layers=[dict(layer, name=f"l{i}") for i in range(75_000)])
+    big = json.dumps({**base, "profile": many}).encode()
+    big = big[:-1] + b" " * (16 * 2**20 - len(big)) + b"}"  # exactly the default byte limit
+    return {
+        "10^9-device cluster": with_(cluster={"devices": 10**9, "memory": "80GiB"}),
+        "NaN in a profile": json.dumps(base).replace('"forward_ms": [', '"forward_ms": [NaN, ', 1).encode(),
+        "global batch 10^18": with_(training={"global_batch_size": 10**18}),
+        "16 MiB, 75,000 layers": big,
+        "100,000-deep nesting": b"[" * 100_000 + b"]" * 100_000,
+    }
+
+
+def hostile_section(args: argparse.Namespace, tmp: Path) -> None:
+    repeats = 5 if args.quick else 20
+    bodies = hostile_bodies()
+    with Server(tmp / "hostile.db", tmp / "hostile.log") as server:
+        idle_file, busy_file = tmp / "idle.txt", tmp / "busy.txt"
+        probe = subprocess.Popen([sys.executable, "-c", _PROBE, str(server.port), str(idle_file)])
+        time.sleep(3 if args.quick else 6)
+        probe.kill()
+        probe.wait()
+        probe = subprocess.Popen([sys.executable, "-c", _PROBE, str(server.port), str(busy_file)])
+        time.sleep(0.5)
+        results: dict[str, tuple[list[float], set[int]]] = {}
+        headers = {"content-type": "application/json"}
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            for name, raw in bodies.items():
+                times, codes = [], set()
+                for _ in range(repeats if len(raw) < 2**20 else max(3, repeats // 4)):
+                    start = time.perf_counter()
+                    r = c.post("/v1/plans", content=raw, headers=headers)
+                    times.append((time.perf_counter() - start) * 1e3)
+                    codes.add(r.status_code)
+                results[name] = (times, codes)
+        probe.kill()
+        probe.wait()
+    idle, busy = _probe_ms(idle_file), _probe_ms(busy_file)
+    print(f"== hostile input: each body sent {repeats} times (the 16 MiB one {max(3, repeats // 4)}), one after "
+          f"another; /healthz probed every 20 ms from another process, {os.cpu_count()} CPUs\n")
+    print(f"{'body':<28} {'status':>7} {'p50 ms':>9} {'p99 ms':>9} {'max ms':>9}")
+    for name, (times, codes) in results.items():
+        print(f"{name:<28} {','.join(map(str, sorted(codes))):>7} {percentile(times, 0.5):>9.1f} "
+              f"{percentile(times, 0.99):>9.1f} {max(times):>9.1f}")
+    print()
+    print(f"{'GET /healthz':<28} {'n':>7} {'p50 ms':>9} {'p99 ms':>9} {'max ms':>9}")
+    for name, values in (("idle server (baseline)", idle), ("under the hostile bodies", busy)):
+        print(f"{name:<28} {len(values):>7} {percentile(values, 0.5):>9.1f} {percentile(values, 0.99):>9.1f} {max(values):>9.1f}")
+    print(f"\nhealth p99 under attack vs idle: {percentile(busy, 0.99) / percentile(idle, 0.99):.2f}x (goal: max < 100 ms)\n")
+
+
+SECTIONS = {
+    "latency": latency_section,
+    "load": load_section,
+    "durability": durability_section,
+    "hostile": hostile_section,
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer samples")
+    parser.add_argument("--time-limit", type=float, default=2.0, help="solver time limit per request (s), latency section")
+    parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections ({', '.join(SECTIONS)})")
+    args = parser.parse_args()
+    chosen = [x.strip() for x in args.only.split(",") if x.strip()]
+    unknown = [x for x in chosen if x not in SECTIONS]
+    if unknown:
+        parser.error(f"unknown section(s) {', '.join(unknown)}: choose from {', '.join(SECTIONS)}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in chosen:
+            SECTIONS[name](args, Path(tmp))
     return 0
 
 

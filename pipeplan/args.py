@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import argparse
-import json
+import math
 from importlib import resources
 from typing import Any
 
 from planner.errors import InputError
+from planner.limits import (
+    MAX_DEVICES,
+    MAX_GLOBAL_BATCH,
+    MAX_LAYERS,
+    MAX_MICROBATCHES,
+    MAX_TIME_LIMIT_S,
+    loads_strict,
+    too_large,
+)
 from planner.schema import (
     SCHEDULES,
     Cluster,
@@ -60,10 +69,39 @@ def add_output_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
 
 
+def check_flag(flag: str, value: float | None, limit: float, what: str) -> None:
+    """``--devices 20000000``: an error at once, before anything that size is built."""
+    if value is None:
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InputError(f"{flag} {value}: give a finite number")
+    if value <= limit:
+        return
+    if isinstance(value, int):
+        raise InputError(f"{flag} {value}: {too_large(what, value, int(limit), suggest=True)}")
+    raise InputError(f"{flag} {value:g}: more {what} than pipeplan allows (at most {limit:g})")
+
+
+def check_cluster_flags(args: argparse.Namespace) -> None:
+    check_flag("--devices", args.devices, MAX_DEVICES, "devices")
+    check_flag("--devices-per-node", args.devices_per_node, MAX_DEVICES, "devices per node")
+
+
+def check_plan_flags(args: argparse.Namespace) -> None:
+    """The size flags of ``plan`` and ``estimate`` against what pipeplan plans."""
+    check_cluster_flags(args)
+    check_flag("--batch-size", args.batch_size, MAX_GLOBAL_BATCH, "samples per step")
+    check_flag("--microbatches", getattr(args, "microbatches", None), MAX_MICROBATCHES, "micro-batches per step")
+    check_flag("--data-parallel", getattr(args, "data_parallel", None), MAX_DEVICES, "data-parallel replicas")
+    check_flag("--pipeline-degree", getattr(args, "pipeline_degree", None), MAX_DEVICES, "pipeline stages")
+    check_flag("--virtual-stages", getattr(args, "virtual_stages", None), MAX_LAYERS, "virtual stages per device")
+    check_flag("--time-limit", getattr(args, "time_limit", None), MAX_TIME_LIMIT_S, "seconds of solver time")
+
+
 def load_profile_arg(path: str | None) -> Profile:
     if path is None:
         text = resources.files("planner").joinpath("data", DEFAULT_PROFILE).read_text(encoding="utf-8")
-        result: Profile = parse_document("profile", json.loads(text), source=DEFAULT_PROFILE)
+        result: Profile = parse_document("profile", loads_strict(text), source=DEFAULT_PROFILE)
         return result
     loaded: Profile = load_document("profile", path)
     return loaded
@@ -85,9 +123,13 @@ def cluster_from_args(args: argparse.Namespace, profile: Profile | None) -> Clus
             raise InputError("give either --cluster FILE or the --devices/--memory/... flags, not both")
         loaded: Cluster = load_document("cluster", args.cluster)
         return loaded
+    check_cluster_flags(args)
     data: dict[str, Any] = {}
     memories = _split(args.memories)
     speeds = _split(args.speeds)
+    for label, values in (("--memories", memories), ("--speeds", speeds)):
+        if values is not None:
+            check_flag(label, len(values), MAX_DEVICES, "devices")
     count = args.devices
     if count is None:
         count = len(memories or speeds or []) or None
@@ -138,6 +180,7 @@ def training_from_args(args: argparse.Namespace) -> TrainingSetup:
             raise InputError("give either --training FILE or --batch-size/--optimizer/--memory-margin, not both")
         loaded: TrainingSetup = load_document("training", args.training)
         return loaded
+    check_flag("--batch-size", args.batch_size, MAX_GLOBAL_BATCH, "samples per step")
     data: dict[str, Any] = {}
     if args.batch_size is not None:
         data["global_batch_size"] = args.batch_size
@@ -153,9 +196,16 @@ def parse_stages(text: str) -> int | list[StageRange]:
     """``"4"`` is a stage count; ``"0:10,10:24,24:40"`` are explicit ``[start, stop)`` ranges."""
     text = text.strip()
     if text.isdigit():
-        return int(text)
+        try:
+            count = int(text)
+        except ValueError:
+            raise InputError(f"cannot read --stages {text[:40]!r}: write a count (4) or ranges like 0:10,10:24") from None
+        check_flag("--stages", count, MAX_DEVICES, "stages")
+        return count
     ranges = []
-    for part in text.split(","):
+    parts = text.split(",")
+    check_flag("--stages", len(parts), MAX_LAYERS, "stage ranges")
+    for part in parts:
         try:
             start, stop = part.split(":")
             ranges.append(StageRange(start=int(start), stop=int(stop)))

@@ -30,13 +30,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def run(args: argparse.Namespace) -> int:
     from planner.costmodel import estimate
     from planner.errors import InputError
+    from planner.limits import check_schedule_size
 
-    profile = cli_args.load_profile_arg(args.profile)
-    cluster = cli_args.cluster_from_args(args, profile)
-    training = cli_args.training_from_args(args)
+    cli_args.check_plan_flags(args)  # before reading anything: a typo is answered at once
     stages = cli_args.parse_stages(args.stages)
     if isinstance(stages, int):
         raise InputError(f"--stages {args.stages!r}: estimate needs explicit ranges such as 0:10,10:20")
+    check_schedule_size(len(stages), args.microbatches, what=f"--stages with --microbatches {args.microbatches}")
+    profile = cli_args.load_profile_arg(args.profile)
+    cluster = cli_args.cluster_from_args(args, profile)
+    training = cli_args.training_from_args(args)
     recompute: bool | list[bool] = False
     if args.recompute is not None:
         flags = cli_args.parse_bools(args.recompute)

@@ -83,6 +83,7 @@ def solve_from_args(args: argparse.Namespace) -> tuple[Plan, list[Comparison]]:
     from pipeplan.render import Comparison
     from planner.baselines import evaluate_baselines
 
+    cli_args.check_plan_flags(args)  # before reading anything: a typo is answered at once
     profile = cli_args.load_profile_arg(args.profile)
     cluster = cli_args.cluster_from_args(args, profile)
     training = cli_args.training_from_args(args)

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import math
 from typing import TYPE_CHECKING
+
+#: the widest text grid ``show`` draws
+MAX_COLUMNS = 10_000
 
 if TYPE_CHECKING:
     from planner.schema import Plan
@@ -41,10 +45,22 @@ def run(args: argparse.Namespace) -> int:
     if args.gantt is None and args.memory is None:
         from planner.grid import text_grid
 
-        if args.slot_ms is not None and not args.slot_ms > 0:
+        if args.slot_ms is not None and not (args.slot_ms > 0 and math.isfinite(args.slot_ms)):
             raise InputError(f"--slot-ms must be a positive number of milliseconds, got {args.slot_ms}")
         if args.width < 1:
             raise InputError(f"--width must be >= 1 column, got {args.width}")
+        if args.width > MAX_COLUMNS:
+            raise InputError(f"--width {args.width}: at most {MAX_COLUMNS:,} columns")
+        if args.slot_ms is not None:
+            from planner.costmodel import simulate_plan
+
+            columns = simulate_plan(plan).makespan_ms / args.slot_ms
+            if columns > MAX_COLUMNS:
+                raise InputError(
+                    f"--slot-ms {args.slot_ms:g} cuts the {plan.predicted.step_time_ms:.4g} ms step into "
+                    f"{columns:,.0f} columns (at most {MAX_COLUMNS:,}): give a larger slot, or leave "
+                    "--slot-ms out to fit --width"
+                )
         print(text_grid(plan, slot_ms=args.slot_ms, max_columns=args.width))
         return 0
     from planner.charts import gantt_figure, memory_figure, save_chart

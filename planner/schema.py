@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Annotated, Any, Literal
 
@@ -25,6 +25,20 @@ from pydantic import (
 )
 
 from planner.errors import InputError
+from planner.limits import (
+    MAX_DEVICES,
+    MAX_FILE_BYTES,
+    MAX_GLOBAL_BATCH,
+    MAX_LAYERS,
+    MAX_MEMORY_BYTES,
+    MAX_MICROBATCHES,
+    MAX_TIME_LIMIT_S,
+    check_cluster_data,
+    check_plan_data,
+    check_profile_data,
+    loads_strict,
+    too_large,
+)
 from planner.presets import DEVICES, INTERCONNECTS, OPTIMIZERS, unknown_preset
 from planner.units import parse_bytes
 
@@ -183,7 +197,7 @@ class Interconnect(_Model):
 
 class Device(_Model):
     name: str = ""
-    memory_bytes: Bytes
+    memory_bytes: Annotated[Bytes, Field(le=MAX_MEMORY_BYTES)]
     speed: PosFloat = Field(default=1.0, description="throughput relative to the profiling device")
 
 
@@ -205,8 +219,8 @@ class Cluster(_Model):
     preset name (``nvlink4``) or ``{"bandwidth_bytes_per_s": ..., "latency_s": ...}``.
     """
 
-    devices: list[Device] = Field(min_length=1)
-    devices_per_node: PosInt
+    devices: list[Device] = Field(min_length=1, max_length=MAX_DEVICES)
+    devices_per_node: Annotated[int, Field(ge=1, le=MAX_DEVICES)]
     intra_node: Interconnect
     inter_node: Interconnect
 
@@ -228,14 +242,17 @@ class Cluster(_Model):
         if isinstance(devices, int) and not isinstance(devices, bool):
             if devices < 1:
                 raise ValueError(f"devices must be >= 1, got {devices}")
+            if devices > MAX_DEVICES:  # before anything proportional to it exists
+                raise ValueError(too_large("devices", devices, MAX_DEVICES, suggest=True))
             if memory is None and preset is None:
                 raise ValueError(
                     f"devices={devices} needs a memory size per device: add \"memory\": \"80GiB\" "
                     f"or a \"device_type\" ({', '.join(sorted(DEVICES))})"
                 )
             mem = parse_bytes(memory) if memory is not None else preset.memory_bytes  # type: ignore[union-attr]
-            name = device_type or "device"
-            data["devices"] = [{"name": name, "memory_bytes": mem, "speed": speed} for _ in range(devices)]
+            # one validated device, shared: N references, not N objects to build and check
+            device = Device.model_validate({"name": device_type or "device", "memory_bytes": mem, "speed": speed})
+            data["devices"] = [device] * devices
         elif memory is not None or (device_type is not None and not isinstance(devices, list)):
             raise ValueError("give 'devices' as a count or a list of devices")
         n = len(data["devices"]) if isinstance(data.get("devices"), list) else 1
@@ -274,7 +291,7 @@ class Cluster(_Model):
 class TrainingSetup(_Model):
     """What one training step does: batch, optimizer state, memory margin."""
 
-    global_batch_size: PosInt = 32
+    global_batch_size: Annotated[int, Field(ge=1, le=MAX_GLOBAL_BATCH)] = 32
     optimizer: str = Field(default="adam", description=f"one of {', '.join(OPTIMIZERS)}")
     optimizer_state_bytes_per_param_byte: NonNegFloat | None = Field(
         default=None, description="overrides the optimizer preset"
@@ -314,17 +331,19 @@ class StageRange(_Model):
 class PlanOptions(_Model):
     """Decisions the user fixes; the solver chooses the rest (``None`` = free)."""
 
-    stages: PosInt | list[StageRange] | None = Field(
-        default=None, description="a stage count, or explicit [start, stop) boundaries"
-    )
-    num_microbatches: PosInt | None = None
+    stages: Annotated[int, Field(ge=1, le=MAX_DEVICES)] | Annotated[
+        list[StageRange], Field(max_length=MAX_LAYERS)
+    ] | None = Field(default=None, description="a stage count, or explicit [start, stop) boundaries")
+    num_microbatches: Annotated[int, Field(ge=1, le=MAX_MICROBATCHES)] | None = None
     schedule: Schedule | None = None
-    recompute: bool | list[bool] | None = Field(
+    recompute: bool | Annotated[list[bool], Field(max_length=MAX_LAYERS)] | None = Field(
         default=None, description="False forbids recompute, a list fixes it per stage"
     )
-    data_parallel: PosInt | None = None
-    virtual_stages: PosInt | None = Field(default=None, description="chunks per device (interleaved)")
-    time_limit_s: PosFloat = 5.0
+    data_parallel: Annotated[int, Field(ge=1, le=MAX_DEVICES)] | None = None
+    virtual_stages: Annotated[int, Field(ge=1, le=MAX_LAYERS)] | None = Field(
+        default=None, description="chunks per device (interleaved)"
+    )
+    time_limit_s: Annotated[float, Field(gt=0, le=MAX_TIME_LIMIT_S, allow_inf_nan=False)] = 5.0
 
 
 class StagePlan(_Model):
@@ -545,25 +564,53 @@ def parse_document(kind: str, data: Any, *, source: str = "") -> Any:
                 [{"loc": "schema_version", "msg": "unsupported version", "input": version}],
             )
     try:
+        _PRECHECKS[kind](data)
+    except InputError as err:
+        raise InputError(f"invalid {what}: {err}", err.errors) from None
+    try:
         return cls.model_validate(data)
     except ValidationError as err:
         raise format_validation_error(err, what) from None
-    except ValueError as err:  # raised by a "before" validator outside pydantic's wrapping
+    except (ValueError, TypeError, OverflowError) as err:  # raised by a "before" validator outside pydantic's wrapping
         raise InputError(f"invalid {what}: {err}") from None
 
 
+def _no_precheck(data: Any) -> None:
+    pass
+
+
+#: sizes checked on the parsed JSON, before validation builds anything proportional to them
+_PRECHECKS: Mapping[str, Callable[[Any], None]] = MappingProxyType({
+    "profile": check_profile_data,
+    "cluster": check_cluster_data,
+    "plan": check_plan_data,
+    "training": _no_precheck,
+    "options": _no_precheck,
+})
+
+
 def load_document(kind: str, path: str) -> Any:
-    """Read and validate a JSON file; errors name the file, the field path and the value."""
+    """Read and validate a JSON file; errors name the file, the field path and the value.
+
+    The JSON is read strictly (no NaN or Infinity) and sizes are checked before validation."""
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        with open(path, "rb") as f:
+            raw = f.read(MAX_FILE_BYTES + 1)  # bounded: a device file or a typo'd path cannot fill memory
+        if len(raw) > MAX_FILE_BYTES:
+            raise InputError(
+                f"{kind} file {path!r} is larger than {MAX_FILE_BYTES // 2**20} MiB, more than any "
+                f"{kind} pipeplan reads: check the path"
+            )
+        data = loads_strict(raw, what=f"{kind} file {path!r}")
     except FileNotFoundError:
         raise InputError(f"{kind} file {path!r} does not exist: check the path") from None
+    except IsADirectoryError:
+        raise InputError(f"{kind} file {path!r} is a directory: give a JSON file") from None
     except json.JSONDecodeError as err:
         raise InputError(
             f"{kind} file {path!r} is not valid JSON: {err.msg} at line {err.lineno} column {err.colno}"
         ) from None
-    except (OSError, UnicodeDecodeError) as err:
+    except OSError as err:
         raise InputError(f"cannot read {kind} file {path!r}: {err}") from None
     return parse_document(kind, data, source=repr(path))
 

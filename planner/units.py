@@ -40,7 +40,10 @@ def parse_bytes(value: str | int | float) -> int:
             f"cannot read {value!r} as a byte size: write a number with an optional unit "
             f"(B, kB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '80GiB' or '141GB'"
         )
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    size = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if not math.isfinite(size):
+        raise ValueError(f"cannot read {value!r} as a byte size: the number is too large")
+    return int(size)
 
 
 def format_bytes(n: float) -> str:

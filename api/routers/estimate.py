@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
 
-from api.deps import SettingsDep, require_token
-from api.limits import check_limits
-from api.models import ErrorBody, EstimateRequest
+from api.deps import SettingsDep, SolverDep, require_token
+from api.intake import RequestReader
+from api.models import ErrorBody
 from planner.schema import Plan
 
 router = APIRouter(prefix="/v1", tags=["estimate"], dependencies=[Depends(require_token)])
@@ -20,23 +21,24 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
-@router.post("/estimate", response_model=Plan, responses=_ERRORS, summary="predict a given split")
-def estimate_plan(body: EstimateRequest, settings: SettingsDep) -> Plan:
-    """Step time, bubble and per-stage memory of a fully specified plan
-    (``planner.costmodel.estimate``; the same numbers every planner reports).  Runs in a
-    worker thread, off the event loop."""
-    from planner.costmodel import estimate
-
-    check_limits(settings, body.profile, body.cluster, num_microbatches=body.num_microbatches)
-    return estimate(
-        body.profile,
-        body.cluster,
-        body.training,
-        body.stages,
-        num_microbatches=body.num_microbatches,
-        schedule=body.schedule,
-        recompute=body.recompute,
-        data_parallel=body.data_parallel,
-        pipeline_degree=body.pipeline_degree,
-        devices=body.devices,
-    )
+@router.post(
+    "/estimate",
+    response_model=Plan,
+    responses=_ERRORS,
+    summary="predict a given split",
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/EstimateRequest"}}},
+        }
+    },
+)
+async def estimate_plan(request: Request, settings: SettingsDep, solver: SolverDep) -> Response:
+    """Step time, bubble and per-stage memory of a fully specified plan (an
+    ``EstimateRequest``; ``planner.costmodel.estimate``, the same numbers every planner
+    reports).  The body is read off the event loop and the estimate runs in the solver pool,
+    stopped after ``PIPEPLAN_MAX_TIME_LIMIT_S`` plus the grace period."""
+    reader: RequestReader = request.app.state.reader
+    canonical = await reader.estimate(await request.body())
+    text = await solver.estimate(canonical, timeout_s=settings.max_time_limit_s + settings.solve_grace_s)
+    return Response(content=text, media_type="application/json")

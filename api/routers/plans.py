@@ -10,19 +10,15 @@ from collections import OrderedDict
 from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from api.deps import SettingsDep, SolverDep, StoreDep, require_token
-from api.limits import check_limits
+from api.deps import SolverDep, StoreDep, require_token
+from api.intake import RequestReader
 from api.models import ErrorBody, PlanRequest, PlanResponse
-from api.settings import ApiSettings
 from api.store import PlanStore, StoredPlan
-from api.version import service_version
 from planner.errors import InputError
-from planner.schema import Plan, PlanOptions
+from planner.schema import Plan
 
 router = APIRouter(prefix="/v1", tags=["plans"], dependencies=[Depends(require_token)])
 
@@ -31,30 +27,6 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     413: {"model": ErrorBody, "description": "request body too large"},
     422: {"model": ErrorBody, "description": "invalid request (field paths) or infeasible (with details)"},
 }
-
-
-def _sorted(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _sorted(value[k]) for k in sorted(value)}
-    if isinstance(value, list):
-        return [_sorted(v) for v in value]
-    return value
-
-
-def canonical_request(body: PlanRequest, settings: ApiSettings) -> tuple[str, float]:
-    """The request as canonical JSON text (defaults filled, shorthands expanded, free-form
-    metadata sorted, the time limit capped by the server) and the time limit it carries."""
-    options = body.options or PlanOptions()
-    time_limit = min(options.time_limit_s, settings.max_time_limit_s)
-    options = options.model_copy(update={"time_limit_s": time_limit})
-    profile = body.profile
-    if profile.metadata:
-        profile = profile.model_copy(update={"metadata": _sorted(profile.metadata)})
-    text = (
-        f'{{"cluster":{body.cluster.model_dump_json()},"options":{options.model_dump_json()},'
-        f'"profile":{profile.model_dump_json()},"training":{body.training.model_dump_json()}}}'
-    )
-    return text, time_limit
 
 
 class RawIndex:
@@ -78,34 +50,23 @@ class RawIndex:
             self._items.popitem(last=False)
 
 
-def parse_body(raw: bytes) -> PlanRequest:
-    """Validate a request body; errors become the usual 422 with ``body.``-prefixed field paths.
-
-    Also turns a validator that crashes on an odd type into a 422, never a 500."""
-    try:
-        return PlanRequest.model_validate_json(raw)
-    except ValidationError as err:
-        errors = [{**e, "loc": ("body", *e["loc"])} for e in err.errors(include_url=False)]
-        raise RequestValidationError(errors) from None
-    except (TypeError, KeyError, AttributeError, IndexError, OverflowError) as err:
-        raise InputError(
-            f"invalid request: {type(err).__name__}: {err}: check the body against /openapi.json",
-            [{"loc": "body", "msg": str(err), "input": None}],
-        ) from None
-
-
-def request_sha256(canonical: str) -> str:
-    """The cache key: the canonical request and the planner version that answers it."""
-    return hashlib.sha256(f"pipeplan {service_version()}\n{canonical}".encode()).hexdigest()
-
-
 def plan_id(sha: str) -> str:
     return sha[:24]
 
 
 def _time_limit(stored: StoredPlan) -> float:
-    limit: float = json.loads(stored.request_json)["options"]["time_limit_s"]
-    return limit
+    """``options.time_limit_s`` of a stored canonical request, without parsing all of it.
+
+    The canonical text is ``{"cluster":{...},"options":{...},"profile":...``: the first
+    ``,"options":`` is the top-level key (a quote inside a JSON string is escaped, and the
+    cluster has no key of that name), so only the small options object is parsed."""
+    text = stored.request_json
+    start = text.find(',"options":')
+    if start < 0:  # not canonical (never written by this service): parse it all
+        limit: float = json.loads(text)["options"]["time_limit_s"]
+        return limit
+    options, _ = json.JSONDecoder().raw_decode(text, start + len(',"options":'))
+    return float(options["time_limit_s"])
 
 
 def plan_response_json(stored: StoredPlan, *, cached: bool) -> str:
@@ -142,16 +103,19 @@ def _absorb(future: asyncio.Future[StoredPlan]) -> None:
         }
     },
 )
-async def create_plan(request: Request, settings: SettingsDep, store: StoreDep, solver: SolverDep) -> Response:
+async def create_plan(request: Request, store: StoreDep, solver: SolverDep) -> Response:
     """Solve the request (a ``PlanRequest``: profile, cluster, training, options), or return
     the stored plan of an identical one (``200``, ``cached``).
 
     The solver's time limit is ``options.time_limit_s`` capped by the server's
-    ``PIPEPLAN_MAX_TIME_LIMIT_S``.  Infeasible requests get ``422`` with
-    ``{"error": "infeasible", "message", "details"}``.
+    ``PIPEPLAN_MAX_TIME_LIMIT_S``.  Sizes beyond the server's limits, ``NaN``/``Infinity`` and
+    invalid fields get ``422`` with field paths; infeasible requests get ``422`` with
+    ``{"error": "infeasible", "message", "details"}``.  A solve that overruns its time limit
+    by the grace period is stopped: ``504``.
     """
     raw = await request.body()
-    raw_sha = hashlib.sha256(raw).hexdigest()
+    # hashing a large body takes tens of ms: a thread keeps the event loop free (hashlib drops the GIL)
+    raw_sha = (await run_in_threadpool(_sha256, raw)) if len(raw) > 2**16 else _sha256(raw)
     index: RawIndex = request.app.state.raw_index
     known = index.get(raw_sha)
     if known is not None:
@@ -159,11 +123,9 @@ async def create_plan(request: Request, settings: SettingsDep, store: StoreDep, 
         if stored is not None:
             return _json(plan_response_json(stored, cached=True), 200, headers={"Location": f"/v1/plans/{stored.id}"})
 
-    body = parse_body(raw)
-    num_mb = body.options.num_microbatches if body.options is not None else None
-    check_limits(settings, body.profile, body.cluster, num_microbatches=num_mb)
-    canonical, time_limit = canonical_request(body, settings)
-    sha = request_sha256(canonical)
+    reader: RequestReader = request.app.state.reader
+    intake = await reader.plan(raw)  # parsed, size-checked and validated off the event loop
+    sha = intake.sha256
     headers = {"Location": f"/v1/plans/{plan_id(sha)}"}
     stored = await run_in_threadpool(store.get_by_request, sha)
     if stored is not None:
@@ -181,15 +143,15 @@ async def create_plan(request: Request, settings: SettingsDep, store: StoreDep, 
     inflight[sha] = future
     try:
         start = time.perf_counter()
-        plan = await solver.solve(canonical, time_limit_s=time_limit)
+        plan_json = await solver.solve(intake.canonical, time_limit_s=intake.time_limit_s)
         elapsed = time.perf_counter() - start
         stored = await run_in_threadpool(
             lambda: store.put(
                 plan_id(sha),
                 sha,
-                model=plan.model,
-                request_json=canonical,
-                plan_json=plan.model_dump_json(),
+                model=intake.model,
+                request_json=intake.canonical,
+                plan_json=plan_json,
                 solve_s=elapsed,
             )
         )
@@ -204,6 +166,10 @@ async def create_plan(request: Request, settings: SettingsDep, store: StoreDep, 
     finally:
         inflight.pop(sha, None)
     return _json(plan_response_json(stored, cached=False), 201, headers=headers)
+
+
+def _sha256(raw: bytes) -> str:
+    return hashlib.sha256(raw).hexdigest()
 
 
 async def _stored_or_404(store: StoreDep, plan_id: str) -> StoredPlan:
@@ -239,7 +205,8 @@ async def get_plan_request(plan_id: str, store: StoreDep) -> Response:
     return _json(stored.request_json, 200)
 
 
-def _svg(kind: str, plan: Plan) -> str:
+def _svg(kind: str, plan_json: str) -> str:
+    plan = Plan.model_validate_json(plan_json)
     try:
         from planner import charts
     except ImportError as err:
@@ -280,6 +247,5 @@ async def get_memory(plan_id: str, store: StoreDep) -> Response:
 async def _chart(store: PlanStore, plan_id: str, kind: Literal["gantt", "memory"]) -> Response:
     """A stored plan's chart, drawn off the event loop."""
     stored = await _stored_or_404(store, plan_id)
-    plan = Plan.model_validate_json(stored.plan_json)
-    svg = await run_in_threadpool(_svg, kind, plan)
+    svg = await run_in_threadpool(_svg, kind, stored.plan_json)
     return Response(content=svg, media_type="image/svg+xml")

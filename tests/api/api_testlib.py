@@ -108,3 +108,58 @@ class LiveServer:
         self.proc = None
 
 
+
+_PROBE = r"""
+import http.client, sys, time, urllib.parse
+url = urllib.parse.urlsplit(sys.argv[1])
+out = open(sys.argv[2], "w", buffering=1)
+conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+while True:
+    start = time.perf_counter()
+    try:
+        conn.request("GET", "/healthz")
+        response = conn.getresponse()
+        response.read()
+        status = response.status
+    except (OSError, http.client.HTTPException):
+        conn.close()
+        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+        status = 0
+    out.write(f"{status} {time.perf_counter() - start:.6f}\n")
+    time.sleep(0.02)
+"""
+
+
+class HealthProbe:
+    """``GET /healthz`` every 20 ms from a process of its own (so the test's own work, e.g.
+    sending a 16 MB body, cannot delay it), on one kept-alive connection.
+
+    ``with HealthProbe(url, path) as probe: ...`` then ``probe.samples()`` -> ``[(status, s)]``."""
+
+    def __init__(self, url: str, out: Path) -> None:
+        self.url = url
+        self.out = out
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> HealthProbe:
+        self.proc = subprocess.Popen([sys.executable, "-c", _PROBE, self.url, str(self.out)])
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and len(self.samples()) < 2:
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+    def samples(self) -> list[tuple[int, float]]:
+        if not self.out.exists():
+            return []
+        out = []
+        for line in self.out.read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 2:  # the last line may be half written
+                out.append((int(parts[0]), float(parts[1])))
+        return out

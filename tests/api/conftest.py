@@ -44,6 +44,7 @@ def make_app(tmp_path: Path) -> Callable[..., FastAPI]:
         import api_fake_solver
 
         settings.setdefault("db", str(tmp_path / "plans.db"))
+        settings.setdefault("solver_mode", "process" if mode == "process" else "thread")  # the reading pool's too
         s = ApiSettings(**settings)
         pool = SolverPool(
             workers=workers,

@@ -144,7 +144,8 @@ def test_solver_bug_is_a_clean_500(make_app: Callable[..., FastAPI], plan_body: 
     [
         ({"max_layers": 4}, lambda b: b, "body.profile.layers"),
         ({"max_devices": 2}, lambda b: b, "body.cluster.devices"),
-        ({"max_microbatches": 4}, lambda b: b["options"].update(num_microbatches=8), "body.num_microbatches"),
+        ({"max_microbatches": 4}, lambda b: b["options"].update(num_microbatches=8), "body.options.num_microbatches"),
+        ({"max_global_batch": 4}, lambda b: b, "body.training.global_batch_size"),
     ],
 )
 def test_size_limits(
@@ -375,17 +376,15 @@ def test_settings_from_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: An
 def test_byte_identical_repeat_skips_validation(
     client: TestClient, plan_body: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import api.routers.plans as plans
-
     payload = json.dumps(plan_body).encode()
     headers = {"content-type": "application/json"}
     first = client.post("/v1/plans", content=payload, headers=headers)
     assert first.status_code == 201
 
-    def refuse(raw: bytes) -> Any:
+    async def refuse(raw: bytes) -> Any:
         raise AssertionError("validated again")
 
-    monkeypatch.setattr(plans, "parse_body", refuse)
+    monkeypatch.setattr(client.app.state.reader, "plan", refuse)  # type: ignore[attr-defined]
     again = client.post("/v1/plans", content=payload, headers=headers)
     assert again.status_code == 200 and again.json()["id"] == first.json()["id"]
     with pytest.raises(AssertionError, match="validated again"):  # other bytes are validated
@@ -406,14 +405,14 @@ def test_raw_index_is_bounded() -> None:
 
 def test_crashing_validator_is_422(client: TestClient, plan_body: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """A validator that raises TypeError on an odd input gives a 422, not a 500."""
-    import api.routers.plans as plans
+    import api.intake as intake
 
     class Crashing:
         @staticmethod
-        def model_validate_json(raw: bytes) -> Any:
+        def model_validate(data: Any) -> Any:
             raise TypeError("expected string or bytes-like object, got 'dict'")
 
-    monkeypatch.setattr(plans, "PlanRequest", Crashing)
+    monkeypatch.setattr(intake, "PlanRequest", Crashing)
     r = client.post("/v1/plans", json=plan_body)
     assert r.status_code == 422
     assert r.json()["error"] == "invalid_request"
