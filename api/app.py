@@ -14,8 +14,8 @@ from api import errors
 from api.deps import require_token
 from api.intake import Limits, RequestReader
 from api.middleware import AccessLogMiddleware, BodyLimitMiddleware
-from api.models import EstimateRequest, PlanRequest
-from api.routers import estimate, health, plans, presets
+from api.models import EstimateRequest, PlanRequest, SweepRequest
+from api.routers import estimate, health, plans, presets, sweeps
 from api.settings import ApiSettings
 from api.solving import SolverPool
 from api.store import PlanStore
@@ -86,7 +86,7 @@ def create_app(
     app.state.raw_index = plans.RawIndex()
 
     errors.install(app)
-    for module in (plans, estimate, presets, health):
+    for module in (plans, sweeps, estimate, presets, health):
         app.include_router(module.router)
 
     docs_deps: list[Any] = [] if settings.public_docs else [Depends(require_token)]
@@ -96,7 +96,7 @@ def create_app(
         if app.openapi_schema is None:
             doc = FastAPI.openapi(app)
             components = doc.setdefault("components", {}).setdefault("schemas", {})
-            for model in (PlanRequest, EstimateRequest):
+            for model in (PlanRequest, EstimateRequest, SweepRequest):
                 schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 for name, sub in schema.pop("$defs", {}).items():
                     components.setdefault(name, sub)

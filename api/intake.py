@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from pydantic import ValidationError
 from pydantic_core import PydanticSerializationError
 
-from api.models import EstimateRequest, PlanRequest
+from api.models import EstimateRequest, PlanRequest, SweepRequest
 from api.version import service_version
 from api.workers import Job, WorkerPool
 from planner.errors import InputError
@@ -36,10 +36,11 @@ from planner.limits import (
     check_count,
     check_profile_data,
     check_schedule_size,
+    check_sweep_data,
     find_path,
     loads_strict,
 )
-from planner.schema import PlanOptions
+from planner.schema import MAX_SWEEP_POINTS, PlanOptions, Profile, SweepSpec
 
 if TYPE_CHECKING:
     from api.settings import ApiSettings
@@ -267,6 +268,45 @@ def read_plan(raw: bytes, limits: Limits) -> PlanIntake:
     return PlanIntake(canonical, request_sha256(canonical), time_limit, body.profile.model)
 
 
+def read_sweep(raw: bytes, limits: Limits) -> tuple[str, int, float]:
+    """Read a ``POST /v1/sweeps`` body: its canonical JSON text (each point's time limit capped
+    by the server, every point's cluster checked against the server's device limit), the
+    number of points and the time limit of each."""
+    from planner.sweep import point_cluster, point_kinds
+
+    data = _parse(raw)
+    _precheck(data, limits)
+    if isinstance(data, dict) and isinstance(data.get("sweep"), dict):
+        check_sweep_data(data["sweep"], loc="body.sweep", max_points=MAX_SWEEP_POINTS)
+    body: SweepRequest = _validate(SweepRequest, data)
+    spec = body.sweep
+    for n in spec.devices:
+        check_count("devices", n, limits.max_devices, loc="body.sweep.devices", by=_BY,
+                    fix="sweep smaller clusters, or raise PIPEPLAN_MAX_DEVICES")
+    defaults = sweep_defaults(body.profile, spec)
+    for _, kind in point_kinds(spec):  # a kind the cluster shorthand refuses is a 422 now
+        point_cluster(spec, min(spec.devices), kind, defaults=defaults)
+    time_limit = min(spec.time_limit_s, limits.max_time_limit_s)
+    body = body.model_copy(update={"sweep": spec.model_copy(update={"time_limit_s": time_limit})})
+    points = len(set(spec.devices)) * len(point_kinds(spec))
+    return _dump(body.model_dump_json, data), points, time_limit
+
+
+def sweep_defaults(profile: Profile, spec: SweepSpec) -> dict[str, object]:
+    """The cluster fields every point shares: the profile's device preset when the sweep names
+    neither device types nor memories (a 422 when the profile has none either)."""
+    if spec.device_types or spec.memories:
+        return {}
+    kind = profile.measured_on.device
+    if kind.startswith("synthetic:"):
+        return {"device_type": kind.split(":", 1)[1]}
+    raise InputError(
+        f"the profile was measured on {kind!r}: say which devices to sweep with sweep.device_types "
+        "(e.g. [\"h100-80g\"]) or sweep.memories (e.g. [\"80GiB\"])",
+        [{"loc": "body.sweep", "msg": "needs device_types or memories", "input": None}],
+    )
+
+
 def read_estimate(raw: bytes, limits: Limits) -> str:
     """Read a ``POST /v1/estimate`` body; its canonical JSON text for the solver pool."""
     data = _parse(raw)
@@ -332,6 +372,12 @@ def _estimate_answer(raw: bytes, limits: Limits) -> bytes:
     return _answer("ok", b"{}\n" + read_estimate(raw, limits).encode())
 
 
+def _sweep_answer(raw: bytes, limits: Limits) -> bytes:
+    canonical, points, time_limit = read_sweep(raw, limits)
+    meta = json.dumps({"points": points, "time_limit_s": time_limit})
+    return _answer("ok", meta.encode() + b"\n" + canonical.encode())
+
+
 def plan_job(payload: bytes) -> bytes:
     """Job of a reading worker process: ``limits JSON \\n body`` -> the answer bytes."""
     return _run_reader(_plan_answer, payload, own_process=True)
@@ -341,12 +387,20 @@ def estimate_job(payload: bytes) -> bytes:
     return _run_reader(_estimate_answer, payload, own_process=True)
 
 
+def sweep_job(payload: bytes) -> bytes:
+    return _run_reader(_sweep_answer, payload, own_process=True)
+
+
 def plan_job_in_thread(payload: bytes) -> bytes:
     return _run_reader(_plan_answer, payload, own_process=False)
 
 
 def estimate_job_in_thread(payload: bytes) -> bytes:
     return _run_reader(_estimate_answer, payload, own_process=False)
+
+
+def sweep_job_in_thread(payload: bytes) -> bytes:
+    return _run_reader(_sweep_answer, payload, own_process=False)
 
 
 def decode_answer(answer: bytes) -> tuple[dict[str, Any], str]:
@@ -376,6 +430,7 @@ class RequestReader:
         jobs: dict[str, Job] = {
             "plan": plan_job if in_process else plan_job_in_thread,
             "estimate": estimate_job if in_process else estimate_job_in_thread,
+            "sweep": sweep_job if in_process else sweep_job_in_thread,
         }
         self.limits = limits
         self.pool = WorkerPool(jobs, workers=workers, mode=mode, name="pipeplan-reader")
@@ -391,6 +446,11 @@ class RequestReader:
     async def estimate(self, raw: bytes) -> str:
         _, canonical = decode_answer(await self.pool.run("estimate", self._head + raw, timeout_s=READ_TIMEOUT_S))
         return canonical
+
+    async def sweep(self, raw: bytes) -> tuple[str, int, float]:
+        """Canonical text, point count and per-point time limit of a sweep request."""
+        meta, canonical = decode_answer(await self.pool.run("sweep", self._head + raw, timeout_s=READ_TIMEOUT_S))
+        return canonical, int(meta["points"]), float(meta["time_limit_s"])
 
     def close(self) -> None:
         self.pool.close()

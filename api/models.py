@@ -8,7 +8,16 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from planner.limits import MAX_DEVICES, MAX_LAYERS, MAX_MICROBATCHES
-from planner.schema import Cluster, Plan, PlanOptions, Profile, Schedule, StageRange, TrainingSetup
+from planner.schema import (
+    Cluster,
+    Plan,
+    PlanOptions,
+    Profile,
+    Schedule,
+    StageRange,
+    SweepSpec,
+    TrainingSetup,
+)
 
 
 class _Body(BaseModel):
@@ -21,6 +30,17 @@ class PlanRequest(_Body):
     profile: Profile
     cluster: Cluster
     training: TrainingSetup = Field(default_factory=TrainingSetup)
+    options: PlanOptions | None = None
+
+
+class SweepRequest(_Body):
+    """What-if planning: one profile and training setup on each point of ``sweep`` (device
+    counts times device types or memories).  ``options`` fix decisions at every point; their
+    time limit is replaced by ``sweep.time_limit_s`` per point."""
+
+    profile: Profile
+    training: TrainingSetup = Field(default_factory=TrainingSetup)
+    sweep: SweepSpec
     options: PlanOptions | None = None
 
 

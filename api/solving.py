@@ -105,6 +105,31 @@ def estimate_json(request_json: str) -> bytes:
         return _failure(err)
 
 
+def sweep_json(solver: str | SolveFn, request_json: str) -> bytes:
+    """The sweep of a canonical :class:`api.models.SweepRequest`, as an outcome like
+    :func:`solve_json` (``plan\n`` carries the sweep result's JSON)."""
+    from api.intake import sweep_defaults
+    from api.models import SweepRequest
+    from planner.sweep import sweep
+
+    try:
+        fn = resolve(solver) if isinstance(solver, str) else solver
+        body = SweepRequest.model_validate_json(request_json)
+        result = sweep(
+            body.profile, body.training, body.sweep, options=body.options,
+            defaults=sweep_defaults(body.profile, body.sweep), solve=fn,
+        )
+        return _outcome("plan", result.model_dump_json())
+    except BaseException as err:
+        return _failure(err)
+
+
+def sweep_job(payload: bytes) -> bytes:
+    """Job of a solver worker: ``solver path \n canonical sweep request`` -> an outcome."""
+    solver, _, request = payload.partition(b"\n")
+    return sweep_json(solver.decode(), request.decode())
+
+
 def solve_job(payload: bytes) -> bytes:
     """Job of a solver worker: ``solver path \n canonical request`` -> an outcome."""
     solver, _, request = payload.partition(b"\n")
@@ -163,6 +188,7 @@ class SolverPool:
         self.grace_s = grace_s
         jobs: dict[str, Job] = {"estimate": estimate_job}
         jobs["solve"] = solve_job if isinstance(solver, str) else functools.partial(_solve_with, solver)
+        jobs["sweep"] = sweep_job if isinstance(solver, str) else functools.partial(_sweep_with, solver)
         self.pool = WorkerPool(
             jobs,
             workers=workers,
@@ -207,12 +233,25 @@ class SolverPool:
             "solve", header + b"\n" + request_json.encode(), timeout_s=time_limit_s + self.grace_s, what="solve"
         )
 
+    async def sweep(self, request_json: str, *, points: int, time_limit_s: float) -> str:
+        """Plan every point of a canonical sweep request: the sweep result's JSON text.  It is
+        stopped after each point's time limit (three times over, the solver's wall-clock
+        safety net) plus the grace period."""
+        header = self.solver.encode() if isinstance(self.solver, str) else b""
+        timeout = points * 3 * time_limit_s + self.grace_s
+        return await self._run("sweep", header + b"\n" + request_json.encode(), timeout_s=timeout, what="sweep")
+
     async def estimate(self, request_json: str, *, timeout_s: float) -> str:
         """The cost model's plan for a canonical estimate request: the plan's JSON text."""
         return await self._run("estimate", request_json.encode(), timeout_s=timeout_s, what="estimate")
 
     def close(self) -> None:
         self.pool.close()
+
+
+def _sweep_with(solver: SolveFn, payload: bytes) -> bytes:
+    """Thread-mode sweep job for a solver given as a function (tests)."""
+    return sweep_json(solver, payload.partition(b"\n")[2].decode())
 
 
 def _solve_with(solver: SolveFn, payload: bytes) -> bytes:

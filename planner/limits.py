@@ -357,3 +357,17 @@ def check_cluster_data(
     n = len(devices) if isinstance(devices, list) else _int(devices)
     if n is not None:
         check_count("devices", n, max_devices, loc=_join(loc, "devices"), by=by, fix=fix, suggest=suggest)
+
+
+def check_sweep_data(data: Any, *, loc: str = "", max_points: int = 32) -> None:
+    """A sweep's device counts, before validation: at most ``max_points`` of them, each a count
+    pipeplan plans."""
+    if not isinstance(data, dict) or not isinstance(data.get("devices"), list):
+        return
+    counts = data["devices"]
+    check_count("device counts", len(counts), max_points, loc=_join(loc, "devices"), by="one sweep takes",
+                fix="sweep fewer counts")
+    for i, value in enumerate(counts):
+        n = _int(value)
+        if n is not None:
+            check_count("devices", n, MAX_DEVICES, loc=f"{_join(loc, 'devices')}[{i}]", suggest=True)

@@ -36,6 +36,7 @@ from planner.limits import (
     check_cluster_data,
     check_plan_data,
     check_profile_data,
+    check_sweep_data,
     loads_strict,
     too_large,
 )
@@ -461,7 +462,9 @@ class SweepSpec(_Model):
     the device types (or memories) given; links and ``devices_per_node`` apply to every point.
     """
 
-    devices: list[PosInt] = Field(min_length=1, description="device counts, e.g. [8, 16, 32, 64]")
+    devices: list[Annotated[int, Field(ge=1, le=MAX_DEVICES)]] = Field(
+        min_length=1, max_length=MAX_SWEEP_POINTS, description="device counts, e.g. [8, 16, 32, 64]"
+    )
     device_types: list[str] = Field(default_factory=list, description="device presets to compare")
     memories: list[Bytes] = Field(default_factory=list, description="memory sizes per device to compare")
     devices_per_node: PosInt | None = None
@@ -470,7 +473,9 @@ class SweepSpec(_Model):
     target_samples_per_s: PosFloat | None = Field(
         default=None, description="report the fewest devices that reach this throughput"
     )
-    time_limit_s: PosFloat = Field(default=1.0, description="solver time limit per point")
+    time_limit_s: Annotated[float, Field(gt=0, le=MAX_TIME_LIMIT_S, allow_inf_nan=False)] = Field(
+        default=1.0, description="solver time limit per point"
+    )
 
     @model_validator(mode="after")
     def _check_points(self) -> SweepSpec:
@@ -586,6 +591,7 @@ _PRECHECKS: Mapping[str, Callable[[Any], None]] = MappingProxyType({
     "plan": check_plan_data,
     "training": _no_precheck,
     "options": _no_precheck,
+    "sweep": lambda data: check_sweep_data(data, max_points=MAX_SWEEP_POINTS),
 })
 
 
