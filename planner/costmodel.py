@@ -47,8 +47,10 @@ from planner.simulator import (
 )
 
 
-def interpolate(sizes: Sequence[int], values: Sequence[float], b: float) -> float:
-    """Value at micro-batch size ``b`` from values measured at ``sizes`` (see module doc)."""
+def interpolate(sizes: Sequence[int], values: Sequence[float], b: float, *, clamp: bool = True) -> float:
+    """Value at micro-batch size ``b`` from values measured at ``sizes`` (see module doc).
+
+    ``clamp=False`` lets an extrapolation go below zero (a signed correction)."""
     if len(sizes) == 1:
         return float(values[0]) * b / sizes[0]
     if b <= sizes[0]:
@@ -59,7 +61,8 @@ def interpolate(sizes: Sequence[int], values: Sequence[float], b: float) -> floa
         i = next(j for j in range(len(sizes) - 1) if sizes[j] <= b <= sizes[j + 1])
     x0, x1 = sizes[i], sizes[i + 1]
     y0, y1 = float(values[i]), float(values[i + 1])
-    return max(0.0, y0 + (y1 - y0) * (b - x0) / (x1 - x0))
+    value = y0 + (y1 - y0) * (b - x0) / (x1 - x0)
+    return max(0.0, value) if clamp else value
 
 
 @dataclass(frozen=True)
@@ -83,10 +86,25 @@ class LayerCosts:
     prefix_backward: tuple[float, ...]
     prefix_activation: tuple[float, ...]
     prefix_param: tuple[int, ...]
+    #: per layer: (offset, bytes) a stage starting there keeps of its own inputs once it
+    #: reaches layer + offset (``LayerProfile.kept_inputs``); empty tuples when not profiled
+    kept_inputs: tuple[tuple[tuple[int, float], ...], ...] = ()
 
     @property
     def num_layers(self) -> int:
         return len(self.forward_ms)
+
+    def stage_activation_bytes(self, start: int, stop: int) -> float:
+        """Bytes a stage ``[start, stop)`` keeps for backward per micro-batch, run as one module.
+
+        The layers' ``activation_bytes`` count each saved tensor once, on the first layer that
+        saves it; a stage that starts after a cut also keeps the inputs it receives when its
+        layers save them (``kept_inputs``).
+        """
+        acts = self.prefix_activation[stop] - self.prefix_activation[start]
+        if self.kept_inputs and start > 0:
+            acts += sum(nbytes for offset, nbytes in self.kept_inputs[start] if start + offset < stop)
+        return max(0.0, acts)
 
     def stage_input_bytes(self, start: int) -> float:
         """Bytes a stage starting at layer ``start`` receives per micro-batch (kept when recomputing)."""
@@ -103,6 +121,12 @@ def layer_costs(profile: Profile, microbatch_size: int) -> LayerCosts:
     cut = tuple(interpolate(sizes, layer.transfer_bytes(), b) for layer in profile.layers)
     params = tuple(layer.param_bytes for layer in profile.layers)
     inp = interpolate(sizes, profile.input_bytes, b) if profile.input_bytes else 0.0
+    kept: tuple[tuple[tuple[int, float], ...], ...] = ()
+    if any(layer.kept_inputs for layer in profile.layers):
+        kept = tuple(
+            tuple((k.offset, interpolate(sizes, k.bytes, b, clamp=False)) for k in layer.kept_inputs or ())
+            for layer in profile.layers
+        )
     return LayerCosts(
         microbatch_size=b,
         forward_ms=fwd,
@@ -115,6 +139,7 @@ def layer_costs(profile: Profile, microbatch_size: int) -> LayerCosts:
         prefix_backward=_prefix(bwd),
         prefix_activation=_prefix(act),
         prefix_param=tuple(int(x) for x in _prefix(params)),
+        kept_inputs=kept,
     )
 
 
@@ -167,7 +192,7 @@ def rank_memory_bytes(
     stash = 0.0
     live = 0.0
     for (a, b), rc in zip(ranges, recompute, strict=True):
-        acts = costs.prefix_activation[b] - costs.prefix_activation[a]
+        acts = costs.stage_activation_bytes(a, b)
         if rc:
             stash = max(stash, costs.stage_input_bytes(a))
             live = max(live, acts)
@@ -379,6 +404,7 @@ def estimate(
         solver=solver or SolverInfo(status="given", gap=0.0),
         cluster=cluster,
         training=training,
+        split_points=list(profile.split_points),
     )
 
 
