@@ -353,7 +353,9 @@ class PlanOptions(_Model):
     """Decisions the user fixes; the solver chooses the rest (``None`` = free)."""
 
     stages: PosInt | list[StageRange] | None = Field(
-        default=None, description="a stage count, or explicit [start, stop) boundaries"
+        default=None,
+        description="the pipeline degree K (devices per pipeline; interleaved-1f1b makes K x v stages), "
+        "or explicit [start, stop) boundaries, one per stage",
     )
     num_microbatches: PosInt | None = None
     schedule: Schedule | None = None

@@ -30,8 +30,12 @@ def tree_flatten(value: Any) -> tuple[list[Any], Any]:
 
 
 def tree_unflatten(leaves: list[Any], spec: Any) -> Any:
-    """Rebuild what :func:`tree_flatten` took apart."""
-    return _pytree.tree_unflatten(leaves, spec)
+    """Rebuild what :func:`tree_flatten` took apart (a ``torch.Size`` stays one: pytree
+    itself rebuilds it as a plain tuple)."""
+    value = _pytree.tree_unflatten(leaves, spec)
+    if spec.type is torch.Size:
+        return torch.Size(value)
+    return value
 
 
 def is_leaf_spec(spec: Any) -> bool:

@@ -447,6 +447,18 @@ class SplitModel:
         return handles
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity forward; its backward makes the gradient contiguous (a pipeline sends it)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad.contiguous()
+
+
 class StageModule(nn.Module):
     """Consecutive units chained; shares their parameters.
 
@@ -476,6 +488,9 @@ class StageModule(nn.Module):
     def run_with(self, args: Sequence[Any], key: Sequence[int] | None) -> Any:
         """The forward pass, with the RNG streams of ``key`` (``None``: the current RNG)."""
         x: Any = tuple(args)
+        if self.contiguous and self.first > 0 and torch.is_grad_enabled():
+            # the gradients of a received input go back over the wire: make them contiguous too
+            x = tuple(_ContiguousGrad.apply(t) if isinstance(t, Tensor) and t.requires_grad else t for t in x)
         for i, unit in enumerate(self.units):
             if key is not None:
                 torch.manual_seed(unit_seed(key, self.first + i))
