@@ -301,8 +301,6 @@ def profile(
             f"clock 'cpu' needs one thread (num_threads=1 / --threads 1), got {num_threads}: the CPU "
             "time of one thread is the step time only when it does all the work"
         )
-    loss = loss_fn or default_loss
-
     with preserved_global_state(dev):
         threads = num_threads or torch.get_num_threads()
         torch.set_num_threads(threads)
@@ -312,36 +310,72 @@ def profile(
             (t.to(device=dev, dtype=torch_dtype) if t.is_floating_point() else t.to(device=dev)) for t in inputs
         )
         split = split_model(work, dev_inputs, split_points=split_points, keywords=kw)
-        layers = _measure(
+        result = measure_split(
             split,
             dev_inputs,
-            sizes,
-            loss=loss,
-            device=dev,
+            microbatch_sizes=sizes,
+            loss_fn=loss_fn,
             warmup=warmup,
             repeats=repeats,
             progress=progress,
             clock=clock,
+            name=name or type(model).__name__,
         )
-        input_bytes = [tensor_bytes(resize_batch(dev_inputs, b)) for b in sizes]
+    if progress:
+        print_summary(result)
+    return result
+
+
+def measure_split(
+    split: SplitModel,
+    inputs: Sequence[Tensor],
+    *,
+    microbatch_sizes: Sequence[int],
+    loss_fn: Callable[[Any], Tensor] | None = None,
+    warmup: int = 2,
+    repeats: int = 7,
+    progress: bool = False,
+    clock: str = "wall",
+    name: str | None = None,
+) -> Profile:
+    """The profile of the units of ``split`` (already on its device and dtype), measured at
+    each micro-batch size on ``inputs`` (flat, as ``split`` takes them) with the current
+    thread count.  :func:`profile` is this on a copy of the model, with the checks."""
+    sizes = sorted({int(b) for b in microbatch_sizes})
+    inputs = tuple(inputs)
+    dev = inputs[0].device
+    loss = loss_fn or default_loss
+    layers = _measure(
+        split,
+        inputs,
+        sizes,
+        loss=loss,
+        device=dev,
+        warmup=warmup,
+        repeats=repeats,
+        progress=progress,
+        clock=clock,
+    )
+    input_bytes = [tensor_bytes(resize_batch(inputs, b)) for b in sizes]
     param_bytes = split.param_bytes()
     layer_profiles = [
         LayerProfile(name=split.names[i], param_bytes=param_bytes[i], kind=split.kinds[i], **layers[i])
         for i in range(len(split))
     ]
-    result = Profile(
-        model=name or type(model).__name__,
+    dtype = next((t.dtype for t in split.model.parameters() if t.is_floating_point()), torch.float32)
+    return Profile(
+        model=name or type(split.model).__name__,
         measured_on=MeasuredOn(
             device=dev.type,
             device_name=_device_name(dev),
-            dtype=dtype_name(torch_dtype),
-            num_threads=threads,
+            dtype=dtype_name(dtype),
+            num_threads=torch.get_num_threads(),
             torch_version=torch.__version__,
         ),
         microbatch_sizes=sizes,
         input_bytes=input_bytes,
         layers=layer_profiles,
-        split_points=list(split_points or []),
+        split_points=list(split.split_points),
         metadata={
             "profiler": {
                 "warmup": warmup,
@@ -355,9 +389,6 @@ def profile(
             }
         },
     )
-    if progress:
-        print_summary(result)
-    return result
 
 
 def _parse_device(device: str) -> torch.device:

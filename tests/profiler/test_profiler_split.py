@@ -449,3 +449,110 @@ def test_control_flow_on_shapes_is_specialized_on_values_refused() -> None:
     assert torch.equal(split_model(model, x).run(x), model(x))
     with pytest.raises(InputError, match="depends on tensor values"):
         split_model(_Branchy(on_values=True), x)
+
+
+class _KeywordOnly(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor, *, mask: Tensor) -> Tensor:
+        out: Tensor = self.b(self.a(x) * mask)
+        return out
+
+
+def test_keyword_only_and_dict_inputs() -> None:
+    """``forward(x, *, mask)`` takes ``(x, mask)`` (mask bound by keyword) or a dict."""
+    from profiler.loading import check_entrypoint_result
+
+    torch.manual_seed(0)
+    model, x, mask = _KeywordOnly(), torch.randn(3, 4), torch.ones(3, 4)
+    entry = check_entrypoint_result((model, (x, mask)), spec="t")
+    assert entry.keywords == ("mask",)
+    split = split_model(model, (x, mask))
+    assert split.names == ["a", "b"] and split.keywords == ("mask",)
+    assert torch.equal(split.run(x, mask), model(x, mask=mask))
+    as_dict = check_entrypoint_result((model, {"x": x, "mask": mask}), spec="t")
+    assert as_dict.keywords == ("x", "mask") and torch.equal(as_dict.call(model, as_dict.example_inputs), model(x, mask=mask))
+    with pytest.raises(InputError, match="'mask' has no default"):
+        split_model(model, x)
+    with pytest.raises(InputError, match="'masks' is not a parameter"):
+        check_entrypoint_result((model, {"x": x, "masks": mask}), spec="t")
+
+
+class _ValueBranchInside(nn.Module):
+    """torch.export refuses the data-dependent branch in ``gate``; torch.fx keeps ``gate`` a
+    leaf, and the root tests a dtype (not a value)."""
+
+    class Gate(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            return x * 2 if x.sum() > 0 else -x
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.gate = self.Gate()
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dtype != torch.float32:
+            x = x.float()
+        out: Tensor = self.b(self.gate(self.a(x)))
+        return out
+
+
+def test_fx_captures_what_export_refuses() -> None:
+    torch.manual_seed(0)
+    model, x = _ValueBranchInside(), torch.randn(3, 4)
+    split = split_model(model, x)
+    assert split.method == "torch.fx" and split.names == ["a", "gate", "b"]
+    assert torch.equal(split.run(x), model(x)) and torch.equal(split.run(-x), model(-x))
+
+
+class _InplaceFirst(nn.Module):
+    """torchvision's ResNet root: ``ReLU(inplace=True)`` is a layer of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.relu = nn.ReLU(inplace=True)
+        self.pool = nn.MaxPool2d(2)
+        self.fc = nn.Linear(16, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.fc(torch.flatten(self.pool(self.relu(self.conv(x))), 1))
+        return out
+
+
+def test_a_unit_writing_into_its_input_clones_it() -> None:
+    torch.manual_seed(0)
+    model, x = _InplaceFirst(), torch.randn(2, 3, 4, 4)
+    split = split_model(model, x)
+    assert split.names == ["conv", "relu", "pool", "fc"]
+    # as a pipeline stage receives it: a fresh leaf that requires grad
+    h = split.units[0](x)[0].detach().requires_grad_(True)
+    out = split.units[1](h)[0]
+    out.sum().backward()
+    assert h.grad is not None and torch.equal(h.grad, (h > 0).float())
+    assert not torch.equal(h, out)  # the leaf itself was not written
+    assert "clone" in split.units[1].code and "clone" not in split.units[2].code
+
+
+def test_stage_boundaries_send_contiguous_tensors() -> None:
+    """ConvNeXt in channels_last: a pipeline stage returns contiguous tensors, and the
+    gradient it sends back for its input is contiguous too."""
+    import examples.vision as vision
+
+    model, (x,), _ = vision.convnext()
+    split = split_model(model, x)
+    first = split.units[0](x)
+    assert not all(t.is_contiguous() for t in first)  # channels_last inside
+    stage = split.stage_module(0, 3, pipeline=True)
+    sent = stage(x)
+    assert all(t.is_contiguous() for t in sent)
+    received = tuple(t.detach().requires_grad_(True) for t in sent)
+    out = split.stage_module(3, 5, pipeline=True)(*received)
+    # torch.distributed.pipelining takes input gradients with autograd.grad (no layout contract)
+    grads = torch.autograd.grad(list(out), list(received), [torch.ones_like(t) for t in out])
+    assert all(g.is_contiguous() for g in grads)
