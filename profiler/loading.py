@@ -369,4 +369,4 @@ def _import_target(target: str, spec: str) -> ModuleType:
         raise InputError(f"importing {target!r} (from {spec!r}) raised {type(err).__name__}: {err}") from err
 
 
-__all__ = ["Entrypoint", "call_data_fn", "call_model", "model_inputs", "check_entrypoint_result", "check_example_inputs", "default_loss", "load_entrypoint"]
+__all__ = ["Entrypoint", "call_data_fn", "call_model", "check_entrypoint_result", "check_example_inputs", "default_loss", "load_entrypoint", "model_inputs"]

@@ -47,8 +47,6 @@ from planner.errors import InputError
 from planner.schema import LayerProfile, MeasuredOn, Profile
 from profiler.loading import call_model, check_example_inputs, default_loss, model_inputs
 from profiler.split import SplitModel, frozen_state, split_model, tensor_bytes
-
-fx_graph_empty = torch.fx.Graph()
 from profiler.summary import print_summary
 
 DTYPES = {
@@ -193,7 +191,8 @@ def state_storages(split: SplitModel) -> set[int]:
     tensors = [*split.model.parameters(), *split.model.buffers()]
     for unit in split.units:
         tensors += [*unit.parameters(), *unit.buffers()]
-        for node in getattr(unit, "graph", fx_graph_empty).nodes:
+        graph = getattr(unit, "graph", None)
+        for node in graph.nodes if graph is not None else ():
             if node.op == "get_attr":
                 value = _fetch(unit, str(node.target))
                 if isinstance(value, Tensor):

@@ -206,8 +206,8 @@ def _run_values(gm: fx.GraphModule, args: Sequence[Any], model: nn.Module) -> tu
             out = super().run_node(n)
             values[n] = _summary(out)
             if n.op == "call_module" and n.target == "_pipeplan_leaves":
-                arg = self.map_nodes_to_values(n.args, n)[0]
-                out_spec[0] = tree_flatten(arg)[1]
+                args: Any = self.map_nodes_to_values(n.args, n)
+                out_spec[0] = tree_flatten(args[0])[1]
             return out
 
     with frozen_state(model, train=True):
@@ -459,6 +459,11 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+def _contiguous_grad(t: Tensor) -> Tensor:
+    out: Tensor = _ContiguousGrad.apply(t)  # type: ignore[no-untyped-call]
+    return out
+
+
 class StageModule(nn.Module):
     """Consecutive units chained; shares their parameters.
 
@@ -490,7 +495,7 @@ class StageModule(nn.Module):
         x: Any = tuple(args)
         if self.contiguous and self.first > 0 and torch.is_grad_enabled():
             # the gradients of a received input go back over the wire: make them contiguous too
-            x = tuple(_ContiguousGrad.apply(t) if isinstance(t, Tensor) and t.requires_grad else t for t in x)
+            x = tuple(_contiguous_grad(t) if isinstance(t, Tensor) and t.requires_grad else t for t in x)
         for i, unit in enumerate(self.units):
             if key is not None:
                 torch.manual_seed(unit_seed(key, self.first + i))
@@ -574,7 +579,7 @@ def _keeps_program_order(n: fx.Node) -> bool:
         return random or bool(mutating)
     name = getattr(target, "__name__", str(target))
     if n.op == "call_method":
-        return str(target).endswith("_") and not str(target).endswith("__") or str(target) in _RNG_NAMES
+        return (str(target).endswith("_") and not str(target).endswith("__")) or str(target) in _RNG_NAMES
     if n.op == "call_function":
         return name in _RNG_NAMES or (name.endswith("_") and not name.endswith("__"))
     return False
@@ -815,9 +820,9 @@ def _partition(
         else:
             fresh = list(phs)
         if u == 0:
-            for p, new in zip(cap.inputs, fresh, strict=True):
-                env[p] = new
-                tensor_leaves[p] = [new]
+            for ph, new in zip(cap.inputs, fresh, strict=True):
+                env[ph] = new
+                tensor_leaves[ph] = [new]
         else:
             cut = cut_plans[u - 1]
             source = sources[u - 1]

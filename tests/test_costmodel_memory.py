@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from planner.costmodel import estimate, layer_costs, rank_memory_bytes
-from planner.schema import KeptInput, LayerProfile, MeasuredOn, Profile, TrainingSetup, parse_document
+from planner.schema import (
+    KeptInput,
+    LayerProfile,
+    MeasuredOn,
+    Profile,
+    TrainingSetup,
+    parse_document,
+)
 
 
 def _profile(kept: dict[int, list[KeptInput]]) -> Profile:
@@ -17,7 +24,7 @@ def _profile(kept: dict[int, list[KeptInput]]) -> Profile:
             LayerProfile(name=f"l{i}", param_bytes=0, forward_ms=[1, 2], backward_ms=[2, 4],
                          activation_bytes=[100, 200], output_bytes=[10, 20], kept_inputs=kept.get(i))
             for i in range(4)
-        ],  # fmt: skip
+        ],
     )
 
 

@@ -24,7 +24,7 @@ def _v1_profile() -> dict:
             {"name": n, "param_bytes": 8, "forward_ms": [1, 2], "backward_ms": [2, 4],
              "activation_bytes": [10, 20], "output_bytes": [4, 8]}
             for n in ("embed", "blocks.4", "head")
-        ],  # fmt: skip
+        ],
         "metadata": {"profiler": {"split_points": ["blocks.4", "head"]}},
     }
 
