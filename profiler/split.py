@@ -349,7 +349,9 @@ class SplitModel:
     #: rebuilds the model output from the last unit's tensors
     out_spec: Any = None
     out_leaves: tuple[_LeafPlan, ...] = ()
-    #: (leaf module, call index) of each unit's first layer call, for :meth:`seed_hooks`
+    #: (leaf module, index of the call among all calls of that module object) of each unit's
+    #: first layer call, for :meth:`seed_hooks` (one module can have several names: T5's shared
+    #: embedding is ``encoder.embed_tokens`` and ``decoder.embed_tokens``)
     unit_starts: list[tuple[str, int]] = field(default_factory=list)
 
     def __len__(self) -> int:
@@ -421,29 +423,28 @@ class SplitModel:
         """Hooks on ``model`` (this model or another instance of it) that reseed the RNG where
         each unit starts, as :class:`StageModule` does, so the unsplit model draws the same
         random numbers as the units.  Remove them with ``h.remove()``."""
-        calls: dict[str, int] = {}
-        starts: dict[tuple[str, int], int] = {}
-        for u, start in enumerate(self.unit_starts):
+        calls: dict[int, int] = {}
+        starts: dict[tuple[int, int], int] = {}
+        modules: dict[int, nn.Module] = {}
+        for u, (name, k) in enumerate(self.unit_starts):
             if u > 0:
-                starts[start] = u
+                mod = model.get_submodule(name)
+                modules[id(mod)] = mod
+                starts[(id(mod), k)] = u
 
         def at_root(mod: nn.Module, args: Any) -> None:
             calls.clear()
             torch.manual_seed(unit_seed(streams.key(), 0))
 
-        def at_leaf(name: str) -> Callable[[nn.Module, Any], None]:
-            def hook(mod: nn.Module, args: Any) -> None:
-                k = calls.get(name, 0)
-                calls[name] = k + 1
-                u = starts.get((name, k))
-                if u is not None:
-                    torch.manual_seed(unit_seed(streams.key(), u))
-
-            return hook
+        def at_leaf(mod: nn.Module, args: Any) -> None:
+            k = calls.get(id(mod), 0)
+            calls[id(mod)] = k + 1
+            u = starts.get((id(mod), k))
+            if u is not None:
+                torch.manual_seed(unit_seed(streams.key(), u))
 
         handles = [model.register_forward_pre_hook(at_root)]
-        for name in sorted({n for n, _ in starts}):
-            handles.append(model.get_submodule(name).register_forward_pre_hook(at_leaf(name)))
+        handles += [mod.register_forward_pre_hook(at_leaf) for mod in modules.values()]
         return handles
 
 
@@ -703,12 +704,15 @@ def _partition(
     # --- names of the layer calls
     counts: dict[str, int] = {}
     anchor_names: list[str] = []
-    call_index: list[int] = []
+    call_index: list[int] = []  # the call's index among the calls of the same module object
+    object_calls: dict[int, int] = {}
     for leaf, _key in occurrences:
         k = counts.get(leaf, 0)
         counts[leaf] = k + 1
         anchor_names.append(leaf if k == 0 else f"{leaf}#{k}")
-        call_index.append(k)
+        obj = id(model.get_submodule(leaf))
+        call_index.append(object_calls.get(obj, 0))
+        object_calls[obj] = object_calls.get(obj, 0) + 1
 
     # --- choose the cuts
     notes: list[str] = []

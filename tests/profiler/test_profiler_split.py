@@ -556,3 +556,53 @@ def test_stage_boundaries_send_contiguous_tensors() -> None:
     # torch.distributed.pipelining takes input gradients with autograd.grad (no layout contract)
     grads = torch.autograd.grad(list(out), list(received), [torch.ones_like(t) for t in out])
     assert all(g.is_contiguous() for g in grads)
+
+
+class _DropBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.drop(self.fc(x))
+        return out
+
+
+class _SharedBlockTwice(nn.Module):
+    """One block (with dropout) under two names, as T5's shared embedding is
+    ``encoder.embed_tokens`` and ``decoder.embed_tokens``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        block = _DropBlock()
+        self.first = nn.ModuleList([block])
+        self.second = nn.ModuleList([block])
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.second[0](torch.tanh(self.first[0](x)))
+        return out
+
+
+def test_random_streams_are_the_same_in_the_units_and_the_model() -> None:
+    from profiler.split import RngStreams
+
+    torch.manual_seed(0)
+    model, x = _SharedBlockTwice(), torch.randn(16, 8)
+    split = split_model(model, x)
+    assert split.names == ["first.0", "second.0"]
+    streams = RngStreams(seed=7, step=2, microbatch=1)
+    stage = split.stage_module(0, 2)
+    stage.rng = streams
+    hooks = split.seed_hooks(model, streams)
+    for microbatch in range(3):
+        streams.microbatch = microbatch
+        got, want = stage(x), model(x)
+        assert torch.equal(got, want)
+        assert (got == 0).any()  # dropout really dropped something
+    for h in hooks:
+        h.remove()
+    streams.microbatch = 0
+    first = stage(x)
+    streams.microbatch = 1
+    assert not torch.equal(stage(x), first)  # another micro-batch, another mask
