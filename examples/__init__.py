@@ -1,4 +1,12 @@
-"""The model zoo: small, seeded, dropout-free PyTorch models with no-argument entry points.
+"""The model zoo: small, seeded PyTorch models with no-argument entry points.
+
+* ``examples.hf`` -- Hugging Face transformers models from tiny configurations (needs the
+  ``models`` extra): ``gpt2``, ``llama``, ``qwen2``, ``mixtral`` (MoE), ``bert``, ``t5``, ``vit``,
+  with their default dropout, called with keyword arguments and returning ``ModelOutput``;
+* ``examples.vision`` -- CNNs written as torchvision and timm write them: ``resnet``,
+  ``mobilenet``, ``convnext`` (channels_last, stochastic depth), ``densenet``, ``googlenet``;
+
+and the original dropout-free ones:
 
 * ``examples.gpt:tiny`` / ``:small`` -- GPT-style decoder: ``ModuleList`` of blocks called
   with keyword arguments, LM head tied to the token embedding, cross-entropy loss;
