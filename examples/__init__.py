@@ -16,7 +16,7 @@ and the original dropout-free ones:
 * ``examples.amoebanet:tiny`` / ``:small`` -- cell network whose cells read the two previous
   outputs, plus skips spanning several cells.
 
-Each module also has a config dataclass and ``build(config)`` for other sizes.
+The original three also have a config dataclass and ``build(config)`` for other sizes.
 ``examples/profiles/`` holds profiles: ``tiny.json`` (hand-written) and ``gpt-tiny-cpu.json``
 (measured with ``pipeplan profile --model examples.gpt:tiny --threads 1``).
 """
