@@ -103,7 +103,7 @@ def zoo(args: argparse.Namespace) -> int:
     """The ``--zoo`` table (see the module docstring)."""
     import warnings
 
-    from profiler.split import CutWarning, default_leaves
+    from profiler.split import CutWarning
 
     device = torch.device(args.device)
     rows = []
@@ -130,10 +130,9 @@ def zoo(args: argparse.Namespace) -> int:
             steps.append(step_ms(entry, args.batch, device, warmup=args.warmup, repeats=args.repeats, clock=args.clock))
         merged = sum(issubclass(w.category, CutWarning) for w in caught)
         p1 = profiles[0]
-        called = [leaf for leaf in default_leaves(entry.model) if any(a == leaf for a in p1.layer_names())]
         predicted = statistics.median(sum(layer_totals(p, 0)) for p in profiles)
         measured = statistics.median(steps)
-        row = [spec, p1.num_layers, len(called), merged, statistics.median(wall), predicted, measured, measured / predicted]
+        row = [spec, p1.num_layers, merged, statistics.median(wall), predicted, measured, measured / predicted]
         if args.pipeline:
             meas, pred, split = pipeline_ratio(spec, p1, args.batch)
             row += [split, pred, meas, meas / pred]
@@ -150,9 +149,9 @@ def zoo(args: argparse.Namespace) -> int:
     print(head)
     print("-" * len(head))
     for r in rows:
-        line = f"{r[0]:<26}{r[1]:>7}{r[3]:>7}{r[4]:>10.1f}{r[5]:>9.2f}{r[6]:>9.2f}{r[7]:>10.2f}"
+        line = f"{r[0]:<26}{r[1]:>7}{r[2]:>7}{r[3]:>10.1f}{r[4]:>9.2f}{r[5]:>9.2f}{r[6]:>10.2f}"
         if args.pipeline:
-            line += f"  {r[8]:<20}{r[9]:>9.2f}{r[10]:>9.2f}{r[11]:>10.2f}"
+            line += f"  {r[7]:<20}{r[8]:>9.2f}{r[9]:>9.2f}{r[10]:>10.2f}"
         print(line)
     return 0
 
