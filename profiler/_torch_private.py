@@ -32,10 +32,25 @@ def tree_flatten(value: Any) -> tuple[list[Any], Any]:
 def tree_unflatten(leaves: list[Any], spec: Any) -> Any:
     """Rebuild what :func:`tree_flatten` took apart (a ``torch.Size`` stays one: pytree
     itself rebuilds it as a plain tuple)."""
-    value = _pytree.tree_unflatten(leaves, spec)
+    return _sizes(_pytree.tree_unflatten(leaves, spec), spec)
+
+
+def _sizes(value: Any, spec: Any) -> Any:
+    """``value`` with every ``torch.Size`` of ``spec`` a ``torch.Size`` again."""
     if spec.type is torch.Size:
         return torch.Size(value)
+    children = spec.children_specs
+    if not any(_has_size(c) for c in children):
+        return value
+    if spec.type in (tuple, list):
+        return spec.type(_sizes(v, c) for v, c in zip(value, children, strict=True))
+    if spec.type is dict:
+        return {k: _sizes(value[k], c) for k, c in zip(spec.context, children, strict=True)}
     return value
+
+
+def _has_size(spec: Any) -> bool:
+    return spec.type is torch.Size or any(_has_size(c) for c in spec.children_specs)
 
 
 def is_leaf_spec(spec: Any) -> bool:
