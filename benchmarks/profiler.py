@@ -12,8 +12,16 @@ For each example model (``examples.gpt``, ``examples.resnet``, ``examples.amoeba
 * **CUDA** (``--device cuda``): per block, the saved-tensor hook bytes against the peak of
   ``max_memory_allocated`` during its forward.
 
+``--zoo``: the real-model zoo (``examples.hf``, ``examples.vision``), per model: the layer count
+and whether every block is a layer, the wall time of ``profile`` (capture + measuring), the
+measured / predicted step time of one process (a whole unsplit training step against the
+profile's sum of layers, alternated as above), and of a 2-rank 1F1B pipeline (``pipeplan
+run`` on gloo, median step after the warm-up against the plan's prediction; ``--no-pipeline``
+skips it).
+
     OMP_NUM_THREADS=1 python benchmarks/profiler.py [--size tiny|small] [--batch 8]
         [--device cpu|cuda] [--threads 1] [--clock wall|cpu] [--repeats 7] [--rounds 5]
+    OMP_NUM_THREADS=1 python benchmarks/profiler.py --zoo [--batch 4] [--no-pipeline]
 """
 
 from __future__ import annotations
@@ -35,6 +43,10 @@ from profiler.loading import load_entrypoint
 from profiler.measure import profile, resize_batch
 
 MODELS = ("examples.gpt", "examples.resnet", "examples.amoebanet")
+ZOO = (
+    *(f"examples.hf:{n}" for n in ("gpt2", "llama", "qwen2", "mixtral", "bert", "t5", "vit")),
+    *(f"examples.vision:{n}" for n in ("resnet", "mobilenet", "convnext", "densenet", "googlenet")),
+)
 
 
 def step_ms(entry: Any, batch: int, device: torch.device, *, warmup: int, repeats: int, clock: str = "wall") -> float:
@@ -48,7 +60,7 @@ def step_ms(entry: Any, batch: int, device: torch.device, *, warmup: int, repeat
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = now()
-        entry.loss(model(*inputs)).backward()
+        entry.loss(entry.call(model, inputs)).backward()
         if device.type == "cuda":
             torch.cuda.synchronize()
         if r >= warmup:
@@ -58,6 +70,90 @@ def step_ms(entry: Any, batch: int, device: torch.device, *, warmup: int, repeat
 
 def layer_totals(p: Any, k: int) -> list[float]:
     return [layer.forward_ms[k] + layer.backward_ms[k] for layer in p.layers]
+
+
+def pipeline_ratio(spec: str, prof: Any, batch: int, steps: int = 5) -> tuple[float, float, str]:
+    """Measured and predicted step ms of the solver's 1F1B K=2 plan (M=4) on 2 gloo ranks."""
+    import json
+    import subprocess
+    import tempfile
+
+    from planner.schema import parse_document
+    from planner.solver import solve
+
+    cluster = parse_document("cluster", {"devices": 2, "device_type": "cpu", "intra_node": "loopback"})
+    training = parse_document("training", {"global_batch_size": 4 * batch, "optimizer": "sgd"})
+    options = parse_document("options", {"stages": 2, "data_parallel": 1, "num_microbatches": 4, "schedule": "1f1b"})
+    plan = solve(prof, cluster, training, options)
+    root = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        plan_file, report_file = Path(tmp, "plan.json"), Path(tmp, "report.json")
+        plan_file.write_text(plan.model_dump_json())
+        cmd = [sys.executable, "-m", "pipeplan", "run", "--plan", str(plan_file), "--model", spec,
+               "--steps", str(steps), "--report", str(report_file), "--timeout", "300"]  # fmt: skip
+        proc = subprocess.run(cmd, cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{spec}: pipeplan run failed: {proc.stderr[-500:]}")
+        report = json.loads(report_file.read_text())
+    split = ",".join(f"{s.start}:{s.stop}" for s in plan.stages)
+    return float(report["measured_step_ms"]), plan.predicted.step_time_ms, split
+
+
+def zoo(args: argparse.Namespace) -> int:
+    """The ``--zoo`` table (see the module docstring)."""
+    import warnings
+
+    from profiler.split import CutWarning
+
+    device = torch.device(args.device)
+    rows = []
+    for spec in ZOO:
+        entry = load_entrypoint(spec)
+        kw = dict(
+            microbatch_sizes=(args.batch,),
+            device=args.device,
+            loss_fn=entry.loss_fn,
+            warmup=args.warmup,
+            repeats=args.repeats,
+            num_threads=args.threads,
+            progress=False,
+            clock=args.clock,
+            keywords=entry.keywords,
+        )
+        profiles, steps, wall = [], [], []
+        for _ in range(args.rounds):
+            t0 = time.perf_counter()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", CutWarning)
+                profiles.append(profile(entry.model, entry.example_inputs, **kw))
+            wall.append(time.perf_counter() - t0)
+            steps.append(step_ms(entry, args.batch, device, warmup=args.warmup, repeats=args.repeats, clock=args.clock))
+        merged = sum(issubclass(w.category, CutWarning) for w in caught)
+        p1 = profiles[0]
+        predicted = statistics.median(sum(layer_totals(p, 0)) for p in profiles)
+        measured = statistics.median(steps)
+        row = [spec, p1.num_layers, merged, statistics.median(wall), predicted, measured, measured / predicted]
+        if args.pipeline:
+            meas, pred, split = pipeline_ratio(spec, p1, args.batch)
+            row += [split, pred, meas, meas / pred]
+        rows.append(row)
+        print(f"  {spec}: done", file=sys.stderr, flush=True)
+    print(
+        f"zoo: micro-batch {args.batch}, {args.device}, {args.threads} thread(s), clock {args.clock}, {args.repeats} "
+        f"repeats x {args.rounds} rounds (torch {torch.__version__}); host load average {os.getloadavg()[0]:.1f} "
+        f"on {os.cpu_count()} CPUs"
+    )
+    head = f"{'model':<26}{'layers':>7}{'merged':>7}{'profile s':>10}{'pred ms':>9}{'meas ms':>9}{'meas/pred':>10}"
+    if args.pipeline:
+        head += f"  {'1F1B K=2 M=4 split':<20}{'pred ms':>9}{'meas ms':>9}{'meas/pred':>10}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        line = f"{r[0]:<26}{r[1]:>7}{r[2]:>7}{r[3]:>10.1f}{r[4]:>9.2f}{r[5]:>9.2f}{r[6]:>10.2f}"
+        if args.pipeline:
+            line += f"  {r[7]:<20}{r[8]:>9.2f}{r[9]:>9.2f}{r[10]:>10.2f}"
+        print(line)
+    return 0
 
 
 def main() -> int:
@@ -70,8 +166,12 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5, help="profiles (and step timings) per model")
+    ap.add_argument("--zoo", action="store_true", help="the real-model zoo table instead (see above)")
+    ap.add_argument("--no-pipeline", dest="pipeline", action="store_false", help="--zoo: skip the 2-rank runs")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.zoo:
+        return zoo(args)
     device = torch.device(args.device)
     rows = []
     cuda_rows = []

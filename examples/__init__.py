@@ -1,4 +1,12 @@
-"""The model zoo: small, seeded, dropout-free PyTorch models with no-argument entry points.
+"""The model zoo: small, seeded PyTorch models with no-argument entry points.
+
+* ``examples.hf`` -- Hugging Face transformers models from tiny configurations (needs the
+  ``models`` extra): ``gpt2``, ``llama``, ``qwen2``, ``mixtral`` (MoE), ``bert``, ``t5``, ``vit``,
+  with their default dropout, called with keyword arguments and returning ``ModelOutput``;
+* ``examples.vision`` -- CNNs written as torchvision and timm write them: ``resnet``,
+  ``mobilenet``, ``convnext`` (channels_last, stochastic depth), ``densenet``, ``googlenet``;
+
+and the original dropout-free ones:
 
 * ``examples.gpt:tiny`` / ``:small`` -- GPT-style decoder: ``ModuleList`` of blocks called
   with keyword arguments, LM head tied to the token embedding, cross-entropy loss;
@@ -8,7 +16,7 @@
 * ``examples.amoebanet:tiny`` / ``:small`` -- cell network whose cells read the two previous
   outputs, plus skips spanning several cells.
 
-Each module also has a config dataclass and ``build(config)`` for other sizes.
+The original three also have a config dataclass and ``build(config)`` for other sizes.
 ``examples/profiles/`` holds profiles: ``tiny.json`` (hand-written) and ``gpt-tiny-cpu.json``
 (measured with ``pipeplan profile --model examples.gpt:tiny --threads 1``).
 """

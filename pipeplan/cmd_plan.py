@@ -25,7 +25,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     cli_args.add_cluster_args(p)
     cli_args.add_training_args(p)
     g = p.add_argument_group("decisions to fix (the solver chooses the rest)")
-    g.add_argument("--stages", help="a stage count (4) or explicit ranges (0:10,10:24,24:50)")
+    g.add_argument(
+        "--stages",
+        help="the number of stages (4: with --virtual-stages v, K = 4/v devices per pipeline, else K = 4 "
+        "and no interleaving) or explicit ranges (0:10,10:24,24:50)",
+    )
+    g.add_argument(
+        "--pipeline-degree",
+        type=int,
+        metavar="K",
+        help="devices per pipeline; the solver may still interleave v chunks on each (K x v stages)",
+    )
     g.add_argument("--microbatches", type=int, help="micro-batches per step (M)")
     g.add_argument(
         "--schedule",
@@ -53,9 +63,31 @@ def options_from_args(args: argparse.Namespace) -> PlanOptions:
     from planner.schema import parse_document
 
     data: dict[str, object] = {"time_limit_s": args.time_limit}
+    pipeline_degree = getattr(args, "pipeline_degree", None)
+    if args.stages is not None and pipeline_degree is not None:
+        raise InputError(
+            f"give either --stages {args.stages} (stages) or --pipeline-degree {pipeline_degree} (devices per "
+            "pipeline), not both"
+        )
+    if pipeline_degree is not None:
+        if pipeline_degree < 1:
+            raise InputError(f"--pipeline-degree {pipeline_degree}: give a positive number of devices")
+        data["stages"] = pipeline_degree
     if args.stages is not None:
         stages = cli_args.parse_stages(args.stages)
-        data["stages"] = stages if isinstance(stages, int) else [r.model_dump() for r in stages]
+        if isinstance(stages, int):
+            # a count of stages: K = stages / v, and no interleaving unless --virtual-stages says so
+            v = args.virtual_stages or 1
+            if stages % v:
+                raise InputError(
+                    f"--stages {stages} with --virtual-stages {v}: the stage count must be a multiple of the "
+                    f"chunks per device (K = stages / v devices per pipeline)"
+                )
+            data["stages"] = stages // v
+            if args.virtual_stages is None:
+                data["virtual_stages"] = 1
+        else:
+            data["stages"] = [r.model_dump() for r in stages]
     if args.microbatches is not None:
         data["num_microbatches"] = args.microbatches
     if args.schedule != "auto":

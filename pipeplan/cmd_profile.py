@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -52,13 +53,36 @@ def parse_sizes(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    import sys
+    import warnings
+
     sizes = parse_sizes(args.microbatch_sizes)
     from profiler.loading import load_entrypoint
     from profiler.measure import profile
+    from profiler.split import CutWarning
 
     entry = load_entrypoint(args.model)
     split_points = [x.strip() for x in args.split_points.split(",") if x.strip()] if args.split_points else None
-    result = profile(
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CutWarning)
+        result = _profile(profile, entry, args, sizes, split_points)
+    for w in caught:
+        if issubclass(w.category, CutWarning):
+            print(f"warning: {w.message}", file=sys.stderr)
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    text = result.model_dump_json(indent=1)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+        print(f"profile of {result.num_layers} layers written to {args.output} (sha256 {result.sha256()[:12]})")
+    else:
+        print(text)
+    return 0
+
+
+def _profile(profile: Any, entry: Any, args: argparse.Namespace, sizes: list[int], split_points: list[str] | None) -> Any:
+    return profile(
         entry.model,
         entry.example_inputs,
         microbatch_sizes=sizes,
@@ -72,12 +96,5 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.quiet,
         name=args.name or args.model,
         clock=args.clock,
+        keywords=entry.keywords,
     )
-    text = result.model_dump_json(indent=1)
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
-        print(f"profile of {result.num_layers} layers written to {args.output} (sha256 {result.sha256()[:12]})")
-    else:
-        print(text)
-    return 0

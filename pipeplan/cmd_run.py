@@ -79,7 +79,9 @@ def run(args: argparse.Namespace) -> int:
     model = _model_spec(args.model)
     # refuse a plan that does not fit the model before starting any process
     entry = load_entrypoint(model)
-    split = split_model(entry.model, entry.example_inputs)
+    split = split_model(
+        entry.model, entry.example_inputs, split_points=plan.split_points or None, keywords=entry.keywords
+    )
     check_plan_matches(
         plan,
         layer_names=split.names,

@@ -47,10 +47,11 @@ from planner.simulator import (
 )
 
 
-def interpolate(sizes: Sequence[int], values: Sequence[float], b: float) -> float:
-    """Value at micro-batch size ``b`` of one series measured at ``sizes`` (physical fit,
-    :func:`planner.scaling.at_size`)."""
-    return scaling.at_size(sizes, values, b)
+def interpolate(sizes: Sequence[int], values: Sequence[float], b: float, *, clamp: bool = True) -> float:
+    """Value at micro-batch size ``b`` of one series measured at ``sizes``: the physical fit
+    (:func:`planner.scaling.at_size`), or with ``clamp=False`` a signed correction read
+    linearly (:func:`planner.scaling.linear`)."""
+    return scaling.at_size(sizes, values, b) if clamp else scaling.linear(sizes, values, b)
 
 
 @dataclass(frozen=True)
@@ -74,10 +75,25 @@ class LayerCosts:
     prefix_backward: tuple[float, ...]
     prefix_activation: tuple[float, ...]
     prefix_param: tuple[int, ...]
+    #: per layer: (offset, bytes) a stage starting there keeps of its own inputs once it
+    #: reaches layer + offset (``LayerProfile.kept_inputs``); empty tuples when not profiled
+    kept_inputs: tuple[tuple[tuple[int, float], ...], ...] = ()
 
     @property
     def num_layers(self) -> int:
         return len(self.forward_ms)
+
+    def stage_activation_bytes(self, start: int, stop: int) -> float:
+        """Bytes a stage ``[start, stop)`` keeps for backward per micro-batch, run as one module.
+
+        The layers' ``activation_bytes`` count each saved tensor once, on the first layer that
+        saves it; a stage that starts after a cut also keeps the inputs it receives when its
+        layers save them (``kept_inputs``).
+        """
+        acts = self.prefix_activation[stop] - self.prefix_activation[start]
+        if self.kept_inputs and start > 0:
+            acts += sum(nbytes for offset, nbytes in self.kept_inputs[start] if start + offset < stop)
+        return max(0.0, acts)
 
     def stage_input_bytes(self, start: int) -> float:
         """Bytes a stage starting at layer ``start`` receives per micro-batch (kept when recomputing)."""
@@ -98,6 +114,12 @@ def layer_costs(profile: Profile, microbatch_size: int) -> LayerCosts:
     cut = tuple(interpolate(sizes, layer.transfer_bytes(), b) for layer in profile.layers)
     params = tuple(layer.param_bytes for layer in profile.layers)
     inp = interpolate(sizes, profile.input_bytes, b) if profile.input_bytes else 0.0
+    kept: tuple[tuple[tuple[int, float], ...], ...] = ()
+    if any(layer.kept_inputs for layer in profile.layers):
+        kept = tuple(
+            tuple((k.offset, interpolate(sizes, k.bytes, b, clamp=False)) for k in layer.kept_inputs or ())
+            for layer in profile.layers
+        )
     return LayerCosts(
         microbatch_size=b,
         forward_ms=fwd,
@@ -110,6 +132,7 @@ def layer_costs(profile: Profile, microbatch_size: int) -> LayerCosts:
         prefix_backward=_prefix(bwd),
         prefix_activation=_prefix(act),
         prefix_param=tuple(int(x) for x in _prefix(params)),
+        kept_inputs=kept,
     )
 
 
@@ -168,7 +191,7 @@ def rank_memory_terms(
     """What :func:`rank_memory_bytes` reads of a rank's stages: its static bytes, and each
     stage's activations and input bytes (for searches that try many recompute choices)."""
     params = sum(costs.prefix_param[b] - costs.prefix_param[a] for a, b in ranges)
-    acts = [costs.prefix_activation[b] - costs.prefix_activation[a] for a, b in ranges]
+    acts = [costs.stage_activation_bytes(a, b) for a, b in ranges]
     inputs = [costs.stage_input_bytes(a) for a, _ in ranges]
     return static_bytes(params, training), acts, inputs
 
@@ -392,6 +415,7 @@ def estimate(
         cluster=cluster,
         training=training,
         notes=[note] if (note := scaling.extrapolation_note(profile.microbatch_sizes, b)) else [],
+        split_points=list(profile.split_points),
     )
 
 

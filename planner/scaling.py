@@ -139,6 +139,23 @@ def at_size(
     return evaluate(sizes, fit(sizes, values, spread=spread), b)
 
 
+def linear(sizes: Sequence[int], values: Sequence[float], b: float) -> float:
+    """A signed correction (e.g. ``KeptInput.bytes``, negative for a slice) read at ``b``:
+    linear between measured sizes and along the nearest segment outside them, not fitted (the
+    constraints of the module doc are for costs, not for corrections to them)."""
+    if len(sizes) == 1:
+        return float(values[0]) * b / sizes[0]
+    if b <= sizes[0]:
+        i = 0
+    elif b >= sizes[-1]:
+        i = len(sizes) - 2
+    else:
+        i = next(j for j in range(len(sizes) - 1) if sizes[j] <= b <= sizes[j + 1])
+    x0, x1 = sizes[i], sizes[i + 1]
+    y0, y1 = float(values[i]), float(values[i + 1])
+    return y0 + (y1 - y0) * (b - x0) / (x1 - x0)
+
+
 def extrapolation_note(sizes: Sequence[int], b: int) -> str | None:
     """A sentence for plans whose micro-batch size ``b`` lies beyond the measured sizes, else None."""
     largest = max(sizes)

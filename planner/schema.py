@@ -2,7 +2,8 @@
 
 One definition each.  The CLI, the API (request and response bodies, OpenAPI) and
 ``pipeplan schema`` all use these classes.  Documents are versioned with
-``schema_version``; a reader refuses versions it does not know.
+``schema_version``; a reader migrates older versions it knows (profile and plan version
+1: see :func:`_migrate_v1`) and refuses the others.
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ from planner.limits import (
 from planner.presets import DEVICES, INTERCONNECTS, OPTIMIZERS, unknown_preset
 from planner.units import parse_bytes
 
-SCHEMA_VERSION: Literal[1] = 1
+SCHEMA_VERSION: Literal[2] = 2
+#: versions a reader accepts (older ones are migrated when read)
+READABLE_VERSIONS = (1, 2)
 
 Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
 SCHEDULES: tuple[Schedule, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
@@ -80,6 +83,16 @@ class MeasuredOn(_Model):
     torch_version: str | None = None
 
 
+class KeptInput(_Model):
+    """Bytes of a stage's input tensors that the stage keeps for backward (see ``LayerProfile``)."""
+
+    offset: NonNegInt = Field(description="counts when the stage holds layer index + offset")
+    bytes: list[int] = Field(
+        description="per micro-batch size (parallel to microbatch_sizes); negative when the input "
+        "arrives smaller than the tensor activation_bytes counted (a slice of a larger one)"
+    )
+
+
 class LayerProfile(_Model):
     """One executable unit of the model.  Lists are parallel to ``Profile.microbatch_sizes``."""
 
@@ -106,6 +119,12 @@ class LayerProfile(_Model):
     )
     flops: list[NonNegFloat] | None = None
     kind: str | None = Field(default=None, description="module type, informational")
+    kept_inputs: list[KeptInput] | None = Field(
+        default=None,
+        description="what a stage starting at this layer keeps of its own inputs for backward, beyond "
+        "activation_bytes (which counts each saved tensor once, on the first layer that saves it); "
+        "each entry counts once the stage reaches layer index + offset",
+    )
 
     def transfer_bytes(self) -> list[int]:
         """Bytes a cut right after this layer moves (skip connections included)."""
@@ -128,7 +147,7 @@ _PARALLEL_FIELDS = (
 class Profile(_Model):
     """A traced model: per-layer costs at several micro-batch sizes."""
 
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Literal[2] = SCHEMA_VERSION
     model: str = Field(min_length=1)
     measured_on: MeasuredOn
     microbatch_sizes: list[PosInt] = Field(min_length=1)
@@ -136,7 +155,16 @@ class Profile(_Model):
         default=None, description="bytes of the model input per micro-batch, parallel list"
     )
     layers: list[LayerProfile] = Field(min_length=1)
+    split_points: list[str] = Field(
+        default_factory=list,
+        description="module names the model was cut before (pipeplan profile --split-points); empty: every block",
+    )
     metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _migrate(cls, data: Any) -> Any:
+        return _migrate_v1("profile", data)
 
     @model_validator(mode="after")
     def _check_shapes(self) -> Profile:
@@ -159,6 +187,16 @@ class Profile(_Model):
                     raise ValueError(
                         f"layers[{i}].{field} has {len(values)} entries but microbatch_sizes "
                         f"{sizes} has {n}: give one value per measured micro-batch size"
+                    )
+            for j, kept in enumerate(layer.kept_inputs or ()):
+                if len(kept.bytes) != n:
+                    raise ValueError(
+                        f"layers[{i}].kept_inputs[{j}].bytes has {len(kept.bytes)} entries but "
+                        f"microbatch_sizes {sizes} has {n}: give one value per measured micro-batch size"
+                    )
+                if i + kept.offset >= len(self.layers):
+                    raise ValueError(
+                        f"layers[{i}].kept_inputs[{j}].offset {kept.offset} points past the last layer"
                     )
         return self
 
@@ -334,7 +372,11 @@ class PlanOptions(_Model):
 
     stages: Annotated[int, Field(ge=1, le=MAX_DEVICES)] | Annotated[
         list[StageRange], Field(max_length=MAX_LAYERS)
-    ] | None = Field(default=None, description="a stage count, or explicit [start, stop) boundaries")
+    ] | None = Field(
+        default=None,
+        description="the pipeline degree K (devices per pipeline; interleaved-1f1b makes K x v stages), "
+        "or explicit [start, stop) boundaries, one per stage",
+    )
     num_microbatches: Annotated[int, Field(ge=1, le=MAX_MICROBATCHES)] | None = None
     schedule: Schedule | None = None
     recompute: bool | Annotated[list[bool], Field(max_length=MAX_LAYERS)] | None = Field(
@@ -382,7 +424,7 @@ class SolverInfo(_Model):
 class Plan(_Model):
     """A pipeline-parallel execution plan for one model on one cluster."""
 
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Literal[2] = SCHEMA_VERSION
     model: str
     profile_sha256: str = Field(min_length=64, max_length=64)
     num_layers: PosInt
@@ -402,6 +444,15 @@ class Plan(_Model):
         default_factory=list,
         description="caveats of the prediction, e.g. a micro-batch size beyond the profiled ones",
     )
+    split_points: list[str] = Field(
+        default_factory=list,
+        description="the profile's split points: the runtime cuts the model there (empty: every block)",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _migrate(cls, data: Any) -> Any:
+        return _migrate_v1("plan", data)
 
     @model_validator(mode="after")
     def _consistent(self) -> Plan:
@@ -537,6 +588,25 @@ DOCUMENTS: Mapping[str, type[BaseModel]] = MappingProxyType({
 })
 
 
+def _migrate_v1(kind: str, data: Any) -> Any:
+    """Read a version-1 profile or plan as version 2.
+
+    Version 2 added the profile's ``split_points`` (version 1 kept them in
+    ``metadata.profiler.split_points``), per-layer ``kept_inputs`` (absent: none) and the
+    plan's ``split_points`` (absent: every block).
+    """
+    if not isinstance(data, dict) or data.get("schema_version") != 1:
+        return data
+    out = dict(data, schema_version=2)
+    if kind == "profile" and "split_points" not in out:
+        meta = out.get("metadata")
+        profiler = meta.get("profiler") if isinstance(meta, dict) else None
+        points = profiler.get("split_points") if isinstance(profiler, dict) else None
+        if isinstance(points, list):
+            out["split_points"] = list(points)
+    return out
+
+
 def format_validation_error(err: ValidationError, what: str) -> InputError:
     """Turn a pydantic error into an :class:`InputError` naming each field path and value."""
     lines = []
@@ -562,10 +632,10 @@ def parse_document(kind: str, data: Any, *, source: str = "") -> Any:
     what = f"{kind} {source}".strip()
     if isinstance(data, dict) and "schema_version" in data and "schema_version" in cls.model_fields:
         version = data["schema_version"]
-        if version != SCHEMA_VERSION:
+        if version not in READABLE_VERSIONS:
             raise InputError(
                 f"invalid {what}: schema_version {version!r} is not supported; this pipeplan "
-                f"reads version {SCHEMA_VERSION} (regenerate the file with this version)",
+                f"reads versions {', '.join(map(str, READABLE_VERSIONS))} (regenerate the file with this version)",
                 [{"loc": "schema_version", "msg": "unsupported version", "input": version}],
             )
     try:

@@ -5,7 +5,10 @@
 * ``profiler.profile(model, example_inputs, *, microbatch_sizes=..., device=...)`` -> ``Profile``
   (:mod:`profiler.measure`);
 * ``profiler.split_model(model, example_inputs, *, split_points=None)`` -> ``SplitModel``, the
-  executable units shared with the runtime (:mod:`profiler.split`);
+  executable units shared with the runtime (:mod:`profiler.split`; captured by
+  :mod:`profiler.capture`), warning with ``CutWarning`` where a block boundary cannot be cut;
+* ``profiler.stage_saved_bytes(split, batch, ranges)``: what each stage really keeps for
+  backward, the truth the profile's memory predicts;
 * ``profiler.load_entrypoint("examples.gpt:tiny")`` -> ``Entrypoint`` (:mod:`profiler.loading`);
 * ``profiler.synth_transformer(...)`` -> an analytic ``Profile`` (:mod:`profiler.synth`, torch-free).
 """
@@ -17,6 +20,10 @@ from typing import Any
 
 _LAZY = {
     "profile": "profiler.measure",
+    "measure_split": "profiler.measure",
+    "stage_saved_bytes": "profiler.measure",
+    "CutWarning": "profiler.split",
+    "RngStreams": "profiler.split",
     "split_model": "profiler.split",
     "split_for_profile": "profiler.split",
     "SplitModel": "profiler.split",

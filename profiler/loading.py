@@ -4,13 +4,17 @@
 ``(model, example_inputs, loss_fn)`` or ``(model, example_inputs, loss_fn, data_fn)``:
 
 * ``model`` is a ``torch.nn.Module``;
-* ``example_inputs`` is a tensor or a tuple/list of tensors, each with a leading batch
-  dimension (the profiler re-slices or repeats them to each micro-batch size);
+* ``example_inputs`` is a tensor, a tuple/list of tensors (positional arguments), or a dict
+  of tensors (keyword arguments, e.g. ``{"input_ids": ids}`` for a Hugging Face model), each
+  with a leading batch dimension (the profiler re-slices or repeats them to each micro-batch
+  size).  Tensors beyond ``forward``'s positional parameters go to its keyword-only
+  parameters in order (``forward(x, *, mask)`` takes ``(x, mask)``);
 * ``loss_fn(output) -> scalar tensor`` is optional.  Without it the loss is
   :func:`default_loss`: ``output.float().mean()`` (for a tuple/list/dict output, the sum of
   that over every floating-point tensor in it).  ``None`` also means the default;
 * ``data_fn(step, batch_size) -> tensor | tuple of tensors`` is optional: the *global* batch
-  of training step ``step`` (0, 1, ...), i.e. the model's positional inputs with leading
+  of training step ``step`` (0, 1, ...), i.e. the model's inputs in the form of
+  ``example_inputs`` (a tensor, a tuple, or a dict with the same keys) with leading
   dimension ``batch_size`` and otherwise the shapes and dtypes of ``example_inputs``.  It
   must be deterministic in ``(step, batch_size)``: every rank of ``pipeplan run`` calls it
   for the same step and keeps its own data-parallel shard and micro-batches, and the
@@ -30,7 +34,7 @@ import importlib
 import importlib.util
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -74,17 +78,24 @@ class Entrypoint:
     """What ``FUNC`` returned, checked."""
 
     model: nn.Module
-    #: positional model inputs, each with a leading batch dimension (a single tensor is wrapped)
+    #: the model's inputs as one flat tuple, each with a leading batch dimension (a single
+    #: tensor is wrapped); the last ``len(keywords)`` of them are keyword arguments
     example_inputs: tuple[Tensor, ...]
     #: ``loss(output) -> scalar``; ``None`` means :func:`default_loss`
     loss_fn: Callable[[Any], Tensor] | None
     spec: str
     #: ``data_fn(step, batch_size)`` -> the global batch of a step; ``None``: synthetic data
     data_fn: Callable[[int, int], Any] | None = None
+    #: names of the trailing inputs passed by keyword (``forward(x, *, mask)``, a dict of inputs)
+    keywords: tuple[str, ...] = ()
 
     def loss(self, output: Any) -> Tensor:
         """The entry point's loss, or :func:`default_loss`."""
         return (self.loss_fn or default_loss)(output)
+
+    def call(self, model: nn.Module, inputs: Sequence[Tensor]) -> Any:
+        """``model`` on flat ``inputs`` (the form of :attr:`example_inputs`)."""
+        return call_model(model, inputs, self.keywords)
 
     def batch(self, step: int, batch_size: int) -> tuple[Tensor, ...]:
         """``data_fn(step, batch_size)``, checked against the example inputs.
@@ -93,7 +104,60 @@ class Entrypoint:
         """
         if self.data_fn is None:
             raise InputError(f"{self.spec!r} gives no data function: return (model, example_inputs, loss_fn, data_fn)")
-        return call_data_fn(self.data_fn, self.example_inputs, step=step, batch_size=batch_size, spec=self.spec)
+        return call_data_fn(
+            self.data_fn, self.example_inputs, step=step, batch_size=batch_size, spec=self.spec, keywords=self.keywords
+        )
+
+
+def call_model(model: nn.Module, inputs: Sequence[Tensor], keywords: Sequence[str] = ()) -> Any:
+    """``model(*positional, **keyword)`` from flat ``inputs`` whose last ``len(keywords)`` are keywords."""
+    n = len(inputs) - len(keywords)
+    return model(*inputs[:n], **dict(zip(keywords, inputs[n:], strict=True)))
+
+
+def model_inputs(
+    inputs: Any, model: nn.Module | None = None, *, spec: str = "the example inputs"
+) -> tuple[tuple[Tensor, ...], tuple[str, ...]]:
+    """Flat input tensors and the keyword names of the trailing ones.
+
+    ``inputs`` is a tensor, a tuple/list of tensors or a dict ``{name: tensor}``.  With the
+    ``model``, tensors beyond ``forward``'s positional parameters are bound to its
+    keyword-only parameters in order (``forward(x, *, mask)`` takes ``(x, mask)``).
+    """
+    if isinstance(inputs, Mapping):
+        bad = [k for k in inputs if not isinstance(k, str) or not k.isidentifier()]
+        if bad:
+            raise InputError(f"{spec}: example_inputs keys must be parameter names, got {bad[0]!r}")
+        flat = check_example_inputs(tuple(inputs.values()), spec=spec, names=tuple(inputs))
+        if model is not None:
+            from profiler.capture import check_bindable
+
+            check_bindable(model, 0, tuple(inputs))
+        return flat, tuple(inputs)
+    flat = check_example_inputs(inputs, spec=spec)
+    if model is None:
+        return flat, ()
+    import inspect
+
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return flat, ()
+    if any(p.kind == p.VAR_POSITIONAL for p in params):
+        return flat, ()
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    keyword_only = [p.name for p in params if p.kind == p.KEYWORD_ONLY]
+    extra = len(flat) - len(positional)
+    if extra <= 0:
+        return flat, ()
+    if extra > len(keyword_only):
+        names = ", ".join(p.name for p in positional) or "none"
+        raise InputError(
+            f"{spec}: {len(flat)} example inputs but {type(model).__name__}.forward takes {len(positional)} "
+            f"positional parameter(s) ({names}) and {len(keyword_only)} keyword-only: give one tensor per "
+            "parameter, or a dict {name: tensor} for keyword arguments"
+        )
+    return flat, tuple(keyword_only[:extra])
 
 
 def load_entrypoint(spec: str) -> Entrypoint:
@@ -142,7 +206,7 @@ def check_entrypoint_result(result: Any, *, spec: str) -> Entrypoint:
         raise InputError(
             f"{spec!r} returned {_describe(model)} as the model: the first element must be a torch.nn.Module"
         )
-    example_inputs = check_example_inputs(inputs, spec=spec)
+    example_inputs, keywords = model_inputs(inputs, model, spec=spec)
     if loss_fn is not None and not callable(loss_fn):
         raise InputError(
             f"{spec!r} returned {_describe(loss_fn)} as the loss: the third element must be a "
@@ -156,8 +220,12 @@ def check_entrypoint_result(result: Any, *, spec: str) -> Entrypoint:
                 "of that step), or return only (model, example_inputs, loss_fn) for synthetic data"
             )
         # one call now, so a data function that does not fit the model fails before any rank starts
-        call_data_fn(data_fn, example_inputs, step=0, batch_size=int(example_inputs[0].shape[0]), spec=spec)
-    return Entrypoint(model=model, example_inputs=example_inputs, loss_fn=loss_fn, spec=spec, data_fn=data_fn)
+        call_data_fn(
+            data_fn, example_inputs, step=0, batch_size=int(example_inputs[0].shape[0]), spec=spec, keywords=keywords
+        )
+    return Entrypoint(
+        model=model, example_inputs=example_inputs, loss_fn=loss_fn, spec=spec, data_fn=data_fn, keywords=keywords
+    )
 
 
 def call_data_fn(
@@ -167,10 +235,12 @@ def call_data_fn(
     step: int,
     batch_size: int,
     spec: str = "the entry point",
+    keywords: Sequence[str] = (),
 ) -> tuple[Tensor, ...]:
     """Call ``data_fn(step, batch_size)`` and check its batch against ``example_inputs``.
 
-    The batch must be a tensor or a tuple/list of tensors, one per example input, each of
+    The batch must be a tensor or a tuple/list of tensors, one per example input (or, when
+    every input is a keyword argument, a dict with the same keys), each of
     shape ``(batch_size, *example.shape[1:])`` and the example's dtype.  Anything else (or
     an exception inside the data function) is an :class:`InputError` saying what was
     expected and what came back.
@@ -188,6 +258,14 @@ def call_data_fn(
     want = ", ".join(_layout(batch_size, t) for t in example_inputs)
     if isinstance(batch, Tensor):
         batch = (batch,)
+    if isinstance(batch, Mapping):
+        if len(keywords) != len(example_inputs) or set(batch) != set(keywords):
+            raise InputError(
+                f"{call} returned a dict with keys {sorted(map(str, batch))}; expected "
+                + (f"a dict with keys {sorted(keywords)}" if len(keywords) == len(example_inputs) else "a tuple")
+                + f" like the example inputs: {want}"
+            )
+        batch = tuple(batch[k] for k in keywords)
     if not isinstance(batch, (tuple, list)) or not all(isinstance(t, Tensor) for t in batch):
         raise InputError(
             f"{call} returned {_describe(batch)}; expected a tensor or a tuple of tensors like the "
@@ -213,24 +291,27 @@ def _layout(batch_size: int | None, t: Tensor) -> str:
     return f"shape {shape} {str(t.dtype).removeprefix('torch.')}"
 
 
-def check_example_inputs(inputs: Any, *, spec: str = "the example inputs") -> tuple[Tensor, ...]:
+def check_example_inputs(
+    inputs: Any, *, spec: str = "the example inputs", names: Sequence[str] | None = None
+) -> tuple[Tensor, ...]:
     """A tensor or a sequence of tensors, each with a leading batch dimension -> a tuple."""
     if isinstance(inputs, Tensor):
         inputs = (inputs,)
     if not isinstance(inputs, (tuple, list)) or not inputs:
         raise InputError(
             f"{spec}: example_inputs is {_describe(inputs)}; give a tensor or a tuple of tensors "
-            "with a leading batch dimension (keyword arguments: give them defaults in forward)"
+            "with a leading batch dimension, or a dict {name: tensor} of keyword arguments"
         )
     for i, t in enumerate(inputs):
+        where = f"example_inputs[{names[i]!r}]" if names else f"example_inputs[{i}]"
         if not isinstance(t, Tensor):
             raise InputError(
-                f"{spec}: example_inputs[{i}] is {_describe(t)}, not a tensor; give only tensors "
+                f"{spec}: {where} is {_describe(t)}, not a tensor; give only tensors "
                 "(put constants in the model or as forward defaults)"
             )
         if t.dim() == 0:
             raise InputError(
-                f"{spec}: example_inputs[{i}] is a 0-d tensor ({t.item()!r}); every input needs a "
+                f"{spec}: {where} is a 0-d tensor ({t.item()!r}); every input needs a "
                 "leading batch dimension, e.g. x.unsqueeze(0)"
             )
     batch = {int(t.shape[0]) for t in inputs}
@@ -288,4 +369,4 @@ def _import_target(target: str, spec: str) -> ModuleType:
         raise InputError(f"importing {target!r} (from {spec!r}) raised {type(err).__name__}: {err}") from err
 
 
-__all__ = ["Entrypoint", "call_data_fn", "check_entrypoint_result", "check_example_inputs", "default_loss", "load_entrypoint"]
+__all__ = ["Entrypoint", "call_data_fn", "call_model", "check_entrypoint_result", "check_example_inputs", "default_loss", "load_entrypoint", "model_inputs"]

@@ -11,7 +11,12 @@ What is measured, per unit of :func:`profiler.split.split_model` and per micro-b
   masked gradients cost what they cost in training.  The last unit's times include the loss.
 * **activation bytes** kept for backward, through ``torch.autograd.graph.saved_tensors_hooks``:
   the saved tensors' storages, each counted once (on the first unit that saves it), without
-  parameters and buffers.
+  parameters and buffers; and **kept inputs**: a stage that starts at unit ``a`` receives its
+  inputs as fresh tensors, and keeps those that its units save although an earlier unit
+  saved them first (a ``ReLU`` saves its output, the next ``Linear`` saves it again as its
+  input).  Per unit, the bytes of such inputs and the first unit from ``a`` on that saves
+  each one (``LayerProfile.kept_inputs``), so that any stage ``[a, b)`` is predicted to keep
+  exactly what it keeps when run as one module (the cost model adds them up).
 * **output and cut bytes**: the tensors a unit sends to the next one (its own outputs,
   and also the skip connections passing through, for ``cut_bytes``).
 * **parameter bytes**, tied weights counted once.
@@ -40,8 +45,8 @@ from torch import Tensor, nn
 
 from planner.errors import InputError
 from planner.schema import LayerProfile, MeasuredOn, Profile
-from profiler.loading import check_example_inputs, default_loss
-from profiler.split import SplitModel, split_model, tensor_bytes
+from profiler.loading import call_model, check_example_inputs, default_loss, model_inputs
+from profiler.split import SplitModel, frozen_state, split_model, tensor_bytes
 from profiler.summary import print_summary
 
 DTYPES = {
@@ -120,13 +125,11 @@ class _Timer:
 
 
 def _grad_inputs(values: Sequence[Any]) -> tuple[Any, ...]:
-    """Fresh leaves for a unit's inputs: floating tensors require grad."""
+    """Fresh leaves for a unit's inputs (same storage); those that required grad still do."""
     out = []
     for v in values:
         if isinstance(v, Tensor):
-            v = v.detach()
-            if v.is_floating_point():
-                v.requires_grad_(True)
+            v = v.detach().requires_grad_(v.requires_grad)
         out.append(v)
     return tuple(out)
 
@@ -152,19 +155,30 @@ def _quartile_spread(values: Sequence[float]) -> float:
     return max(0.0, q[2] - q[0])
 
 
-class _SavedBytes:
-    """Saved-tensor hook: storages saved for backward, once each, parameters excluded."""
+class SavedBytes:
+    """Saved-tensor hook: storages saved for backward, once each, parameters excluded.
+
+    ``savers[key]`` lists the units (``unit`` at the time of saving) that saved storage ``key``.
+    """
 
     def __init__(self, exclude: set[int]) -> None:
-        self.seen = set(exclude)
+        self.exclude = set(exclude)
         self.bytes = 0
+        self.unit = 0
+        self.size: dict[int, int] = {}
+        self.savers: dict[int, list[int]] = {}
 
     def pack(self, t: Tensor) -> Tensor:
         storage = t.untyped_storage()
         key = storage.data_ptr()
-        if key not in self.seen and storage.nbytes() > 0:
-            self.seen.add(key)
+        if key in self.exclude or storage.nbytes() == 0:
+            return t
+        if key not in self.size:
+            self.size[key] = storage.nbytes()
             self.bytes += storage.nbytes()
+        units = self.savers.setdefault(key, [])
+        if not units or units[-1] != self.unit:
+            units.append(self.unit)
         return t
 
     @staticmethod
@@ -172,9 +186,54 @@ class _SavedBytes:
         return t
 
 
-def _model_storages(model: nn.Module) -> set[int]:
-    out = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    out |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+def state_storages(split: SplitModel) -> set[int]:
+    """Storages of the model's parameters, buffers and every other tensor the units read."""
+    tensors = [*split.model.parameters(), *split.model.buffers()]
+    for unit in split.units:
+        tensors += [*unit.parameters(), *unit.buffers()]
+        graph = getattr(unit, "graph", None)
+        for node in graph.nodes if graph is not None else ():
+            if node.op == "get_attr":
+                value = _fetch(unit, str(node.target))
+                if isinstance(value, Tensor):
+                    tensors.append(value)
+    return {t.untyped_storage().data_ptr() for t in tensors}
+
+
+def _fetch(module: nn.Module, target: str) -> Any:
+    obj: Any = module
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def kept_inputs(saved: SavedBytes, unit_inputs: Sequence[Sequence[Any]]) -> list[dict[int, int]]:
+    """Per unit ``a``: ``{offset: bytes}`` a stage starting at ``a`` keeps of its own inputs
+    beyond the first-saver counts, once it reaches unit ``a + offset`` (see the module doc).
+
+    An input whose storage an earlier unit saved first is received as a fresh tensor and
+    counts its full (contiguous) size at the first unit from ``a`` on that saves it; one
+    first saved at or after ``a`` is already in that unit's count, by its storage size, so
+    only the difference (a slice of a larger tensor) is added.
+    """
+    out: list[dict[int, int]] = [{} for _ in unit_inputs]
+    for a in range(1, len(unit_inputs)):
+        sizes: dict[int, int] = {}
+        for t in unit_inputs[a]:
+            if isinstance(t, Tensor) and t.numel():
+                key = t.untyped_storage().data_ptr()
+                sizes[key] = max(sizes.get(key, 0), t.numel() * t.element_size())
+        for key, nbytes in sizes.items():
+            savers = saved.savers.get(key)
+            if not savers:
+                continue
+            later = [u for u in savers if u >= a]
+            if not later:
+                continue
+            delta = nbytes - (saved.size[key] if savers[0] >= a else 0)
+            if delta:
+                offset = later[0] - a
+                out[a][offset] = out[a].get(offset, 0) + delta
     return out
 
 
@@ -191,7 +250,7 @@ def _forward_flops(unit: nn.Module, inputs: Sequence[Any]) -> float | None:
 
 def profile(
     model: nn.Module,
-    example_inputs: Tensor | Sequence[Tensor],
+    example_inputs: Any,
     *,
     microbatch_sizes: Sequence[int] = (1, 2, 4, 8),
     device: str = "cpu",
@@ -204,11 +263,13 @@ def profile(
     progress: bool = True,
     name: str | None = None,
     clock: str = "wall",
+    keywords: Sequence[str] | None = None,
 ) -> Profile:
     """Measure ``model`` per layer at each micro-batch size and return a :class:`Profile`.
 
-    ``example_inputs``: a tensor or a tuple of tensors with a leading batch dimension; it is
-    re-sliced or repeated to every size in ``microbatch_sizes``.  ``loss_fn(output)``
+    ``example_inputs``: a tensor, a tuple of tensors or a dict of keyword-argument tensors,
+    each with a leading batch dimension (or flat tensors whose last ``len(keywords)`` are
+    keyword arguments); they are re-sliced or repeated to every size in ``microbatch_sizes``.  ``loss_fn(output)``
     defaults to ``output.float().mean()``.  ``num_threads`` fixes torch's intra-op threads
     (default: the current setting); it is recorded in ``measured_on.num_threads``.
     ``split_points``: module names to cut before (default: every block).
@@ -219,7 +280,10 @@ def profile(
     thread all forward and backward work runs on the calling thread, so its CPU time is
     the wall time of an idle machine.  Recorded in ``metadata.profiler.clock``.
     """
-    inputs = check_example_inputs(example_inputs)
+    if keywords is None:
+        inputs, kw = model_inputs(example_inputs, model)
+    else:
+        inputs, kw = check_example_inputs(example_inputs), tuple(keywords)
     sizes = sorted({int(b) for b in microbatch_sizes})
     if not sizes or sizes[0] < 1:
         raise InputError(f"microbatch sizes must be positive integers, got {list(microbatch_sizes)}")
@@ -236,8 +300,6 @@ def profile(
             f"clock 'cpu' needs one thread (num_threads=1 / --threads 1), got {num_threads}: the CPU "
             "time of one thread is the step time only when it does all the work"
         )
-    loss = loss_fn or default_loss
-
     with preserved_global_state(dev):
         threads = num_threads or torch.get_num_threads()
         torch.set_num_threads(threads)
@@ -246,51 +308,86 @@ def profile(
         dev_inputs = tuple(
             (t.to(device=dev, dtype=torch_dtype) if t.is_floating_point() else t.to(device=dev)) for t in inputs
         )
-        split = split_model(work, dev_inputs, split_points=split_points)
-        layers = _measure(
+        split = split_model(work, dev_inputs, split_points=split_points, keywords=kw)
+        result = measure_split(
             split,
             dev_inputs,
-            sizes,
-            loss=loss,
-            device=dev,
+            microbatch_sizes=sizes,
+            loss_fn=loss_fn,
             warmup=warmup,
             repeats=repeats,
             progress=progress,
             clock=clock,
+            name=name or type(model).__name__,
         )
-        input_bytes = [tensor_bytes(resize_batch(dev_inputs, b)) for b in sizes]
+    if progress:
+        print_summary(result)
+    return result
+
+
+def measure_split(
+    split: SplitModel,
+    inputs: Sequence[Tensor],
+    *,
+    microbatch_sizes: Sequence[int],
+    loss_fn: Callable[[Any], Tensor] | None = None,
+    warmup: int = 2,
+    repeats: int = 7,
+    progress: bool = False,
+    clock: str = "wall",
+    name: str | None = None,
+) -> Profile:
+    """The profile of the units of ``split`` (already on its device and dtype), measured at
+    each micro-batch size on ``inputs`` (flat, as ``split`` takes them) with the current
+    thread count.  :func:`profile` is this on a copy of the model, with the checks."""
+    sizes = sorted({int(b) for b in microbatch_sizes})
+    inputs = tuple(inputs)
+    dev = inputs[0].device
+    loss = loss_fn or default_loss
+    layers = _measure(
+        split,
+        inputs,
+        sizes,
+        loss=loss,
+        device=dev,
+        warmup=warmup,
+        repeats=repeats,
+        progress=progress,
+        clock=clock,
+    )
+    input_bytes = [tensor_bytes(resize_batch(inputs, b)) for b in sizes]
     param_bytes = split.param_bytes()
     layer_profiles = [
         LayerProfile(name=split.names[i], param_bytes=param_bytes[i], kind=split.kinds[i], **layers[i])
         for i in range(len(split))
     ]
-    result = Profile(
-        model=name or type(model).__name__,
+    dtype = next((t.dtype for t in split.model.parameters() if t.is_floating_point()), torch.float32)
+    return Profile(
+        model=name or type(split.model).__name__,
         measured_on=MeasuredOn(
             device=dev.type,
             device_name=_device_name(dev),
-            dtype=dtype_name(torch_dtype),
-            num_threads=threads,
+            dtype=dtype_name(dtype),
+            num_threads=torch.get_num_threads(),
             torch_version=torch.__version__,
         ),
         microbatch_sizes=sizes,
         input_bytes=input_bytes,
         layers=layer_profiles,
+        split_points=list(split.split_points),
         metadata={
             "profiler": {
                 "warmup": warmup,
                 "repeats": repeats,
                 "clock": "cuda-events" if dev.type == "cuda" else clock,
                 "loss": "custom" if loss_fn is not None else "output.float().mean()",
-                "split_points": list(split_points or []),
+                "capture": split.method,
                 "anchors": split.anchors,
+                "merged": split.warnings,
                 "shared_parameters": [[list(x) for x in g] for g in split.shared_parameters()],
             }
         },
     )
-    if progress:
-        print_summary(result)
-    return result
 
 
 def _parse_device(device: str) -> torch.device:
@@ -329,12 +426,14 @@ def _measure(
     fields += ["forward_ms_spread", "backward_ms_spread", "flops"] + (["peak_memory_bytes"] if cuda else [])
     out: list[dict[str, Any]] = [{f: [] for f in fields} for _ in range(n)]
     timer = _Timer(device, clock)
-    model_storages = _model_storages(split.model)
+    model_storages = state_storages(split)
     bar = _progress(progress, n * len(sizes))
     try:
         for b in sizes:
             batch = resize_batch(inputs, b)
             try:
+                with frozen_state(split.model, train=True):  # the model itself, as users train it
+                    call_model(split.model, batch, split.keywords)
                 ref = reference_pass(split, batch, loss, exclude=model_storages)
             except (RuntimeError, ValueError, TypeError, IndexError) as err:
                 if isinstance(err, InputError):
@@ -346,6 +445,7 @@ def _measure(
                 ) from err
             unit_inputs, unit_outputs, upstream, act = ref.inputs, ref.outputs, ref.upstream, ref.activation_bytes
             for i in range(n):
+                out[i].setdefault("kept", []).append(ref.kept_inputs[i])
                 res = unit_outputs[i]
                 if i < n - 1:
                     mask = split.cut_produced_by_previous[i]
@@ -356,7 +456,10 @@ def _measure(
                     out[i]["output_bytes"].append(tensor_bytes(res[0]))
                     out[i]["cut_bytes"].append(tensor_bytes(res[0]))
                 out[i]["activation_bytes"].append(act[i])
-            frozen_inputs = [tuple(t.detach() if isinstance(t, Tensor) else t for t in ins) for ins in unit_inputs]
+            frozen_inputs = [
+                tuple(t.detach().requires_grad_(t.requires_grad) if isinstance(t, Tensor) else t for t in ins)
+                for ins in unit_inputs
+            ]
             del unit_outputs, unit_inputs, ref  # free the reference pass's activations
             # --- timing: whole training steps, each unit's forward and backward timed apart
             fwd: list[list[float]] = [[] for _ in range(n)]
@@ -377,7 +480,9 @@ def _measure(
                 flops = _forward_flops(unit, frozen_inputs[i])
                 out[i]["flops"].append(flops if flops is not None else 0.0)
                 if cuda:
-                    out[i]["peak_memory_bytes"].append(_cuda_peak(unit, frozen_inputs[i], upstream[i], loss, i == n - 1))
+                    out[i]["peak_memory_bytes"].append(
+                        _cuda_peak(unit, frozen_inputs[i], upstream[i], lambda r: loss(split.rebuild_output(r)), i == n - 1)
+                    )
             split.model.zero_grad(set_to_none=True)
     finally:
         if bar is not None:
@@ -385,6 +490,10 @@ def _measure(
     if not any(out[i]["flops"] and any(out[i]["flops"]) for i in range(n)):
         for d in out:
             d["flops"] = None
+    for d in out:  # {offset: bytes} per size -> [{offset, bytes per size}]
+        per_size: list[dict[int, int]] = d.pop("kept")
+        offsets = sorted({k for m in per_size for k in m})
+        d["kept_inputs"] = [{"offset": k, "bytes": [m.get(k, 0) for m in per_size]} for k in offsets] or None
     return out
 
 
@@ -400,6 +509,8 @@ class ReferencePass:
     upstream: list[list[Tensor | None] | None]
     #: bytes saved for backward by each unit (storages counted once, on the first saver)
     activation_bytes: list[int]
+    #: per unit, ``{offset: bytes}`` of its inputs a stage starting there keeps (:func:`kept_inputs`)
+    kept_inputs: list[dict[int, int]]
 
 
 def reference_pass(
@@ -412,7 +523,7 @@ def reference_pass(
     """Forward unit by unit with saved-tensor hooks, then backward from the loss, unit by
     unit, collecting the upstream gradient each unit receives."""
     n = len(split)
-    saved = _SavedBytes(exclude if exclude is not None else _model_storages(split.model))
+    saved = SavedBytes(exclude if exclude is not None else state_storages(split))
     unit_inputs: list[tuple[Any, ...]] = []
     unit_outputs: list[Any] = []
     act: list[int] = []
@@ -420,10 +531,11 @@ def reference_pass(
     for i, unit in enumerate(split.units):
         ins = batch if i == 0 else _grad_inputs(current)
         before = saved.bytes
+        saved.unit = i
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
             res = unit(*ins)
             if i == n - 1:
-                res = (res, loss(res))
+                res = (res, loss(split.rebuild_output(res)))
         act.append(saved.bytes - before)
         unit_inputs.append(ins)
         unit_outputs.append(res)
@@ -434,7 +546,7 @@ def reference_pass(
         grads: list[Tensor | None] = [t.grad if isinstance(t, Tensor) else None for t in unit_inputs[i + 1]]
         upstream[i] = grads
         _backward(unit_outputs[i], grads)
-    return ReferencePass(unit_inputs, unit_outputs, upstream, act)
+    return ReferencePass(unit_inputs, unit_outputs, upstream, act, kept_inputs(saved, unit_inputs))
 
 
 def _timed_step(
@@ -457,7 +569,7 @@ def _timed_step(
 
         def forward(unit: nn.Module = unit, ins: tuple[Any, ...] = ins, last: bool = i == n - 1) -> Any:
             res = unit(*ins)
-            return loss(res) if last else res
+            return loss(split.rebuild_output(res)) if last else res
 
         ms, res = timer.time(forward)
         t_f.append(ms)
@@ -485,7 +597,7 @@ def _cuda_peak(
     last: bool,
 ) -> int:
     """Peak CUDA memory above the baseline during one forward (the backward frees it)."""
-    ins = inputs if not any(isinstance(t, Tensor) and t.is_floating_point() for t in inputs) else _grad_inputs(inputs)
+    ins = _grad_inputs(inputs)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -516,3 +628,53 @@ def _progress(enabled: bool, total: int) -> tuple[Any, Any] | None:
     task = bar.add_task("profile", total=total)
     bar.start()
     return bar, task
+
+
+def stage_saved_bytes(
+    split: SplitModel,
+    batch: Sequence[Tensor],
+    ranges: Sequence[tuple[int, int]],
+    loss: Callable[[Any], Tensor] | None = None,
+) -> dict[tuple[int, int], int]:
+    """Bytes each stage ``[start, stop)`` keeps for backward when it runs as one module.
+
+    The truth the profile's memory must predict: the stage gets its inputs as fresh,
+    contiguous tensors (as a pipeline stage receives them; those that required grad still
+    do), runs forward under saved-tensor hooks, and every saved storage counts once,
+    parameters and buffers excluded; the last stage computes the loss too (``loss``, default
+    :func:`default_loss`), as in training.  ``batch``: the model inputs at one micro-batch size.
+    """
+    exclude = state_storages(split)
+    loss_fn = loss or default_loss
+    with _restored(split.model):
+        ref = reference_pass(split, tuple(batch), loss_fn, exclude=exclude)
+        cuts = [tuple(t.detach().requires_grad_(t.requires_grad) if isinstance(t, Tensor) else t for t in ins) for ins in ref.inputs]
+        del ref
+        out: dict[tuple[int, int], int] = {}
+        for a, b in ranges:
+            ins = tuple(
+                t.detach().clone().contiguous().requires_grad_(t.requires_grad) if isinstance(t, Tensor) and a > 0 else t
+                for t in cuts[a]
+            )
+            saved = SavedBytes(exclude)
+            with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+                res = split.stage_module(a, b, pipeline=True)(*ins)
+                if b == len(split):
+                    res = loss_fn(split.rebuild_output(res))
+            out[(a, b)] = saved.bytes
+            del res
+    split.model.zero_grad(set_to_none=True)
+    return out
+
+
+@contextmanager
+def _restored(model: nn.Module) -> Iterator[None]:
+    """The model's state (BatchNorm statistics) and the RNG as they were before."""
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for k, v in model.state_dict().items():
+                    v.copy_(state[k])

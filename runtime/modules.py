@@ -1,20 +1,69 @@
-"""Module wrappers the executor puts around a stage (needs torch)."""
+"""Module wrappers and example activations for the executor's stages (needs torch)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 
 class Recompute(nn.Module):
-    """Runs ``inner`` under ``torch.utils.checkpoint``: the stage keeps only its input per
-    micro-batch and recomputes its activations during the backward pass."""
+    """Runs ``inner`` (a :class:`profiler.split.StageModule`) under ``torch.utils.checkpoint``:
+    the stage keeps only its input per micro-batch and recomputes its activations during the
+    backward pass.  The recomputation draws the same random numbers as the forward: the
+    forward's RNG key is captured and reused."""
 
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()
         self.inner = inner
 
     def forward(self, *args: Any) -> Any:
-        return checkpoint(self.inner, *args, use_reentrant=False)
+        rng = getattr(self.inner, "rng", None)
+        key = rng.key() if rng is not None else None
+        run_with = getattr(self.inner, "run_with", None)
+        if run_with is None:
+            return checkpoint(self.inner, *args, use_reentrant=False)
+
+        def run(*a: Any) -> Any:
+            return run_with(a, key)
+
+        return checkpoint(run, *args, use_reentrant=False)
+
+
+def stage_examples(
+    split: Any, example_inputs: Sequence[Tensor], microbatch_size: int, device: torch.device
+) -> list[tuple[tuple[Tensor, ...], tuple[Tensor, ...]]]:
+    """Per unit: (its inputs, its outputs) on one micro-batch of the example inputs.
+
+    Real values, as a training step computes them (integer ids in their range, masks,
+    ``requires_grad`` as in training), for ``PipelineStage(input_args=..., output_args=...)``;
+    outputs contiguous, as a pipeline stage sends them.  The model's state (BatchNorm
+    statistics) and the RNG are left as they were.
+    """
+    from profiler.measure import resize_batch
+
+    model = split.model
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    devices = [device.index or 0] if device.type == "cuda" else []
+    out: list[tuple[tuple[Tensor, ...], tuple[Tensor, ...]]] = []
+    try:
+        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            x: tuple[Any, ...] = tuple(t.to(device) for t in resize_batch(example_inputs, microbatch_size))
+            for u, unit in enumerate(split.units):
+                y = unit(*x)
+                ins = x if u == 0 else tuple(t.contiguous() for t in x)  # received as sent: contiguous
+                out.append((_fresh(ins), _fresh(tuple(t.contiguous() for t in y))))
+                x = tuple(t.detach().requires_grad_(t.requires_grad) for t in y)
+    finally:
+        with torch.no_grad():
+            for k, v in model.state_dict().items():
+                v.copy_(state[k])
+        model.zero_grad(set_to_none=True)
+    return out
+
+
+def _fresh(values: tuple[Any, ...]) -> tuple[Tensor, ...]:
+    return tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in values)

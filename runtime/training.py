@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -48,6 +48,7 @@ def global_batch(
     step: int,
     data_fn: Callable[[int, int], Any] | None = None,
     spec: str = "the entry point",
+    keywords: Sequence[str] = (),
 ) -> tuple[Tensor, ...]:
     """The global batch of ``step``: ``data_fn(step, batch_size)`` when given, else synthetic.
 
@@ -59,7 +60,7 @@ def global_batch(
         return synthetic_batch(example_inputs, batch_size, seed=seed, step=step)
     from profiler.loading import call_data_fn
 
-    return call_data_fn(data_fn, example_inputs, step=step, batch_size=batch_size, spec=spec)
+    return call_data_fn(data_fn, example_inputs, step=step, batch_size=batch_size, spec=spec, keywords=keywords)
 
 
 def batch_fingerprint(batch: Sequence[Tensor]) -> int:
@@ -106,6 +107,8 @@ def unique_parameters(modules: Iterable[nn.Module]) -> list[nn.Parameter]:
 class ReferenceResult:
     losses: list[float]
     params: dict[str, Tensor]
+    #: names of one tensor (tied weights: several names), every tensor once
+    groups: list[list[str]] = field(default_factory=list)
 
 
 def train_reference(
@@ -122,6 +125,8 @@ def train_reference(
     seed: int,
     device: torch.device | None = None,
     data_fn: Callable[[int, int], Any] | None = None,
+    keywords: Sequence[str] = (),
+    seed_hooks: Callable[[nn.Module, Any], list[Any]] | None = None,
 ) -> ReferenceResult:
     """Train the unsplit ``model`` in this process exactly as GPipe's maths says.
 
@@ -131,10 +136,18 @@ def train_reference(
     micro-batches, then mean over replicas), and takes one optimizer step.  The batches come
     from :func:`global_batch` (``data_fn`` when given, else synthetic with ``seed``), as on
     every rank.  Returns per-step mean losses and the final parameters by qualified name
-    (tied weights under every name).
+    (tied weights under every name).  ``keywords``: the names of the trailing inputs passed by
+    keyword.  ``seed_hooks(model, streams)`` (:meth:`profiler.split.SplitModel.seed_hooks`)
+    makes every layer draw from the random stream of (seed, step, replica, micro-batch,
+    layer), as the pipelined stages do.
     """
+    from profiler.loading import call_model
+    from profiler.split import RngStreams
+
     device = device or torch.device("cpu")
     model.to(device).train()
+    streams = RngStreams(seed=seed)
+    handles = seed_hooks(model, streams) if seed_hooks is not None else []
     opt = make_optimizer(optimizer, unique_parameters([model]), lr=lr)
     per_replica = global_batch_size // replicas // microbatch_size
     params = unique_parameters([model])
@@ -142,15 +155,20 @@ def train_reference(
     for step in range(steps):
         batch = [
             t.to(device)
-            for t in global_batch(example_inputs, global_batch_size, seed=seed, step=step, data_fn=data_fn)
+            for t in global_batch(
+                example_inputs, global_batch_size, seed=seed, step=step, data_fn=data_fn, keywords=keywords
+            )
         ]
+        streams.step = step
         total = 0.0
         summed: list[Tensor | None] = [None] * len(params)
         for d in range(replicas):
             shard = replica_shard(batch, d, replicas)
+            streams.replica = d
             for i in range(per_replica):
+                streams.microbatch = i
                 mb = [t[i * microbatch_size : (i + 1) * microbatch_size] for t in shard]
-                value = loss(model(*mb))
+                value = loss(call_model(model, mb, keywords))
                 value.backward()
                 total += float(value.detach())
             # as the schedule does: the replica's gradient is the mean over its micro-batches,
@@ -168,8 +186,13 @@ def train_reference(
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(total / (per_replica * replicas))
+    for h in handles:
+        h.remove()
     final = {name: p.detach().cpu().clone() for name, p in model.named_parameters(remove_duplicate=False)}
-    return ReferenceResult(losses=losses, params=final)
+    by_tensor: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_tensor.setdefault(id(p), []).append(name)
+    return ReferenceResult(losses=losses, params=final, groups=list(by_tensor.values()))
 
 
 @dataclass(frozen=True)
@@ -181,14 +204,23 @@ class Comparison:
     missing: list[str]
 
 
-def relative_difference(a: Tensor, b: Tensor) -> float:
-    """``max|a - b| / max|b|`` (per tensor, so near-zero entries do not blow it up)."""
+def relative_difference(a: Tensor, b: Tensor, *, floor: float = 0.0) -> float:
+    """``max|a - b| / max(max|b|, floor)`` (per tensor, so near-zero entries do not blow it up)."""
     a64, b64 = a.detach().double().cpu(), b.detach().double().cpu()
-    scale = float(b64.abs().max()) if b64.numel() else 0.0
+    scale = max(float(b64.abs().max()) if b64.numel() else 0.0, floor)
     diff = float((a64 - b64).abs().max()) if b64.numel() else 0.0
     if scale == 0.0:
         return diff
     return diff / scale
+
+
+#: losses are compared relative to max(|reference loss|, LOSS_FLOOR): a loss near zero is
+#: compared by its absolute difference
+LOSS_FLOOR = 1.0
+#: parameters are compared relative to max(max|reference tensor|, PARAM_FLOOR): a tensor that
+#: stays near zero (a zero-initialised bias whose true gradient is zero, such as BERT's
+#: attention key biases) moves only by rounding noise, which must not count as a relative error
+PARAM_FLOOR = 1e-3
 
 
 def compare(
@@ -196,20 +228,27 @@ def compare(
     params: Mapping[str, Tensor],
     reference: ReferenceResult,
 ) -> Comparison:
-    """Max relative differences between a pipelined run and the reference."""
+    """Max relative differences between a pipelined run and the reference.
+
+    Losses: ``|a - b| / max(|b|, LOSS_FLOOR)``.  Parameters: per tensor ``max|a - b| /
+    max(max|b|, PARAM_FLOOR)``.  Tied weights are matched by storage: every tensor of the reference (under
+    any of its names) must have a pipelined value under one of those names, so a shared
+    weight whose owner module is never called (T5's ``shared``) is still compared once.
+    """
     loss_diff = 0.0
     if len(losses) != len(reference.losses):
         loss_diff = math.inf
     for a, b in zip(losses, reference.losses, strict=False):
-        loss_diff = max(loss_diff, abs(a - b) / max(abs(b), 1e-12))
+        loss_diff = max(loss_diff, abs(a - b) / max(abs(b), LOSS_FLOOR))
     worst, worst_name = 0.0, ""
-    missing = sorted(set(reference.params) - set(params))
+    groups = reference.groups or [[name] for name in reference.params]
+    missing = [g[0] for g in groups if not any(name in params for name in g)]
     for name, value in params.items():
         ref = reference.params.get(name)
         if ref is None or ref.shape != value.shape:
             missing.append(name)
             continue
-        d = relative_difference(value, ref)
+        d = relative_difference(value, ref, floor=PARAM_FLOOR)
         if d > worst or not worst_name:
             worst, worst_name = d, name
     if missing:

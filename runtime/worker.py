@@ -153,7 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         status.traceback = traceback.format_exc()
         write_status(run_dir, status)
         if isinstance(err, CheckFailedError):
-            print(f"error: {err}", file=sys.stderr, flush=True)
+            if not run_dir:  # under pipeplan run the launcher prints it, once
+                print(f"error: {err}", file=sys.stderr, flush=True)
             return EXIT_CHECK_FAILED
         if isinstance(err, PipeplanError):
             print(f"[rank{rank}] error: {err}", file=sys.stderr, flush=True)
@@ -188,26 +189,13 @@ def _run(args: argparse.Namespace, rank: int, status: RankStatus, progress: Prog
     check_optimizer_supported(optimizer)
     fault = Fault.parse(args.inject_fault) if args.inject_fault else None
 
-    status.phase = "building the model"
-    write_status(args.run_dir, status)
-    torch.manual_seed(args.seed)
-    entry = load_entrypoint(args.model)
-    split = split_model(entry.model, entry.example_inputs)
-    check_plan_matches(
-        plan,
-        layer_names=split.names,
-        param_bytes=split.param_bytes(),
-        sha256=split.sha256(),
-        world_size=world,
-        optimizer=optimizer,
-    )
     k_deg, v = plan.pipeline_degree, plan.virtual_stages
     num_stages = k_deg * v
     pp_rank, replica = rank % k_deg, rank // k_deg
     my_stages = [s for s in range(num_stages) if s % k_deg == pp_rank]
     status.stages = my_stages
 
-    # ---- devices and groups
+    # ---- devices
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     use_cuda = args.backend != "gloo" and torch.cuda.is_available() and torch.cuda.device_count() >= local_world
     backend = args.backend if args.backend != "auto" else ("nccl" if use_cuda else "gloo")
@@ -219,6 +207,26 @@ def _run(args: argparse.Namespace, rank: int, status: RankStatus, progress: Prog
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+
+    status.phase = "building the model"
+    write_status(args.run_dir, status)
+    torch.manual_seed(args.seed)
+    entry = load_entrypoint(args.model)
+    entry.model.to(device)  # before the split: every unit shares the model's tensors on the device
+    split = split_model(
+        entry.model,
+        tuple(t.to(device) for t in entry.example_inputs),
+        split_points=plan.split_points or None,
+        keywords=entry.keywords,
+    )
+    check_plan_matches(
+        plan,
+        layer_names=split.names,
+        param_bytes=split.param_bytes(),
+        sha256=split.sha256(),
+        world_size=world,
+        optimizer=optimizer,
+    )
     status.phase = "joining the process group"
     write_status(args.run_dir, status)
     timeout = datetime.timedelta(seconds=args.timeout)
@@ -256,7 +264,8 @@ def _train(
         ScheduleInterleaved1F1B,
     )
 
-    from runtime.modules import Recompute
+    from profiler.split import RngStreams
+    from runtime.modules import Recompute, stage_examples
     from runtime.training import (
         batch_fingerprint,
         global_batch,
@@ -296,23 +305,36 @@ def _train(
                 u, name = next((u, n) for u, n in group if stage_of_unit[u] % k_deg == pp_rank)
                 tied.append((pg, split.units[u].get_parameter(name)))
 
-    # ---- stages
+    # ---- stages, built from real example activations at the micro-batch size (their dtypes,
+    # integer ranges and requires_grad flags are the training run's)
     timings: dict[int, dict[str, list[list[float]]]] = {s: {"forward": [], "backward": []} for s in my_stages}
     step_box = [0]
+    streams = RngStreams(seed=args.seed, replica=replica)
     stages: list[Any] = []
     modules = []
+    examples = stage_examples(split, entry.example_inputs, plan.microbatch_size, device)
     for s in my_stages:
         sp = plan.stages[s]
-        mod = split.stage_module(sp.start, sp.stop).to(device)
+        mod: Any = split.stage_module(sp.start, sp.stop, pipeline=True)
+        mod.rng = streams
         modules.append(mod)
         if sp.recompute:
             mod = Recompute(mod)
-        stage = PipelineStage(mod, s, num_stages, device, group=pp_group)
-        _time_stage(stage, timings[s], step_box, device, fault if fault and fault.rank == rank else None, status)
+        stage = PipelineStage(
+            mod,
+            s,
+            num_stages,
+            device,
+            input_args=examples[sp.start][0],
+            output_args=examples[sp.stop - 1][1],
+            group=pp_group,
+        )
+        _time_stage(stage, timings[s], step_box, device, fault if fault and fault.rank == rank else None, status, streams)
         stages.append(stage)
+    del examples
 
     def loss_fn(output: Any, target: Any) -> Any:
-        return entry.loss(output)
+        return entry.loss(split.rebuild_output(output if isinstance(output, tuple) else (output,)))
 
     # scale_grads=False: the schedules divide each stage's gradients by M, which would divide
     # a weight shared by two stages of this rank twice; we divide every parameter once below
@@ -339,8 +361,15 @@ def _train(
         progress.beat = time.monotonic()
         progress.training = True
         step_box[0] = step
+        streams.step = step
         batch = global_batch(
-            entry.example_inputs, plan.global_batch_size, seed=args.seed, step=step, data_fn=entry.data_fn, spec=args.model
+            entry.example_inputs,
+            plan.global_batch_size,
+            seed=args.seed,
+            step=step,
+            data_fn=entry.data_fn,
+            spec=args.model,
+            keywords=entry.keywords,
         )
         if entry.data_fn is not None:
             _check_same_batch(batch_fingerprint(batch), step, rank, world, device)
@@ -399,13 +428,14 @@ def _train(
         return 0
     # the report and the single-process reference need no other rank: stop the watchdog
     progress.done = True
-    return _finish(args, plan, entry, gathered, backend, device, optimizer_name)
+    return _finish(args, plan, entry, split, gathered, backend, device, optimizer_name)
 
 
 def _finish(
     args: argparse.Namespace,
     plan: Any,
     entry: Any,
+    split: Any,
     gathered: list[Any],
     backend: str,
     device: Any,
@@ -439,7 +469,10 @@ def _finish(
     if entry.data_fn is not None:
         notes.append(f"data: the data function of {args.model} (global batch {plan.global_batch_size} per step)")
     if any(isinstance(mod, torch.nn.Dropout) and mod.p > 0 for mod in entry.model.modules()):
-        notes.append("the model has dropout: --check can only match if both runs draw the same masks")
+        notes.append(
+            "dropout: every layer draws from its own random stream, seeded by (seed, step, replica, "
+            "micro-batch, layer), in the pipelined run and in the --check reference alike"
+        )
     report = build_report(
         plan,
         model=args.model,
@@ -460,12 +493,14 @@ def _finish(
     if args.check:
         from profiler.loading import load_entrypoint
 
-        ref_entry = load_entrypoint(args.model)
         torch.manual_seed(args.seed)
+        ref_entry = load_entrypoint(args.model)
         reference = train_reference(
             ref_entry.model,
             ref_entry.example_inputs,
             ref_entry.loss,
+            keywords=ref_entry.keywords,
+            seed_hooks=split.seed_hooks,
             steps=steps,
             global_batch_size=plan.global_batch_size,
             microbatch_size=plan.microbatch_size,
@@ -566,8 +601,10 @@ def _time_stage(
     device: Any,
     fault: Fault | None,
     status: RankStatus,
+    streams: Any = None,
 ) -> None:
-    """Time this stage's forward/backward per micro-batch (and inject a fault when asked)."""
+    """Time this stage's forward/backward per micro-batch (and inject a fault when asked);
+    tell the RNG streams which micro-batch a forward runs."""
     forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
     calls = [0]
 
@@ -578,6 +615,8 @@ def _time_stage(
         return rows[step_box[0]]
 
     def timed_forward(*a: Any, **kw: Any) -> Any:
+        if streams is not None:
+            streams.microbatch = int(a[0] if a else kw["fwd_chunk_id"])
         if fault is not None and step_box[0] == fault.step:
             calls[0] += 1
             if calls[0] == 2:  # mid-step: after one micro-batch went through

@@ -36,6 +36,28 @@ def test_profile_command_split_points(capsys: pytest.CaptureFixture[str]) -> Non
     assert main(argv.split()) == 0
     data = json.loads(capsys.readouterr().out)
     assert [layer["name"] for layer in data["layers"]] == ["embed", "blocks.2"]
+    assert data["split_points"] == ["blocks.2"] and data["schema_version"] == 2
+
+
+def test_profile_command_warns_about_blocks_it_cannot_cut(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = tmp_path / "square.py"
+    model.write_text(
+        "import torch\n"
+        "class M(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)\n"
+        "    def forward(self, x):\n"
+        "        n = x.shape[0] * x.shape[0]\n"
+        "        return self.b(self.a(x)) * n\n"
+        "def f():\n"
+        "    return M(), torch.ones(2, 4)\n"
+    )
+    assert main(["profile", "--model", f"{model}:f", "--microbatch-sizes", "1", "--warmup", "0", "--repeats", "1", "-q"]) == 0
+    captured = capsys.readouterr()
+    (line,) = [x for x in captured.err.splitlines() if x.startswith("warning:")]
+    assert "cannot cut between 'a' and 'b'" in line and "square.py:7: n = x.shape[0] * x.shape[0]" in line
+    assert [layer["name"] for layer in json.loads(captured.out)["layers"]] == ["a"]
 
 
 @pytest.mark.parametrize(

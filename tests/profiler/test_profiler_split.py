@@ -58,7 +58,7 @@ def test_units_chain_through_cut_tuples() -> None:
             assert isinstance(x, tuple) and all(isinstance(t, Tensor) for t in x)
             assert len(x) == len(split.cut_values[i])
     with torch.no_grad():
-        assert torch.equal(x, model(*inputs))
+        assert torch.equal(split.rebuild_output(x), model(*inputs))
 
 
 def test_default_granularity_is_the_blocks() -> None:
@@ -89,8 +89,9 @@ def test_tied_weights_are_counted_once_and_reported_shared() -> None:
     assert sum(split.param_bytes()) == unique
     head = split.names.index("head")
     assert split.param_bytes()[head] == 2 * 64 * 4  # only the final LayerNorm: the projection is tied
-    assert split.shared_parameters() == [[(0, "embed.tok.weight"), (head, "head.proj.weight")]]
-    shared = [dict(split.units[i].named_parameters())[n] for i, n in split.shared_parameters()[0]]
+    (group,) = split.shared_parameters()
+    assert [i for i, _ in group] == [0, head]
+    shared = [dict(split.units[i].named_parameters())[n] for i, n in group]
     assert shared[0] is shared[1] is model.embed.tok.weight
     untied = gpt.build(gpt.GPTConfig(tied=False))
     assert split_model(untied[0], untied[1]).shared_parameters() == []
@@ -176,13 +177,64 @@ class _SizeUsedLate(nn.Module):
         return out
 
 
-def test_cuts_crossed_by_non_tensors_are_merged() -> None:
+def test_shape_values_crossing_cuts_are_specialized_or_recomputed() -> None:
+    """``x.size(1)`` is a constant of the model; ``x.size(0)`` scales with the batch."""
     model = _SizeUsedLate()
     x = torch.randn(4, 6)
     split = split_model(model, x)
-    assert len(split) == 1 and split.anchors == [["a", "b", "c"]]
+    assert split.names == ["a", "b", "c"]
+    for batch in (2, 4, 6):  # the model reshapes to (-1, 12): even batches
+        xb = torch.randn(batch, 6)
+        assert torch.equal(split.run(xb), model(xb))
+
+    class _BatchShape(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+        def forward(self, x: Tensor) -> Tensor:
+            shape = x.shape  # (batch, 6): crosses the cut, its batch entry recomputed after it
+            out: Tensor = self.b(self.a(x)).reshape(shape[0], -1)
+            return out
+
+    split = split_model(_BatchShape(), x)
+    assert split.names == ["a", "b"] and len(split.cut_values[0]) == 1  # only the tensor is sent
+    for batch in (1, 3, 8):
+        xb = torch.randn(batch, 6)
+        assert torch.equal(split.run(xb), split.model(xb))
+
+
+class _SquareUsedLate(nn.Module):
+    """An int that grows with the square of the batch crosses the cut: it cannot be sent
+    (not a tensor) nor recomputed (not k * batch + c)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.b = nn.Linear(6, 6)
+
+    def forward(self, x: Tensor) -> Tensor:
+        n = x.shape[0] * x.shape[0]
+        y = self.b(self.a(x))
+        out: Tensor = y * n
+        return out
+
+
+def test_cuts_crossed_by_values_that_cannot_cross_are_merged_with_a_warning() -> None:
+    from profiler.split import CutWarning
+
+    model = _SquareUsedLate()
+    x = torch.randn(4, 6)
+    with pytest.warns(CutWarning) as record:
+        split = split_model(model, x)
+    assert len(split) == 1 and split.anchors == [["a", "b"]]
+    text = str(record[0].message)
+    # names both blocks and the user's line, never an fx node name
+    assert "'a' and 'b'" in text and "test_profiler_split.py" in text and "n = x.shape[0] * x.shape[0]" in text
+    assert "mul" not in text.replace("multiple", "")
+    assert split.warnings == [text]
     assert torch.equal(split.run(x), model(x))
-    with pytest.raises(InputError, match="non-tensor"):
+    with pytest.raises(InputError, match=r"cannot cut before 'b': an int .*n = x.shape\[0\] \* x.shape\[0\]"):
         split_model(model, x, split_points=["b"])
 
 
@@ -201,7 +253,7 @@ def test_split_point_inside_a_block_opens_it() -> None:
     assert len(split) == 2
     assert "blocks.1.attn" in split.anchors[0] and split.anchors[1][0] == "blocks.1.mlp"
     # the residual stream and the LayerNorm output feeding the MLP both cross the cut
-    assert split.cut_values[0] == ["add", "blocks_1_ln2"]
+    assert len(split.cut_values[0]) == 2
     with torch.no_grad():
         assert torch.equal(split.run(*inputs), model(*inputs))
 
@@ -215,8 +267,7 @@ def test_bad_split_point_names_the_value_and_the_choices() -> None:
 def test_stage_module_runs_a_range() -> None:
     model, inputs = _entry("resnet")
     split = split_model(model, inputs)
-    model.eval()  # deterministic BatchNorm for the comparison
-    with torch.no_grad():
+    with torch.no_grad():  # units run as the model trains (BatchNorm on batch statistics)
         first = split.stage_module(0, 3)(*inputs)
         assert isinstance(first, tuple)
         rest = split.stage_module(3, len(split))(*first)
@@ -366,7 +417,7 @@ def test_nanogpt_layout_with_assert_and_optional_targets() -> None:
     split = split_model(model, idx)
     blocks = [f"transformer.h.{i}.{j}" for i in range(3) for j in range(2)]  # nested containers open up
     assert split.names == ["transformer.wte", "transformer.wpe", *blocks, "transformer.ln_f", "lm_head"]
-    assert split.cut_values[2] == ["add", "transformer_h_0_0"]  # residual stream + LayerNorm output
+    assert len(split.cut_values[2]) == 2  # residual stream + LayerNorm output
     assert torch.equal(split.run(idx), model(idx))
     assert len(split.shared_parameters()) == 1 and sum(split.param_bytes()) == sum(p.numel() * 4 for p in model.parameters())
     # the tracer specialized the assert to the example, it did not drop the model's state
@@ -398,3 +449,160 @@ def test_control_flow_on_shapes_is_specialized_on_values_refused() -> None:
     assert torch.equal(split_model(model, x).run(x), model(x))
     with pytest.raises(InputError, match="depends on tensor values"):
         split_model(_Branchy(on_values=True), x)
+
+
+class _KeywordOnly(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor, *, mask: Tensor) -> Tensor:
+        out: Tensor = self.b(self.a(x) * mask)
+        return out
+
+
+def test_keyword_only_and_dict_inputs() -> None:
+    """``forward(x, *, mask)`` takes ``(x, mask)`` (mask bound by keyword) or a dict."""
+    from profiler.loading import check_entrypoint_result
+
+    torch.manual_seed(0)
+    model, x, mask = _KeywordOnly(), torch.randn(3, 4), torch.ones(3, 4)
+    entry = check_entrypoint_result((model, (x, mask)), spec="t")
+    assert entry.keywords == ("mask",)
+    split = split_model(model, (x, mask))
+    assert split.names == ["a", "b"] and split.keywords == ("mask",)
+    assert torch.equal(split.run(x, mask), model(x, mask=mask))
+    as_dict = check_entrypoint_result((model, {"x": x, "mask": mask}), spec="t")
+    assert as_dict.keywords == ("x", "mask") and torch.equal(as_dict.call(model, as_dict.example_inputs), model(x, mask=mask))
+    with pytest.raises(InputError, match="'mask' has no default"):
+        split_model(model, x)
+    with pytest.raises(InputError, match="'masks' is not a parameter"):
+        check_entrypoint_result((model, {"x": x, "masks": mask}), spec="t")
+
+
+class _ValueBranchInside(nn.Module):
+    """torch.export refuses the data-dependent branch in ``gate``; torch.fx keeps ``gate`` a
+    leaf, and the root tests a dtype (not a value)."""
+
+    class Gate(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            return x * 2 if x.sum() > 0 else -x
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.gate = self.Gate()
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dtype != torch.float32:
+            x = x.float()
+        out: Tensor = self.b(self.gate(self.a(x)))
+        return out
+
+
+def test_fx_captures_what_export_refuses() -> None:
+    torch.manual_seed(0)
+    model, x = _ValueBranchInside(), torch.randn(3, 4)
+    split = split_model(model, x)
+    assert split.method == "torch.fx" and split.names == ["a", "gate", "b"]
+    assert torch.equal(split.run(x), model(x)) and torch.equal(split.run(-x), model(-x))
+
+
+class _InplaceFirst(nn.Module):
+    """torchvision's ResNet root: ``ReLU(inplace=True)`` is a layer of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.relu = nn.ReLU(inplace=True)
+        self.pool = nn.MaxPool2d(2)
+        self.fc = nn.Linear(16, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.fc(torch.flatten(self.pool(self.relu(self.conv(x))), 1))
+        return out
+
+
+def test_a_unit_writing_into_its_input_clones_it() -> None:
+    torch.manual_seed(0)
+    model, x = _InplaceFirst(), torch.randn(2, 3, 4, 4)
+    split = split_model(model, x)
+    assert split.names == ["conv", "relu", "pool", "fc"]
+    # as a pipeline stage receives it: a fresh leaf that requires grad
+    h = split.units[0](x)[0].detach().requires_grad_(True)
+    out = split.units[1](h)[0]
+    out.sum().backward()
+    assert h.grad is not None and torch.equal(h.grad, (h > 0).float())
+    assert not torch.equal(h, out)  # the leaf itself was not written
+    assert "clone" in split.units[1].code and "clone" not in split.units[2].code
+
+
+def test_stage_boundaries_send_contiguous_tensors() -> None:
+    """ConvNeXt in channels_last: a pipeline stage returns contiguous tensors, and the
+    gradient it sends back for its input is contiguous too."""
+    import examples.vision as vision
+
+    model, (x,), _ = vision.convnext()
+    split = split_model(model, x)
+    first = split.units[0](x)
+    assert not all(t.is_contiguous() for t in first)  # channels_last inside
+    stage = split.stage_module(0, 3, pipeline=True)
+    sent = stage(x)
+    assert all(t.is_contiguous() for t in sent)
+    received = tuple(t.detach().requires_grad_(True) for t in sent)
+    out = split.stage_module(3, 5, pipeline=True)(*received)
+    # torch.distributed.pipelining takes input gradients with autograd.grad (no layout contract)
+    grads = torch.autograd.grad(list(out), list(received), [torch.ones_like(t) for t in out])
+    assert all(g.is_contiguous() for g in grads)
+
+
+class _DropBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.drop(self.fc(x))
+        return out
+
+
+class _SharedBlockTwice(nn.Module):
+    """One block (with dropout) under two names, as T5's shared embedding is
+    ``encoder.embed_tokens`` and ``decoder.embed_tokens``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        block = _DropBlock()
+        self.first = nn.ModuleList([block])
+        self.second = nn.ModuleList([block])
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.second[0](torch.tanh(self.first[0](x)))
+        return out
+
+
+def test_random_streams_are_the_same_in_the_units_and_the_model() -> None:
+    from profiler.split import RngStreams
+
+    torch.manual_seed(0)
+    model, x = _SharedBlockTwice(), torch.randn(16, 8)
+    split = split_model(model, x)
+    assert split.names == ["first.0", "second.0"]
+    streams = RngStreams(seed=7, step=2, microbatch=1)
+    stage = split.stage_module(0, 2)
+    stage.rng = streams
+    hooks = split.seed_hooks(model, streams)
+    for microbatch in range(3):
+        streams.microbatch = microbatch
+        got, want = stage(x), model(x)
+        assert torch.equal(got, want)
+        assert (got == 0).any()  # dropout really dropped something
+    for h in hooks:
+        h.remove()
+    streams.microbatch = 0
+    first = stage(x)
+    streams.microbatch = 1
+    assert not torch.equal(stage(x), first)  # another micro-batch, another mask

@@ -15,13 +15,13 @@ from planner.schema import LayerProfile, MeasuredOn, Plan, Profile, parse_docume
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def structure_profile(spec: str) -> Profile:
+def structure_profile(spec: str, split_points: Sequence[str] = ()) -> Profile:
     """A profile with the model's real layer names and parameter bytes and made-up times."""
     from profiler.loading import load_entrypoint
     from profiler.split import split_model
 
     entry = load_entrypoint(spec)
-    split = split_model(entry.model, entry.example_inputs)
+    split = split_model(entry.model, entry.example_inputs, split_points=list(split_points) or None, keywords=entry.keywords)
     layers = [
         LayerProfile(
             name=n,
@@ -33,7 +33,9 @@ def structure_profile(spec: str) -> Profile:
         )
         for n, b in zip(split.names, split.param_bytes(), strict=True)
     ]
-    return Profile(model=spec, measured_on=MeasuredOn(device="cpu"), microbatch_sizes=[1], layers=layers)
+    return Profile(
+        model=spec, measured_on=MeasuredOn(device="cpu"), microbatch_sizes=[1], layers=layers, split_points=list(split_points)
+    )
 
 
 def make_plan(

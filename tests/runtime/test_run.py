@@ -89,6 +89,33 @@ def test_pipelined_training_matches_the_unsplit_model(case: str, profiles, tmp_p
     assert "check PASSED" in proc.stdout
 
 
+def test_split_points_travel_with_the_plan(tmp_path: Path) -> None:
+    """A profile made with --split-points gives a plan that records them; the runtime cuts
+    the model there (not at every block) and trains exactly."""
+    prof = structure_profile(GPT, ["blocks.2"])
+    assert prof.layer_names() == ["embed", "blocks.2"]
+    plan = make_plan(prof, [(0, 1), (1, 2)], schedule="1f1b")
+    assert plan.split_points == ["blocks.2"]
+    plan_file = write_plan(plan, tmp_path / "plan.json")
+    report_file = tmp_path / "report.json"
+    proc, _ = run_cli(["run", "--plan", str(plan_file), "--model", GPT, "--steps", "2", "--check",
+                       "--report", str(report_file), "--timeout", "30"])  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads(report_file.read_text())["check"]["passed"]
+
+
+def test_a_failed_check_says_so_once(profiles, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Adam moves parameters whose true gradient is zero on rounding noise: the check fails,
+    and its error line is printed once, with exit code 1."""
+    plan_file = write_plan(make_plan(profiles[GPT], [(0, 3), (3, 6)], optimizer="adam"), tmp_path / "plan.json")
+    proc, _ = run_cli(["run", "--plan", str(plan_file), "--model", GPT, "--steps", "3", "--lr", "0.05",
+                       "--check", "--tolerance", "1e-12", "--timeout", "30"])  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "--check failed" in line]
+    assert len(errors) == 1 and errors[0].startswith("error: --check failed"), proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_mismatched_plan_is_refused_before_launch(profiles, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     plan = make_plan(profiles[RESNET], [(0, 4), (4, 8)])
     plan_file = write_plan(plan, tmp_path / "plan.json")

@@ -87,10 +87,39 @@ def test_compare_detects_differences() -> None:
     same = compare([1.0, 0.5], params, ref)
     assert same.max_loss_rel_diff == 0 and same.max_param_rel_diff == 0 and not same.missing
     moved = compare([1.0, 0.5001], {**params, "w": torch.tensor([1.0, 2.002])}, ref)
-    assert moved.max_loss_rel_diff == pytest.approx(2e-4, rel=1e-3)
+    # a loss below 1 is compared by its absolute difference (the floor)
+    assert moved.max_loss_rel_diff == pytest.approx(1e-4, rel=1e-3)
+    big = compare([20.0, 10.002], params, ReferenceResult(losses=[20.0, 10.0], params=ref.params))
+    assert big.max_loss_rel_diff == pytest.approx(2e-4, rel=1e-3)  # relative above it
     assert moved.max_param_rel_diff == pytest.approx(1e-3, rel=1e-3) and moved.worst_param == "w"
     missing = compare([1.0, 0.5], {"w": params["w"]}, ref)
     assert math.isinf(missing.max_param_rel_diff) and missing.missing == ["b"]
+
+
+def test_tied_weights_are_matched_by_storage() -> None:
+    """T5's ``shared`` embedding is never called: the pipeline holds it under another of its
+    names; every tensor is still compared once."""
+    w = torch.tensor([1.0, 2.0])
+    ref = ReferenceResult(
+        losses=[1.0],
+        params={"shared.weight": w, "encoder.embed.weight": w, "head.weight": w, "b": torch.ones(1)},
+        groups=[["shared.weight", "encoder.embed.weight", "head.weight"], ["b"]],
+    )
+    ok = compare([1.0], {"encoder.embed.weight": w.clone(), "b": torch.ones(1)}, ref)
+    assert ok.max_param_rel_diff == 0 and not ok.missing
+    off = compare([1.0], {"head.weight": w + 1e-3, "b": torch.ones(1)}, ref)
+    assert off.max_param_rel_diff == pytest.approx(5e-4, rel=1e-3) and off.worst_param == "head.weight"
+    lost = compare([1.0], {"b": torch.ones(1)}, ref)
+    assert math.isinf(lost.max_param_rel_diff) and lost.missing == ["shared.weight"]
+
+
+def test_parameters_near_zero_are_compared_by_absolute_difference() -> None:
+    """A zero-initialised bias with a zero true gradient moves by rounding noise only."""
+    ref = ReferenceResult(losses=[1.0], params={"key.bias": torch.tensor([3e-10, -1e-10])})
+    noise = compare([1.0], {"key.bias": torch.tensor([-2e-10, 1e-10])}, ref)
+    assert noise.max_param_rel_diff < 1e-5
+    real = compare([1.0], {"key.bias": torch.tensor([2e-6, 0.0])}, ref)
+    assert real.max_param_rel_diff > 1e-3
 
 
 def test_relative_difference_is_per_tensor_scale() -> None:

@@ -1,0 +1,73 @@
+"""Profile and plan schema version 2: what it added, and reading version-1 files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from planner.costmodel import estimate
+from planner.errors import InputError
+from planner.schema import SCHEMA_VERSION, Profile, load_document, parse_document
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _v1_profile() -> dict:
+    return {
+        "schema_version": 1,
+        "model": "m",
+        "measured_on": {"device": "cpu"},
+        "microbatch_sizes": [1, 2],
+        "layers": [
+            {"name": n, "param_bytes": 8, "forward_ms": [1, 2], "backward_ms": [2, 4],
+             "activation_bytes": [10, 20], "output_bytes": [4, 8]}
+            for n in ("embed", "blocks.4", "head")
+        ],
+        "metadata": {"profiler": {"split_points": ["blocks.4", "head"]}},
+    }
+
+
+def test_version_1_profiles_are_migrated() -> None:
+    assert SCHEMA_VERSION == 2
+    prof = parse_document("profile", _v1_profile())
+    assert prof.schema_version == 2 and prof.split_points == ["blocks.4", "head"]
+    assert all(layer.kept_inputs is None for layer in prof.layers)
+    again = parse_document("profile", json.loads(prof.model_dump_json()))
+    assert again == prof
+    # the API validates bodies with the class itself: the migration runs there too
+    assert Profile.model_validate(_v1_profile()).split_points == ["blocks.4", "head"]
+    bundled = load_document("profile", str(ROOT / "examples" / "profiles" / "tiny.json"))
+    assert bundled.schema_version == 2
+
+
+def test_unknown_versions_are_refused() -> None:
+    data = dict(_v1_profile(), schema_version=3)
+    with pytest.raises(InputError, match="schema_version 3 is not supported.*reads versions 1, 2"):
+        parse_document("profile", data)
+
+
+def test_plans_record_the_split_points_and_read_version_1() -> None:
+    prof = parse_document("profile", _v1_profile())
+    cluster = parse_document("cluster", {"devices": 2, "memory": "1GiB"})
+    training = parse_document("training", {"global_batch_size": 4})
+    plan = estimate(prof, cluster, training, [(0, 1), (1, 3)], num_microbatches=2)
+    assert plan.split_points == ["blocks.4", "head"] and plan.schema_version == 2
+    old = json.loads(plan.model_dump_json())
+    old["schema_version"] = 1
+    del old["split_points"]
+    read = parse_document("plan", old)
+    assert read.schema_version == 2 and read.split_points == []
+
+
+def test_kept_inputs_are_checked() -> None:
+    data = parse_document("profile", _v1_profile()).model_dump(mode="json")
+    data["layers"][1]["kept_inputs"] = [{"offset": 0, "bytes": [5]}]
+    with pytest.raises(InputError, match=r"layers\[1\].kept_inputs\[0\].bytes has 1 entries"):
+        parse_document("profile", data)
+    data["layers"][1]["kept_inputs"] = [{"offset": 2, "bytes": [5, 10]}]
+    with pytest.raises(InputError, match="points past the last layer"):
+        parse_document("profile", data)
+    data["layers"][1]["kept_inputs"] = [{"offset": 1, "bytes": [5, -2]}]  # a slice: may be negative
+    assert parse_document("profile", data).layers[1].kept_inputs[0].bytes == [5, -2]
