@@ -78,6 +78,10 @@ class LayerCosts:
     #: per layer: (offset, bytes) a stage starting there keeps of its own inputs once it
     #: reaches layer + offset (``LayerProfile.kept_inputs``); empty tuples when not profiled
     kept_inputs: tuple[tuple[tuple[int, float], ...], ...] = ()
+    #: how far below the plain prefix sums a stage's activations can fall (the most negative
+    #: ``kept_inputs`` of any start, as a positive number; 0 for almost every profile): the
+    #: solver's prefix-sum memory bounds subtract it, or step aside, to stay valid
+    activation_slack: float = 0.0
 
     @property
     def num_layers(self) -> int:
@@ -133,6 +137,7 @@ def layer_costs(profile: Profile, microbatch_size: int) -> LayerCosts:
         prefix_activation=_prefix(act),
         prefix_param=tuple(int(x) for x in _prefix(params)),
         kept_inputs=kept,
+        activation_slack=max((-sum(min(0.0, n) for _, n in entries) for entries in kept), default=0.0),
     )
 
 

@@ -170,6 +170,8 @@ def chunk_memory_bound(
     import numpy as np  # only here: the service never computes this bound at start-up
 
     b = cfg.microbatch_size(search.training.global_batch_size)
+    if search.costs_at(b).activation_slack > 0:
+        return lo  # its tables sum activations by prefix: no information with negative kept inputs
     knap = knapsack_at(search, b)
     windows = windows_at(search, b)
     costs = search.costs_at(b)

@@ -24,7 +24,9 @@ from planner.search.state import SearchState
 class Knapsack:
     """Layers sorted by work per activation byte (zero-activation layers first), with prefix
     sums: ``value(A)`` is the most forward + backward work (at speed 1) of any set of layers
-    whose activations total at most ``A`` bytes, layers taken fractionally (an upper bound)."""
+    whose activations total at most ``A`` bytes, layers taken fractionally (an upper bound).
+    A profile whose kept inputs can shrink a stage below its layers' sum (``slack`` bytes at
+    most, :attr:`planner.costmodel.LayerCosts.activation_slack`) gets ``slack`` more room."""
 
     acts: tuple[float, ...]
     prefix_acts: tuple[float, ...]
@@ -32,6 +34,7 @@ class Knapsack:
     #: least recompute overhead per unit of work: min over layers of f / (f + b)
     phi: float
     work: float
+    slack: float = 0.0
 
     @staticmethod
     def of(costs: LayerCosts) -> Knapsack:
@@ -48,10 +51,12 @@ class Knapsack:
             pa.append(pa[-1] + a)
             pw.append(pw[-1] + w)
         return Knapsack(
-            tuple(a for _, a, _ in items), tuple(pa), tuple(pw), 0.0 if phi == math.inf else phi, pw[-1]
+            tuple(a for _, a, _ in items), tuple(pa), tuple(pw), 0.0 if phi == math.inf else phi, pw[-1],
+            costs.activation_slack,
         )
 
     def value(self, capacity: float) -> float:
+        capacity += self.slack
         i = bisect.bisect_right(self.prefix_acts, capacity) - 1  # prefix_acts[i] <= capacity
         if i >= len(self.acts):
             return self.prefix_work[-1]
@@ -65,12 +70,13 @@ class Knapsack:
         every capacity ``A``, ``value(A) <= alpha + beta·A`` (zero-activation items skipped)."""
         lines = set()
         for cap in capacities:
+            cap += self.slack
             i = min(max(0, bisect.bisect_right(self.prefix_acts, cap) - 1), len(self.acts) - 1)
             while i < len(self.acts) and self.acts[i] <= 0:
                 i += 1
             if i < len(self.acts):
                 beta = (self.prefix_work[i + 1] - self.prefix_work[i]) / self.acts[i]
-                lines.add((self.prefix_work[i] - beta * self.prefix_acts[i], beta))
+                lines.add((self.prefix_work[i] - beta * self.prefix_acts[i] + beta * self.slack, beta))
         return lines
 
 

@@ -96,7 +96,7 @@ class StageModel:
     def memory_relaxed(self, a: int, b: int, rc: bool, rank: int) -> float:
         """A lower bound of :meth:`memory` that is monotone in both ends (for proofs)."""
         params = self.PP[b] - self.PP[a]
-        acts = self.costs.prefix_activation[b] - self.costs.prefix_activation[a]
+        acts = max(0.0, self.costs.prefix_activation[b] - self.costs.prefix_activation[a] - self.costs.activation_slack)
         n = self.inflight[rank]
         stash = self.pmin_input[a]
         if rc:

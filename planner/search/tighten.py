@@ -60,6 +60,8 @@ def tighten_chains(search: SearchState) -> None:
             continue
         if cfg.virtual_stages != 1 or cfg in search.chain_done:
             return  # the smallest bound cannot rise here, so neither can the gap
+        if search.costs_at(cfg.microbatch_size(g)).activation_slack > 0:
+            return  # the table sums activations by prefix: not valid with negative kept inputs
         if search.work > stop or time.perf_counter() > search.wall_stop:
             return
         sm = StageModel(search.costs_at(cfg.microbatch_size(g)), cfg, search.training)
@@ -105,6 +107,7 @@ def tighten_cpsat(search: SearchState, *, budget_s: float) -> None:
         return (
             cfg.virtual_stages == 1
             and cfg not in search.chain_done
+            and search.costs_at(cfg.microbatch_size(g)).activation_slack == 0
             and cfg.num_stages * (search.profile.num_layers + 1) <= MAX_MODEL_SIZE
         )
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.errors import InfeasibleError
-from planner.schema import LayerProfile, MeasuredOn, PlanOptions, Profile, TrainingSetup
+from planner.schema import KeptInput, LayerProfile, MeasuredOn, PlanOptions, Profile, TrainingSetup
 from planner.solver import solve
 from tests.planner.helpers import brute_force_all, cluster
 
@@ -22,7 +22,8 @@ MiB = 2**20
 def small_profiles(draw: st.DrawFn) -> Profile:
     sizes = draw(st.sampled_from([[1, 2], [1, 2, 4], [2]]))
     layers = []
-    for i in range(draw(st.integers(2, 5))):
+    count = draw(st.integers(2, 5))
+    for i in range(count):
         f = draw(st.floats(0.05, 5.0))
         # noisy measurements: each size's figure off by up to +-40 % (a larger size may be
         # measured faster than a smaller one)
@@ -37,6 +38,12 @@ def small_profiles(draw: st.DrawFn) -> Profile:
                 backward_ms=bwd,
                 activation_bytes=[act * b for b in sizes],
                 output_bytes=[draw(st.integers(0, 8)) * MiB * b for b in sizes],
+                # what a stage starting here keeps of its own input, positive or (a slice of
+                # a larger tensor) negative: the bounds must stay valid either way
+                kept_inputs=[
+                    KeptInput(offset=off, bytes=[draw(st.integers(-32, 32)) * MiB * b for b in sizes])
+                    for off in draw(st.lists(st.integers(0, count - 1 - i), max_size=2, unique=True))
+                ] or None,
             )
         )
     return Profile(
@@ -78,3 +85,27 @@ def test_noisy_13_layer_mlp_on_two_devices_is_optimal(tmp_path: Path) -> None:
         PlanOptions(stages=2, data_parallel=1),
     )
     assert plan.solver.status == "optimal" and plan.solver.gap == 0.0, plan.solver
+
+
+@settings(max_examples=60, deadline=None)
+@given(profile=small_profiles(), b=st.sampled_from([1, 2, 4]))
+def test_prefix_sum_memory_bounds_hold_with_kept_inputs(profile: Profile, b: int) -> None:
+    """The solver's prefix-sum memory relaxations never exceed a stage's exact memory, also
+    when kept inputs are negative (a stage input that is a slice of a larger tensor)."""
+    from planner.bounds.knapsack import Knapsack
+    from planner.costmodel import layer_costs
+    from planner.search.model import StageModel
+    from planner.search.space import Config
+
+    costs = layer_costs(profile, b)
+    knap = Knapsack.of(costs)
+    sm = StageModel(costs, Config(1, 2, 4, "1f1b", 1), TrainingSetup(optimizer="sgd"))
+    n = costs.num_layers
+    for a in range(n):
+        for e in range(a + 1, n + 1):
+            exact = costs.stage_activation_bytes(a, e)
+            work = sum(costs.forward_ms[a:e]) + sum(costs.backward_ms[a:e])
+            assert knap.value(exact) >= work * (1 - 1e-9)
+            for rc in (False, True):
+                for r in (0, 1):
+                    assert sm.memory_relaxed(a, e, rc, r) <= sm.memory(a, e, rc, r) * (1 + 1e-12) + 1e-6
