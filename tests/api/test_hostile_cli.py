@@ -54,6 +54,9 @@ def check_clear(argv: list[str]) -> tuple[int, str]:
     if code != 0:
         assert err.startswith(("error: ", "usage: ")), err[:500]
     if code == 1:  # refused input (2 is "infeasible": the planner's answer, after it searched)
+        if elapsed >= REJECT_S:
+            # one slow answer on a shared machine is noise; a slow rejection is slow twice
+            elapsed = min(elapsed, run_cli(argv)[2])
         assert elapsed < REJECT_S, (elapsed, err[:300])
     else:
         assert elapsed < FINISH_S
