@@ -39,7 +39,7 @@ def _sizes(value: Any, spec: Any) -> Any:
     """``value`` with every ``torch.Size`` of ``spec`` a ``torch.Size`` again."""
     if spec.type is torch.Size:
         return torch.Size(value)
-    children = spec.children_specs
+    children = _children(spec)
     if not any(_has_size(c) for c in children):
         return value
     if spec.type in (tuple, list):
@@ -50,7 +50,15 @@ def _sizes(value: Any, spec: Any) -> Any:
 
 
 def _has_size(spec: Any) -> bool:
-    return spec.type is torch.Size or any(_has_size(c) for c in spec.children_specs)
+    return spec.type is torch.Size or any(_has_size(c) for c in _children(spec))
+
+
+def _children(spec: Any) -> list[Any]:
+    """The child specs of ``spec`` (``children()`` since torch 2.10; ``children_specs`` before,
+    now deprecated)."""
+    if hasattr(spec, "children"):
+        return list(spec.children())
+    return list(spec.children_specs)
 
 
 def is_leaf_spec(spec: Any) -> bool:
