@@ -77,7 +77,7 @@ from planner.bounds.work import cheap_bound
 from planner.costmodel import estimate, static_bytes
 from planner.infeasible import diagnose
 from planner.schema import Cluster, Plan, PlanOptions, Profile, SolverInfo, TrainingSetup
-from planner.search.model import StageModel, work_total
+from planner.search.model import work_total
 from planner.search.space import (
     Config,
     Group,
@@ -246,10 +246,9 @@ def _advance(
     Returns its new (bound, level) while it needs more work, or None once it is settled:
     solved, pruned, proven not to fit, or left open (``search.open_configs``) at its bound.
     """
-    g = search.training.global_batch_size
     fixed = fixed_ranges(search.options) is not None
     too_big = 2 * cfg.num_microbatches * cfg.num_stages > SIM_ACTION_LIMIT
-    sm = StageModel(search.costs_at(cfg.microbatch_size(g)), cfg, search.training)
+    sm = search.stage_model(cfg)
     if level == 0:
         search.visited += 1
         if too_big:
@@ -296,13 +295,21 @@ def _out_of_budget(search: SearchState) -> bool:
     return search.work > SEARCH_SHARE * search.work_budget or time.perf_counter() > search.wall_stop
 
 
+#: the textbook bubble of each schedule, in units of 1F1B's (K-1)/v micro-batches (the zero
+#: bubble paper: ZB-H1 about a third of it, ZB-H2 and the V schedules less), for ordering only
+BUBBLE_SHARE = {
+    "gpipe": 1.0, "1f1b": 1.0, "interleaved-1f1b": 1.0, "zb-h1": 0.4, "interleaved-zb": 0.4,
+    "zb-h2": 0.25, "zbv": 0.25, "dualpipev": 0.25, "planned": 0.3,
+}
+
+
 def _promise(search: SearchState, cfg: Config, groups: Sequence[Group]) -> float:
-    """Step time of a perfectly balanced split: W (M + (K-1)/v) / (K·speed)."""
+    """Step time of a perfectly balanced split: W (M + share·(K-1)/v) / (K·speed)."""
     costs = search.costs_at(cfg.microbatch_size(search.training.global_batch_size))
     w = work_total(costs)
     k, m, v = cfg.pipeline_degree, cfg.num_microbatches, cfg.virtual_stages
     speed = sum(g.speed for g in groups) / len(groups)
-    return w * (m + (k - 1) / v) / (k * speed)
+    return w * (m + BUBBLE_SHARE[cfg.schedule] * (k - 1) / v) / (k * speed)
 
 
 def static_fits(search: SearchState, cfg: Config, groups: Sequence[Group]) -> bool:

@@ -17,12 +17,23 @@ from typing import TypeVar
 from planner.bounds.split import TransferBounds, split_lower_bound
 from planner.costmodel import LayerCosts, layer_costs
 from planner.schema import Cluster, PlanOptions, Profile, Schedule, TrainingSetup
-from planner.search.model import Split, StageModel, quick_step
+from planner.search.model import (
+    RankCounts,
+    RankPoints,
+    Split,
+    StageModel,
+    closed_counts,
+    quick_step,
+    schedule_points,
+    walk_counts,
+)
 from planner.search.space import Config, Group
 from planner.simulator import CompiledSchedule
 
 #: work units per simulated action (the compiled program runs about 5 actions per unit)
 SIM_WORK = 0.2
+#: the memory bounds walk a schedule's actions (rather than use its closed forms) up to this many
+WALK_LIMIT = 60_000
 
 T = TypeVar("T")
 
@@ -46,6 +57,8 @@ class SearchState:
     best_split_of: dict[Config, Split] = field(default_factory=dict)
     best_step_of: dict[Config, float] = field(default_factory=dict)
     compiled: dict[tuple[Schedule, int, int, int], CompiledSchedule] = field(default_factory=dict)
+    #: memory points of each schedule shape's ranks (:func:`planner.schedules.memory_points`)
+    points: dict[tuple[Schedule, int, int, int], RankPoints] = field(default_factory=dict)
     visited: int = 0
     pruned: int = 0
     infeasible: int = 0
@@ -70,6 +83,26 @@ class SearchState:
         if self._param_bytes < 0:
             self._param_bytes = sum(layer.param_bytes for layer in self.profile.layers)
         return self._param_bytes
+
+    def points_of(self, cfg: Config) -> RankPoints:
+        """The memory points of ``cfg``'s schedule, walked once per shape (about the cost of
+        compiling it, counted as work)."""
+        if cfg.shape not in self.points:
+            self.work += 2 * cfg.num_microbatches * cfg.num_stages
+            self.points[cfg.shape] = schedule_points(cfg)
+        return self.points[cfg.shape]
+
+    def memory_counts(self, cfg: Config) -> list[RankCounts]:
+        """What the memory bounds may assume of each rank's in-flight micro-batches: its
+        schedule's walk when small enough, else the closed forms (``planned``: always)."""
+        if cfg.schedule == "planned" or 2 * cfg.num_microbatches * cfg.num_stages > WALK_LIMIT:
+            return closed_counts(cfg)
+        return self.table(_WalkCounts, cfg.shape, lambda: _WalkCounts(walk_counts(self.points_of(cfg)))).counts
+
+    def stage_model(self, cfg: Config) -> StageModel:
+        """:class:`StageModel` of ``cfg`` at its micro-batch size, sharing this search's caches."""
+        b = cfg.microbatch_size(self.training.global_batch_size)
+        return StageModel(self.costs_at(b), cfg, self.training, points=lambda: self.points_of(cfg))
 
     def costs_at(self, b: int) -> LayerCosts:
         if b not in self.costs:
@@ -106,13 +139,20 @@ class SearchState:
             self.best = (cfg, split, groups)
 
 
+@dataclass(frozen=True)
+class _WalkCounts:
+    counts: list[RankCounts]
+
+
 def consider(search: SearchState, sm: StageModel, groups: list[Group], split: Split) -> float:
     """Simulate ``split`` unless its lower bound already loses; offer it; its step (or inf)."""
     if split_lower_bound(sm, search.cluster, groups, split) >= search.best_step:
         return math.inf
     cfg = sm.cfg
-    actions = 2 * cfg.num_microbatches * cfg.num_stages
-    if cfg.shape not in search.compiled:
+    actions = (3 if sm.split_backward else 2) * cfg.num_microbatches * cfg.num_stages
+    if cfg.schedule == "planned":
+        search.work += 2 * actions  # list-scheduled and compiled for each split
+    elif cfg.shape not in search.compiled:
         search.work += actions  # compiling the schedule costs about 5 simulations
     step = quick_step(sm, search.cluster, groups, split, search.compiled)
     search.work += SIM_WORK * actions + 50

@@ -1,0 +1,66 @@
+"""Our templates are torch.distributed.pipelining's own orders, action for action.
+
+For every schedule with a torch class (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+ScheduleZBVZeroBubble, ScheduleDualPipeV) the per-rank compute actions torch 2.13 computes
+(its ``_calculate_single_rank_operations``, idle steps dropped, an overlapped forward+backward
+pair as its two actions in turn) equal :func:`planner.schedules.schedule_actions`, so the
+runtime may run the class or load our list.  This reads private torch attributes: if torch
+changes them the test fails here, naming what moved.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.schedules import Action, ScheduleError, check_schedule_shape, schedule_actions
+
+schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+
+CLASSES = {
+    "interleaved-1f1b": "ScheduleInterleaved1F1B",
+    "interleaved-zb": "ScheduleInterleavedZeroBubble",
+    "zb-h1": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
+
+
+def torch_orders(cls_name: str, k: int, m: int, v: int) -> list[list[Action]]:
+    cls = getattr(schedules, cls_name)
+    obj = object.__new__(cls)
+    # the attributes torch's constructors set before computing the order
+    obj.pp_group_size = k
+    obj.n_local_stages = v
+    obj._n_microbatches = m
+    obj.num_stages = obj._num_stages = k * v
+    obj.number_of_rounds = max(1, m // k)
+    obj.microbatches_per_round = m // obj.number_of_rounds
+    out = []
+    for r in range(k):
+        obj.rank = r
+        acts = []
+        for a in obj._calculate_single_rank_operations(r):
+            if a is None:
+                continue
+            for sub in a.sub_actions or (a,):
+                acts.append(Action(sub.stage_index, sub.computation_type.value, sub.microbatch_index))
+        out.append(acts)
+    return out
+
+
+@pytest.mark.parametrize("schedule", sorted(CLASSES))
+def test_templates_match_torch(schedule: str) -> None:
+    compared = 0
+    for k in range(1, 7):
+        for m in range(1, 17):
+            for v in (1, 2, 3):
+                try:
+                    check_schedule_shape(schedule, k, m, v)  # type: ignore[arg-type]
+                except ScheduleError:
+                    continue
+                if schedule == "zb-h1" and m % max(1, m // k):
+                    continue  # torch's class refuses these M (our one-stage list has no rounds)
+                ours = schedule_actions(schedule, k, m, v)  # type: ignore[arg-type]
+                assert ours == torch_orders(CLASSES[schedule], k, m, v), (schedule, k, m, v)
+                compared += 1
+    assert compared >= 10
