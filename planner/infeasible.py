@@ -205,6 +205,8 @@ def _relaxations(profile: Profile, cluster: Cluster, training: TrainingSetup, op
         trials.append(("allow recompute (drop --no-recompute)", options.model_copy(update={"recompute": None})))
     if options.schedule is not None:
         trials.append(("let the solver choose the schedule (drop --schedule)", options.model_copy(update={"schedule": None, "virtual_stages": None})))
+    elif options.schedules is not None:
+        trials.append(("let the solver choose among every schedule (drop schedules)", options.model_copy(update={"schedules": None})))
     if options.stages is not None:
         trials.append(("let the solver choose the stages (drop --stages)", options.model_copy(update={"stages": None})))
     if options.num_microbatches is not None:

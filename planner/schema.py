@@ -357,6 +357,11 @@ class PlanOptions(_Model):
     )
     num_microbatches: PosInt | None = None
     schedule: Schedule | None = None
+    schedules: list[Schedule] | None = Field(
+        default=None,
+        min_length=1,
+        description="the schedules the solver may choose among when `schedule` is free (default: all)",
+    )
     recompute: bool | list[bool] | None = Field(
         default=None, description="False forbids recompute, a list fixes it per stage"
     )

@@ -185,6 +185,8 @@ def enumerate_configs(
     # micro-batches larger than twice the largest measured size would be extrapolated far
     max_b = MAX_EXTRAPOLATION * profile.microbatch_sizes[-1]
     schedules: tuple[Schedule, ...] = (options.schedule,) if options.schedule else SCHEDULES
+    if options.schedules is not None and options.schedule is None:
+        schedules = tuple(x for x in SCHEDULES if x in options.schedules)
     if v_opt is not None and v_opt > 1:
         schedules = tuple(x for x in schedules if SCHEDULE_CHUNKS[x] == "n" or (SCHEDULE_CHUNKS[x] == "2" and v_opt == 2))
     out: list[Config] = []
@@ -209,7 +211,7 @@ def enumerate_configs(
                     except ScheduleError as err:
                         refused = refused or str(err)
                         continue
-                    if k == 1 and options.schedule is None and sched != "1f1b":
+                    if k == 1 and options.schedule is None and sched != "1f1b" and "1f1b" in schedules:
                         continue  # one stage: no pipeline, 1f1b keeps the least in flight
                     out.append(Config(d, k, m, sched, v))
     if not out:
