@@ -27,7 +27,7 @@ cost per sample non-increasing) and reads it at the size a plan needs.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from planner import scaling
@@ -230,7 +230,7 @@ def held_bytes(terms: RankTerms, recompute: Sequence[bool]) -> tuple[list[float]
     return hf, list(terms.weight_grads), live
 
 
-def rank_memory_from_terms(terms: RankTerms, recompute: Sequence[bool], points: Sequence[MemoryPoint]) -> float:
+def rank_memory_from_terms(terms: RankTerms, recompute: Sequence[bool], points: Iterable[MemoryPoint]) -> float:
     """Peak bytes of a rank: its static bytes plus the peak of its walk
     (:func:`planner.schedules.peak_bytes` of its memory points)."""
     hf, hw, live = held_bytes(terms, recompute)
@@ -243,7 +243,7 @@ def rank_memory_bytes(
     recompute: Sequence[bool],
     training: TrainingSetup,
     *,
-    points: Sequence[MemoryPoint],
+    points: Iterable[MemoryPoint],
 ) -> float:
     """Peak bytes of one rank holding the stages ``ranges`` (its chunks, in stage order),
     from its action list's memory ``points`` (:func:`planner.schedules.memory_points`)."""

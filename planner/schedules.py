@@ -52,7 +52,9 @@ import re
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from functools import cached_property
+from operator import mul
+from typing import Any, Literal
 
 from planner.schema import SCHEDULE_CHUNKS, SCHEDULE_PLACEMENT, Placement, Schedule
 
@@ -618,6 +620,11 @@ class MemoryPoint:
     weight: tuple[int, ...]
     live: int = -1
 
+    @cached_property
+    def coef(self) -> tuple[int, ...]:
+        """``forward + weight``, what :func:`peak_bytes` multiplies."""
+        return self.forward + self.weight
+
     def dominated_by(self, other: MemoryPoint) -> bool:
         return (
             (self.live == -1 or self.live == other.live)
@@ -626,9 +633,42 @@ class MemoryPoint:
         )
 
 
-def memory_points(orders: Sequence[Sequence[Action]], rank_stage_lists: Sequence[Sequence[int]]) -> list[tuple[MemoryPoint, ...]]:
-    """Walk each rank's actions and keep the moments memory can peak at (after each forward,
-    during each ``B``/``I``, after each ``I``), without those another one dominates.
+class RankWalk:
+    """The undominated :class:`MemoryPoint` s of one rank's walk (iterable as points), with
+    a fast :meth:`peak`."""
+
+    def __init__(self, points: Sequence[MemoryPoint]) -> None:
+        self.points = tuple(points)
+        self._arrays: tuple[Any, Any, Any] | None = None
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self.points)
+
+    def __len__(self) -> int:
+        return len(self.points)
+
+    def __getitem__(self, i: int) -> MemoryPoint:
+        return self.points[i]
+
+    def peak(self, held_forward: Sequence[float], held_weight: Sequence[float], live: Sequence[float]) -> float:
+        """:func:`peak_bytes` of these points (vectorized when there are many)."""
+        if len(self.points) < 8:
+            return _peak(self.points, held_forward, held_weight, live)
+        import numpy as np  # only here: the service plans small shapes without it
+
+        if self._arrays is None:
+            coef = np.array([p.coef for p in self.points], dtype=float)
+            live_idx = np.array([p.live for p in self.points])
+            self._arrays = (coef, np.maximum(live_idx, 0), live_idx >= 0)
+        coef, idx, has = self._arrays
+        totals = coef @ np.array([*held_forward, *held_weight], dtype=float)
+        totals = totals + np.where(has, np.asarray(live, dtype=float)[idx], 0.0)
+        return max(0.0, float(totals.max()))
+
+
+def memory_points(orders: Sequence[Sequence[Action]], rank_stage_lists: Sequence[Sequence[int]]) -> list[RankWalk]:
+    """Walk each rank's actions and keep the moments memory can peak at (after a run of
+    forwards, during each ``B``/``I``, after each ``I``), without those another one dominates.
 
     With per chunk ``held_forward`` (its activations, or only its input when it recomputes),
     ``held_weight`` (what its ``W`` still needs) and ``live`` (re-materialized activations
@@ -639,43 +679,72 @@ def memory_points(orders: Sequence[Sequence[Action]], rank_stage_lists: Sequence
         local = {s: j for j, s in enumerate(stages)}
         nf = [0] * len(stages)
         nw = [0] * len(stages)
-        points: list[MemoryPoint] = []
-
-        def add(p: MemoryPoint, points: list[MemoryPoint] = points) -> None:
-            for q in points:
-                if p.dominated_by(q):
-                    return
-            points[:] = [q for q in points if not q.dominated_by(p)]
-            points.append(p)
-
-        for a in acts:
+        seen: set[tuple[tuple[int, ...], tuple[int, ...], int]] = set()
+        for i, a in enumerate(acts):
             j = local[a.stage]
             if a.kind == "F":
                 nf[j] += 1
-                add(MemoryPoint(tuple(nf), tuple(nw)))
+                # a moment only where the forwards stop (the counts only grow until then)
+                if i + 1 == len(acts) or acts[i + 1].kind != "F":
+                    seen.add((tuple(nf), tuple(nw), -1))
             elif a.kind == "W":
                 nw[j] -= 1
             else:
-                add(MemoryPoint(tuple(nf), tuple(nw), j))
+                seen.add((tuple(nf), tuple(nw), j))
                 nf[j] -= 1
                 if a.kind == "I":
                     nw[j] += 1
-                    add(MemoryPoint(tuple(nf), tuple(nw)))
-        out.append(tuple(points))
+                    seen.add((tuple(nf), tuple(nw), -1))
+        out.append(RankWalk(_undominated([MemoryPoint(f, w, lv) for f, w, lv in seen])))
     return out
+
+
+def _undominated(points: list[MemoryPoint]) -> list[MemoryPoint]:
+    """The points no other one dominates (few: the walk repeats itself in the steady state).
+    Largest first, each checked against those kept (the live ones first, since a moment
+    between actions is also dominated by a moment during one with at least its counts)."""
+    order = sorted(points, key=lambda p: (p.live == -1, -(sum(p.forward) + sum(p.weight)), p.forward, p.weight, p.live))
+    if len(order) < 64:
+        kept: list[MemoryPoint] = []
+        for p in order:
+            if not any(p.dominated_by(q) for q in kept):
+                kept.append(p)
+        return kept
+    import numpy as np  # only here: long walks
+
+    rows = np.array([p.coef for p in order])
+    lives = np.array([p.live for p in order])
+    keep: list[int] = []
+    for i, p in enumerate(order):
+        if keep:
+            idx = np.asarray(keep)
+            same = (lives[idx] == p.live) | (p.live == -1)
+            if bool(((rows[idx] >= rows[i]).all(axis=1) & same).any()):
+                continue
+        keep.append(i)
+    return [order[i] for i in keep]
 
 
 def peak_bytes(
     points: Iterable[MemoryPoint], held_forward: Sequence[float], held_weight: Sequence[float], live: Sequence[float]
 ) -> float:
     """The largest activation bytes of a rank over its walk (per chunk byte figures)."""
+    if isinstance(points, RankWalk):
+        return points.peak(held_forward, held_weight, live)
+    return _peak(points, held_forward, held_weight, live)
+
+
+def _peak(
+    points: Iterable[MemoryPoint], held_forward: Sequence[float], held_weight: Sequence[float], live: Sequence[float]
+) -> float:
+    values = (*held_forward, *held_weight)
     best = 0.0
     for p in points:
-        total = sum(c * h for c, h in zip(p.forward, held_forward, strict=True))
-        total += sum(c * h for c, h in zip(p.weight, held_weight, strict=True))
+        total = sum(map(mul, p.coef, values))
         if p.live >= 0:
             total += live[p.live]
-        best = max(best, total)
+        if total > best:
+            best = total
     return best
 
 

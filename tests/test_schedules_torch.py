@@ -64,3 +64,33 @@ def test_templates_match_torch(schedule: str) -> None:
                 assert ours == torch_orders(CLASSES[schedule], k, m, v), (schedule, k, m, v)
                 compared += 1
     assert compared >= 10
+
+
+def test_our_csv_is_what_torch_loads_and_validates(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``pipeplan show --actions`` writes torch's compute-only CSV: every cell parses with
+    ``_Action.from_str``, and ``_validate_schedule`` accepts the lists and maps each stage to
+    the rank our placement gives (loop, V), for every schedule, planned included."""
+    import csv
+
+    from planner.costmodel import estimate, plan_orders
+    from planner.schedules import placement_of, stage_rank, to_csv
+    from planner.schema import SCHEDULES, TrainingSetup
+    from tests.planner.helpers import cluster, random_profile
+
+    profile = random_profile(3, 8, split_backward=True)
+    training = TrainingSetup(global_batch_size=16)
+    for schedule in SCHEDULES:
+        v = {"zbv": 2, "dualpipev": 2, "interleaved-1f1b": 2, "interleaved-zb": 2}.get(schedule, 1)
+        k, m = 2, 8
+        n = k * v
+        bounds = [round(i * 8 / n) for i in range(n + 1)]
+        plan = estimate(
+            profile, cluster(k, "4GiB"), training, [(bounds[i], bounds[i + 1]) for i in range(n)],
+            num_microbatches=m, schedule=schedule, pipeline_degree=k,  # type: ignore[arg-type]
+        )
+        path = tmp_path / f"{schedule}.csv"
+        path.write_text(to_csv(plan_orders(plan)))
+        with open(path, newline="") as f:
+            actions = {r: [schedules._Action.from_str(cell) for cell in row] for r, row in enumerate(csv.reader(f))}
+        mapping = schedules._validate_schedule(actions, k, n, m)
+        assert mapping == {s: stage_rank(placement_of(schedule), s, k, v) for s in range(n)}, schedule  # type: ignore[arg-type]

@@ -33,7 +33,7 @@ from planner.costmodel import (
 )
 from planner.schedules import (
     SPLIT_BACKWARD,
-    MemoryPoint,
+    RankWalk,
     first_backward_counts,
     memory_points,
     placement_of,
@@ -46,7 +46,7 @@ from planner.search.space import Config, Group
 from planner.simulator import CompiledSchedule, compile_actions, compile_schedule, makespans
 
 #: the memory points of each rank of a schedule shape (:func:`planner.schedules.memory_points`)
-RankPoints = list[tuple[MemoryPoint, ...]]
+RankPoints = list[RankWalk]
 
 #: relative precision of the bottleneck binary searches
 REL_TOL = 1e-6
@@ -118,6 +118,7 @@ class StageModel:
         self.inflight = [min(c) for c in self.counts]
         self._points_source = points
         self._points: RankPoints | None = None
+        self._totals: list[tuple[int, int]] | None = None
 
     @staticmethod
     def counts_of(cfg: Config) -> list[tuple[int, ...]]:
@@ -178,6 +179,21 @@ class StageModel:
 
     # ------------------------------------------------------------------ memory
 
+    def memory_upper(self, rank: int, chunks: Sequence[tuple[int, int]], recompute: Sequence[bool]) -> float:
+        """An upper bound of ``rank``'s peak holding ``chunks`` (its first chunks; later ones
+        empty), in O(v): the most micro-batches its walk holds at once times its largest
+        chunk's bytes, as the interleaved cost model had it (for the chunk searches' inner
+        loops; the split they find is then checked exactly)."""
+        if self._totals is None:
+            self._totals = [
+                (max((sum(p.forward) for p in walk), default=0), max((sum(p.weight) for p in walk), default=0))
+                for walk in self.points
+            ]
+        most_f, most_w = self._totals[rank]
+        terms = rank_memory_terms(self.costs, chunks, self.training)
+        hf, hw, live = held_bytes(terms, recompute)
+        return terms.static + most_f * max(hf, default=0.0) + most_w * max(hw, default=0.0) + max(live, default=0.0)
+
     def memory(self, a: int, b: int, rc: bool, rank: int) -> float:
         """Exact peak of a one-chunk rank holding stage [a, b) (v = 1)."""
         terms = rank_memory_terms(self.costs, [(a, b)], self.training)
@@ -227,7 +243,10 @@ def walk_counts(points: RankPoints) -> list[RankCounts]:
         per = tuple(max(1, max((p.forward[j] for p in pts), default=1)) for j in range(v))
         joint: float = max((min(p.forward) for p in pts), default=1)
         if v > 1:
-            for p, q in itertools.combinations(pts, 2):
+            # mixtures of the moments that hold most of one chunk, or most of every chunk
+            tops = {max(pts, key=lambda p, j=j: (p.forward[j], min(p.forward))) for j in range(v)}  # type: ignore[misc]
+            tops.add(max(pts, key=lambda p: (min(p.forward), sum(p.forward))))
+            for p, q in itertools.combinations(sorted(tops, key=lambda p: (p.forward, p.weight, p.live)), 2):
                 # min_j (lam·p_j + (1-lam)·q_j) is concave in lam: check where two lines cross
                 lams = {0.0, 1.0}
                 for i, j in itertools.combinations(range(v), 2):

@@ -16,6 +16,7 @@ from typing import TypeVar
 
 from planner.bounds.split import TransferBounds, split_lower_bound
 from planner.costmodel import LayerCosts, layer_costs
+from planner.schedules import SPLIT_BACKWARD
 from planner.schema import Cluster, PlanOptions, Profile, Schedule, TrainingSetup
 from planner.search.model import (
     RankCounts,
@@ -33,7 +34,7 @@ from planner.simulator import CompiledSchedule
 #: work units per simulated action (the compiled program runs about 5 actions per unit)
 SIM_WORK = 0.2
 #: the memory bounds walk a schedule's actions (rather than use its closed forms) up to this many
-WALK_LIMIT = 60_000
+WALK_LIMIT = 10_000
 
 T = TypeVar("T")
 
@@ -88,7 +89,8 @@ class SearchState:
         """The memory points of ``cfg``'s schedule, walked once per shape (about the cost of
         compiling it, counted as work)."""
         if cfg.shape not in self.points:
-            self.work += 2 * cfg.num_microbatches * cfg.num_stages
+            # its actions listed and walked: about 3 units an action
+            self.work += 3 * (3 if cfg.schedule in SPLIT_BACKWARD else 2) * cfg.num_microbatches * cfg.num_stages
             self.points[cfg.shape] = schedule_points(cfg)
         return self.points[cfg.shape]
 

@@ -25,7 +25,7 @@ from planner.search.model import (
 )
 from planner.search.space import Group
 from planner.search.state import SearchState, consider
-from planner.splits.recompute import rank_peak, with_recompute
+from planner.splits.recompute import with_recompute
 
 
 def interleaved_candidates(
@@ -179,7 +179,7 @@ def _mixed_cut(
             ) -> bool:
                 if sm.work_ms(a, b, rc, g.speed) > budget:
                     return False
-                return math.ceil(_partial_peak(sm, r, [*own[r], (a, b)], [*own_rc[r], rc])) <= g.limit_bytes
+                return math.ceil(sm.memory_upper(r, [*own[r], (a, b)], [*own_rc[r], rc])) <= g.limit_bytes
 
             b = farthest(fits, lo_b, hi_b)
             if b is not None and (best_b is None or b > best_b):
@@ -212,7 +212,7 @@ def _memory_aware_cut(
             if sm.work_ms(a, b, rc, g.speed) > t:
                 return False
             chunks = [*own[r], (a, b)]
-            return math.ceil(_partial_peak(sm, r, chunks, [rc] * len(chunks))) <= g.limit_bytes
+            return math.ceil(sm.memory_upper(r, chunks, [rc] * len(chunks))) <= g.limit_bytes
 
         b = farthest(fits, lo_b, hi_b)
         if b is None:
@@ -222,13 +222,3 @@ def _memory_aware_cut(
         a = b
     return tuple(out)
 
-
-def _partial_peak(sm: StageModel, rank: int, chunks: Sequence[tuple[int, int]], recompute: Sequence[bool]) -> float:
-    """Peak of ``rank`` holding only its first ``len(chunks)`` chunks so far (the later ones
-    count as empty: the walk's peak only grows as they fill)."""
-    v = sm.cfg.virtual_stages
-    pad = len(chunks)
-    if pad == v:
-        return rank_peak(sm, chunks, recompute, rank)
-    end = chunks[-1][1]
-    return rank_peak(sm, [*chunks, *[(end, end)] * (v - pad)], [*recompute, *[False] * (v - pad)], rank)

@@ -12,13 +12,25 @@ from planner.schema import Cluster, LayerProfile, MeasuredOn, Plan, Profile, Sch
 MiB = 2**20
 
 
-def random_profile(seed: int, layers: int, *, sizes: tuple[int, ...] = (1, 2, 4)) -> Profile:
+def random_profile(
+    seed: int, layers: int, *, sizes: tuple[int, ...] = (1, 2, 4), split_backward: bool = False
+) -> Profile:
+    """``split_backward``: also measured input and weight gradients (any share of the
+    backward, summing to between 0.8 and 1.2 times it) and bytes held between them."""
     rng = random.Random(seed)
     out = []
     for i in range(layers):
         f = rng.uniform(0.5, 3.0)
         ratio = rng.uniform(1.5, 2.5)
         act = rng.randint(1, 8) * MiB
+        extra: dict[str, list[float] | list[int]] = {}
+        if split_backward:
+            share, total = rng.uniform(0.0, 1.0), rng.uniform(0.8, 1.2)
+            extra = {
+                "backward_input_ms": [f * ratio * b * share * total for b in sizes],
+                "backward_weight_ms": [f * ratio * b * (1 - share) * total for b in sizes],
+                "weight_grad_bytes": [int(act * rng.uniform(0.2, 1.3)) * b for b in sizes],
+            }
         out.append(
             LayerProfile(
                 name=f"l{i}",
@@ -27,6 +39,7 @@ def random_profile(seed: int, layers: int, *, sizes: tuple[int, ...] = (1, 2, 4)
                 backward_ms=[f * ratio * b for b in sizes],
                 activation_bytes=[act * b for b in sizes],
                 output_bytes=[rng.randint(1, 4) * MiB // 4 * b for b in sizes],
+                **extra,  # type: ignore[arg-type]
             )
         )
     return Profile(

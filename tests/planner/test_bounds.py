@@ -92,7 +92,7 @@ def test_cheap_bound_never_exceeds_the_exhaustive_optimum(
     k, v, schedule = shape
     m = runnable_m(schedule, k, m, v)  # type: ignore[arg-type]
     layers = 6 if k * v < 6 else 7
-    profile = random_profile(seed, layers)
+    profile = random_profile(seed, layers, split_backward=seed % 2 == 1)
     speeds = [1.0] + [0.5] * (k * d - 1) if slow else None
     cl = cluster(k * d, memory, speeds=speeds)
     training = TrainingSetup(global_batch_size=8 * m * d, optimizer="sgd")
@@ -529,7 +529,7 @@ def test_pinned_ranks_with_their_allreduce_stay_below_the_optimum(
     k, v, schedule = shape
     m = runnable_m(schedule, k, m, v)  # type: ignore[arg-type]
     d = 2
-    profile = random_profile(seed, 6 if k * v < 6 else 7)
+    profile = random_profile(seed, 6 if k * v < 6 else 7, split_backward=seed % 2 == 1)
     cl = Cluster.model_validate({
         "devices": k * d, "memory": "1GiB", "devices_per_node": 2 * k,
         "intra_node": {"bandwidth_bytes_per_s": bandwidth, "latency_s": 1e-4},
