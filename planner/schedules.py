@@ -694,17 +694,20 @@ def memory_points(orders: Sequence[Sequence[Action]], rank_stage_lists: Sequence
                 nf[j] -= 1
                 if a.kind == "I":
                     nw[j] += 1
-                    seen.add((tuple(nf), tuple(nw), -1))
+                    # (a forward, backward or input gradient next holds at least as much)
+                    if i + 1 == len(acts) or acts[i + 1].kind == "W":
+                        seen.add((tuple(nf), tuple(nw), -1))
         out.append(RankWalk(_undominated([MemoryPoint(f, w, lv) for f, w, lv in seen])))
     return out
 
 
 def _undominated(points: list[MemoryPoint]) -> list[MemoryPoint]:
     """The points no other one dominates (few: the walk repeats itself in the steady state).
-    Largest first, each checked against those kept (the live ones first, since a moment
-    between actions is also dominated by a moment during one with at least its counts)."""
+    A moment between actions is also dominated by a moment during one (any live chunk) with
+    at least its counts; a moment during a chunk's backward only by one during the same
+    chunk's."""
     order = sorted(points, key=lambda p: (p.live == -1, -(sum(p.forward) + sum(p.weight)), p.forward, p.weight, p.live))
-    if len(order) < 64:
+    if len(order) < 48:
         kept: list[MemoryPoint] = []
         for p in order:
             if not any(p.dominated_by(q) for q in kept):
@@ -714,15 +717,17 @@ def _undominated(points: list[MemoryPoint]) -> list[MemoryPoint]:
 
     rows = np.array([p.coef for p in order])
     lives = np.array([p.live for p in order])
-    keep: list[int] = []
-    for i, p in enumerate(order):
-        if keep:
-            idx = np.asarray(keep)
-            same = (lives[idx] == p.live) | (p.live == -1)
-            if bool(((rows[idx] >= rows[i]).all(axis=1) & same).any()):
-                continue
-        keep.append(i)
-    return [order[i] for i in keep]
+    n = len(order)
+    dominated = np.zeros(n, dtype=bool)
+    for lo in range(0, n, 128):
+        block = rows[lo : lo + 128]
+        # ge[i, j]: point j has at least point i's counts (exact duplicates were merged)
+        ge = (rows[None, :, :] >= block[:, None, :]).all(axis=2)
+        same = (lives[None, :] == lives[lo : lo + 128, None]) | (lives[lo : lo + 128, None] == -1)
+        ge &= same
+        ge[np.arange(len(block)), np.arange(lo, lo + len(block))] = False
+        dominated[lo : lo + 128] = ge.any(axis=1)
+    return [p for p, d in zip(order, dominated.tolist(), strict=True) if not d]
 
 
 def peak_bytes(

@@ -130,6 +130,7 @@ def chain_split(
     acts = a_pre[ends] - a_pre[starts]
     grads = (p_pre[ends] - p_pre[starts]) * training.gradient_bytes_per_param_byte
     after = total - f_pre[ends] - b_pre[ends]  # work of the later layers
+    after_g = f_pre[-1] + g_pre[-1] - f_pre[ends] - g_pre[ends]  # their forwards and gradients
     back_after = b_pre[-1] - b_pre[ends]
     inf = math.inf
     nxt = np.full(n_layers + 1, inf)  # G[s+1][.]: only the empty suffix at L is covered
@@ -163,6 +164,7 @@ def chain_split(
                 for bw_, lat in hop_links[s]:
                     xfer = np.maximum(xfer, (cut[en] / bw_ + lat) * 1e3)
             down = after[:, cols] + 2 * xfer + later
+            down_g = after_g[:, cols] + 2 * xfer + later
             if d > 1:
                 steps = 2 * (d - 1)
                 gr = grads[:, cols]
@@ -182,6 +184,10 @@ def chain_split(
                         idle = idle + np.maximum(0.0, down - w * fw)
                 elif cfg.schedule == "gpipe":
                     idle = np.maximum(0.0, down - (m - 1) * fw)
+                elif cfg.schedule == "zb-h1":
+                    # the first input gradient's wait (planner.bounds.split), on the input
+                    # gradients' path downstream
+                    idle = np.maximum(0.0, down_g - w * fw)
                 else:  # the other one-chunk schedules: no forced wait is counted
                     idle = np.zeros_like(fw)
                 if split_bw:

@@ -142,11 +142,15 @@ def config_bound(
         # unless the weight gradients of a split backward may follow)
         rank_pre = sum(fdiff[j] + gx[j + 1] - gx[j] + refw[j] for j in own) if split_bw else rank_work
         idle: cp_model.LinearExpr | int = 0
-        if v == 1 and cfg.schedule in ("1f1b", "gpipe"):
-            down = (fpre[-1] + bpre[-1]) - (fx[first + 1] + bx[first + 1])
+        if v == 1 and cfg.schedule in ("1f1b", "gpipe", "zb-h1"):
+            if cfg.schedule == "zb-h1":  # the first input gradient's wait (planner.bounds.split)
+                down = (fpre[-1] + gpre[-1]) - (fx[first + 1] + gx[first + 1])
+                credit = min(k - r - 1, m) * fdiff[first]
+            else:
+                down = (fpre[-1] + bpre[-1]) - (fx[first + 1] + bx[first + 1])
             if cfg.schedule == "1f1b":
                 credit = min(k - r - 1, m) * (bdiff[first] + refw[first])
-            else:
+            elif cfg.schedule == "gpipe":
                 credit = (m - 1) * fdiff[first]
             ivar = model.new_int_var(0, big_t, f"idle{r}")
             model.add(ivar >= down - credit)

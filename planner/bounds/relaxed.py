@@ -96,13 +96,23 @@ def idle_bound(
     ``M >= w + 1``, plus the wait for the first backward ``max(0, downstream - w·forward)``
     when ``M >= w + 2`` (then one more layer adds ``M·c_l`` to the work and takes at most
     ``(2 + w)·c_l`` off the two waits, so the test stays monotone); GPipe:
-    ``max(0, downstream - (M-1)·forward)``, always monotone; other schedules: 0.  The downstream path is the
+    ``max(0, downstream - (M-1)·forward)``, always monotone; ZB-H1: the first-backward wait
+only, on the forward and input-gradient path (its drain is filled with weight gradients),
+monotone since ``M >= w + 1``; other schedules: 0.  The downstream path is the
     later layers' forward + backward at the fastest speed without recompute, plus
     ``transfers`` (a lower bound of the later boundaries' transfers, both ways: constant in
     ``b``, so the test stays monotone).
     """
     cfg = sm.cfg
     m = cfg.num_microbatches
+    if cfg.schedule == "zb-h1":
+        # the first input gradient waits for the forward and input-gradient path downstream,
+        # while the rank runs only its w = K-s-1 warm-up forwards (the drain is W's filler)
+        w = min(cfg.pipeline_degree - s - 1, m)
+        if m < w + 1:
+            return 0.0
+        down_g = (sm.F[-1] + sm.G[-1] - sm.F[b] - sm.G[b]) / smax + transfers
+        return max(0.0, down_g - w * (sm.F[b] - sm.F[a]) / speed)
     down = (sm.F[-1] + sm.B[-1] - sm.F[b] - sm.B[b]) / smax + transfers
     if cfg.schedule == "1f1b":
         w = min(cfg.pipeline_degree - s - 1, m)

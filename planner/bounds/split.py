@@ -19,8 +19,9 @@ last backward of rank ``r`` (1F1B: the downstream path minus the ``w = min(K-r-1
 backwards the rank can run meanwhile, plus, when ``M >= w + 2``, the wait between the first
 forward and the first backward: the downstream path minus the ``w`` warm-up forwards run
 meanwhile; the two intervals are disjoint because ``F(M-1)`` comes after ``B(0)``; GPipe: the
-downstream path of the first micro-batch minus the ``M-1`` forwards that follow it; every
-other schedule: 0).  Ranks of several chunks also get one bound per chunk j: the forward
+downstream path of the first micro-batch minus the ``M-1`` forwards that follow it; ZB-H1:
+the wait for the first input gradient, its forward and input-gradient path downstream minus
+the ``w`` warm-up forwards; every other schedule: 0).  Ranks of several chunks also get one bound per chunk j: the forward
 of chunk j on micro-batch 0 waits for the path through every earlier stage, and the rank
 has by then run only a fixed number of forwards of each earlier chunk
 (:func:`planner.schedules.forwards_before_chunk`: K for interleaved 1F1B).  The simulator's
@@ -115,10 +116,12 @@ def split_lower_bound(sm: StageModel, cluster: Cluster, groups: Sequence[Group],
     for s in range(1, n):
         in_f[s] = in_f[s - 1] + f[s - 1] + xfer[s - 1]
         out_b[s] = out_b[s - 1] + grad[s - 1] + xfer[s - 1]
-    # downstream path after stage s: all later stages forward and backward plus transfers twice
+    # downstream path after stage s: all later stages forward and backward (for ZB-H1 the
+    # input gradients: what the first one waits for) plus transfers twice
+    later = grad if cfg.schedule == "zb-h1" else bw
     down = [0.0] * n
     for s in range(n - 2, -1, -1):
-        down[s] = down[s + 1] + f[s + 1] + bw[s + 1] + 2 * xfer[s]
+        down[s] = down[s + 1] + f[s + 1] + later[s + 1] + 2 * xfer[s]
     before = forwards_before_chunk(cfg.schedule, k, m, cfg.virtual_stages)
     best = 0.0
     for r in range(k):
@@ -144,6 +147,9 @@ def split_lower_bound(sm: StageModel, cluster: Cluster, groups: Sequence[Group],
                 idle += max(0.0, down[first] - w * f[first])
         elif cfg.schedule == "gpipe":
             idle = max(0.0, down[first] - (m - 1) * f[first])
+        elif cfg.schedule == "zb-h1":
+            # between F(0) and I(0) the rank runs only its w warm-up forwards
+            idle = max(0.0, down[first] - min(k - r - 1, m) * f[first])
         elif len(own) > 1:
             # several chunks: before the forward of chunk j on micro-batch 0 the rank has run
             # only before[r][j] forwards of each earlier chunk, so from that start it still

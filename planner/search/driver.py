@@ -95,10 +95,15 @@ from planner.splits.greedy import greedy_candidates
 from planner.splits.interleaved import interleaved_candidates
 from planner.splits.polish import polish
 
-#: configurations solved in order of promise before the search turns best-first
+#: configurations solved in order of promise before the search turns best-first: this many of
+#: the classic schedules (gpipe, 1f1b, interleaved-1f1b), then of the others
 INCUMBENT_TRIES = 6
-#: share of the work budget the configuration search may use
+INCUMBENT_TRIES_NEW = 3
+CLASSIC = frozenset({"gpipe", "1f1b", "interleaved-1f1b"})
+#: share of the work budget the configuration search may use (for the classic schedules)
 SEARCH_SHARE = 0.6
+#: share of the work budget the zero-bubble and planned schedules get after the classic ones
+NEW_SHARE = 0.25
 #: work units (about one simulated action, or one stage test) per second of time limit
 WORK_PER_SECOND = 400_000.0
 #: wall-clock safety net: stop searching after this multiple of the time limit regardless
@@ -186,12 +191,15 @@ def _branch_and_bound(search: SearchState, configs: Sequence[Config]) -> None:
     that nothing fits.  Level 2 is the search for a plan (:func:`enumerate_splits`, the greedy
     splits), after which a configuration is solved or stays open at its bound.
 
-    First the ``INCUMBENT_TRIES`` configurations that promise most (the textbook step time
-    of a balanced split) go through every level, so that a good plan prunes the rest; then
-    the configuration with the smallest bound is always the next to advance a level, since
-    it alone decides the proven gap.  The search stops when the smallest bound reaches the
-    best plan (optimal) or at SEARCH_SHARE of the work budget; what is left stays open at
-    its bound.
+    Two rounds: first the classic schedules (gpipe, 1f1b, interleaved-1f1b) with
+    ``SEARCH_SHARE`` of the work budget, then the zero-bubble and planned ones, starting
+    from the best plan found, with ``NEW_SHARE`` more (or ``SEARCH_SHARE`` when only those
+    are allowed).  In each round the ``INCUMBENT_TRIES`` configurations that promise most
+    (the textbook step time of a balanced split) go through every level first, so that a
+    good plan prunes the rest; then the configuration with the smallest bound is always the
+    next to advance a level, since it alone decides the proven gap.  A round stops when its
+    smallest bound reaches the best plan or at its share of the budget; what is left stays
+    open at its bound.
     """
     entries = []
     group_cache: dict[tuple[int, int], list[Group]] = {}
@@ -204,12 +212,26 @@ def _branch_and_bound(search: SearchState, configs: Sequence[Config]) -> None:
             search.infeasible += 1
             continue
         entries.append((cheap_bound(search, cfg, groups), cfg, groups))
+    classic = [e for e in entries if e[1].schedule in CLASSIC]
+    newer = [e for e in entries if e[1].schedule not in CLASSIC]
+    if classic:
+        _round(search, classic, INCUMBENT_TRIES, SEARCH_SHARE)
+    if newer:
+        _round(search, newer, INCUMBENT_TRIES_NEW if classic else INCUMBENT_TRIES,
+               SEARCH_SHARE + NEW_SHARE if classic else SEARCH_SHARE)
+
+
+def _round(
+    search: SearchState, entries: list[tuple[float, Config, list[Group]]], tries: int, share: float
+) -> None:
+    """One round of :func:`_branch_and_bound` over ``entries`` (their cheap bounds), until
+    ``share`` of the work budget."""
     promising = sorted(entries, key=lambda e: (max(e[0], _promise(search, e[1], e[2])), e[1]))
     started: set[Config] = set()
     for cheap, cfg, groups in promising:
-        if search.best is not None and len(started) >= INCUMBENT_TRIES:
+        if search.best is not None and len(started) >= tries:
             break
-        if search.best is not None and _out_of_budget(search):
+        if search.best is not None and _out_of_budget(search, share):
             break
         started.add(cfg)
         if cheap >= search.best_step:
@@ -225,7 +247,7 @@ def _branch_and_bound(search: SearchState, configs: Sequence[Config]) -> None:
         if bound >= search.best_step:
             search.pruned += 1 + len(heap)
             return
-        if search.best is not None and _out_of_budget(search):
+        if search.best is not None and _out_of_budget(search, share):
             search.timed_out = True
             for bound_, _, cfg_, groups_ in [(bound, level, cfg, groups), *heap]:
                 if bound_ >= search.best_step:
@@ -291,8 +313,8 @@ def _advance(
     return None
 
 
-def _out_of_budget(search: SearchState) -> bool:
-    return search.work > SEARCH_SHARE * search.work_budget or time.perf_counter() > search.wall_stop
+def _out_of_budget(search: SearchState, share: float = SEARCH_SHARE) -> bool:
+    return search.work > share * search.work_budget or time.perf_counter() > search.wall_stop
 
 
 #: the textbook bubble of each schedule, in units of 1F1B's (K-1)/v micro-batches (the zero

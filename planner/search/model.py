@@ -118,7 +118,7 @@ class StageModel:
         self.inflight = [min(c) for c in self.counts]
         self._points_source = points
         self._points: RankPoints | None = None
-        self._totals: list[tuple[int, int]] | None = None
+        self._totals: list[tuple[int, bool]] | None = None
 
     @staticmethod
     def counts_of(cfg: Config) -> list[tuple[int, ...]]:
@@ -186,13 +186,17 @@ class StageModel:
         loops; the split they find is then checked exactly)."""
         if self._totals is None:
             self._totals = [
-                (max((sum(p.forward) for p in walk), default=0), max((sum(p.weight) for p in walk), default=0))
+                (
+                    max((sum(p.coef) for p in walk), default=0),  # micro-batches held at once
+                    any(any(p.weight) for p in walk),  # whether any waits for a weight gradient
+                )
                 for walk in self.points
             ]
-        most_f, most_w = self._totals[rank]
+        most, weights = self._totals[rank]
         terms = rank_memory_terms(self.costs, chunks, self.training)
         hf, hw, live = held_bytes(terms, recompute)
-        return terms.static + most_f * max(hf, default=0.0) + most_w * max(hw, default=0.0) + max(live, default=0.0)
+        per = max(max(hf, default=0.0), max(hw, default=0.0) if weights else 0.0)
+        return terms.static + most * per + max(live, default=0.0)
 
     def memory(self, a: int, b: int, rc: bool, rank: int) -> float:
         """Exact peak of a one-chunk rank holding stage [a, b) (v = 1)."""

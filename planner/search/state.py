@@ -89,8 +89,8 @@ class SearchState:
         """The memory points of ``cfg``'s schedule, walked once per shape (about the cost of
         compiling it, counted as work)."""
         if cfg.shape not in self.points:
-            # its actions listed and walked: about 3 units an action
-            self.work += 3 * (3 if cfg.schedule in SPLIT_BACKWARD else 2) * cfg.num_microbatches * cfg.num_stages
+            # its actions listed and walked: about a unit an action
+            self.work += (3 if cfg.schedule in SPLIT_BACKWARD else 2) * cfg.num_microbatches * cfg.num_stages
             self.points[cfg.shape] = schedule_points(cfg)
         return self.points[cfg.shape]
 
