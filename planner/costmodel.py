@@ -100,6 +100,10 @@ class LayerCosts:
     prefix_input: tuple[float, ...] = ()
     prefix_weight: tuple[float, ...] = ()
     prefix_weight_grad: tuple[float, ...] = ()
+    #: prefix sums of each layer's cheaper of backward and input gradient (what can carry a
+    #: gradient through it), and the least forward share f / (f + b) of any layer
+    prefix_grad: tuple[float, ...] = ()
+    min_forward_share: float = 0.0
 
     @property
     def num_layers(self) -> int:
@@ -149,6 +153,8 @@ def layer_costs(profile: Profile, microbatch_size: int) -> LayerCosts:
         prefix_input=_prefix(bin_),
         prefix_weight=_prefix(bwt),
         prefix_weight_grad=_prefix(wgrad),
+        prefix_grad=_prefix([min(x, y) for x, y in zip(bwd, bin_, strict=True)]),
+        min_forward_share=min((f / (f + b_) for f, b_ in zip(fwd, bwd, strict=True) if f + b_ > 0), default=0.0),
     )
 
 

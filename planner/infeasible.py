@@ -122,7 +122,7 @@ def largest_layer(
     limit = max(usable_bytes(d.memory_bytes, training) for d in cluster.devices)
     seen: dict[tuple[int, int], None] = {}
     for cfg in configs:
-        sm_inflight = min(min(c) for c in StageModel.counts_of(cfg))
+        sm_inflight = min(min(c) for c in StageModel.counts_of(cfg, profile.num_layers))
         seen.setdefault((cfg.microbatch_size(training.global_batch_size), sm_inflight), None)
     rc_opts = [options.recompute] if isinstance(options.recompute, bool) else [False, True]
     need = [math.inf] * profile.num_layers

@@ -753,6 +753,30 @@ def _peak(
     return best
 
 
+def closed_form_walks(schedule: Schedule, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> list[RankWalk] | None:
+    """Each rank's memory moments without listing the actions, where a closed form holds:
+    GPipe holds M micro-batches and 1F1B ``min(K-r, M)``, each then running a backward (exact,
+    tested against the walk); interleaved 1F1B is bounded by its warm-up count
+    ``min((K-r-1)·2 + (v-1)·K + 1, M·v)`` of its largest chunk plus one live chunk (the older
+    cost model's form, an upper bound of the walk).  None for the other schedules."""
+    k, m, v = num_ranks, num_microbatches, virtual_stages
+    if schedule in ("gpipe", "1f1b"):
+        counts = [m if schedule == "gpipe" else min(k - r, m) for r in range(k)]
+        return [RankWalk([MemoryPoint((c,), (0,), 0)]) for c in counts]
+    if schedule == "interleaved-1f1b":
+        out = []
+        for r in range(k):
+            n = min((k - r - 1) * 2 + (v - 1) * k + 1, m * v)
+            pts = [
+                MemoryPoint(tuple(n if i == j else 0 for i in range(v)), (0,) * v, live)
+                for j in range(v)
+                for live in range(v)
+            ]
+            out.append(RankWalk(pts))
+        return out
+    return None
+
+
 def first_backward_counts(schedule: Schedule, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> list[tuple[int, ...]]:
     """Closed form, per rank and chunk, of the micro-batches forwarded before the rank's first
     ``B``/``I`` starts (counted with the one it starts on): a moment of every split's walk, so

@@ -53,7 +53,7 @@ def memory_work_bound(search: SearchState, cfg: Config, groups: Sequence[Group])
     knap = knapsack_at(search, b)
     k, m = cfg.pipeline_degree, cfg.num_microbatches
     limit = max(g.limit_bytes for g in groups)
-    held = rank_counts(cfg)
+    held = rank_counts(cfg, search.profile.num_layers)
     caps = sorted((limit / n for n in held), reverse=True)
     speeds = sorted((g.speed for g in groups), reverse=True)
     ssum = sum(speeds)
@@ -188,10 +188,10 @@ def static_memory_bound(search: SearchState, cfg: Config, groups: Sequence[Group
     return best
 
 
-def rank_counts(cfg: Config) -> list[int]:
-    """Per rank, the least in-flight count over its chunks at its first backward (at least 1):
-    the activation bytes its kept chunks hold total at most ``limit / count``."""
-    return [max(1, min(c)) for c in StageModel.counts_of(cfg)]
+def rank_counts(cfg: Config, num_layers: int) -> list[float]:
+    """Per rank, a count such that the activation bytes its kept chunks hold total at most
+    ``limit / count`` (:meth:`planner.search.model.StageModel.joint_of`, at least 1)."""
+    return [max(1.0, j) for j in StageModel.joint_of(cfg, num_layers)]
 
 
 def memory_bounds(search: SearchState, cfg: Config, groups: Sequence[Group], *, lo: float = 0.0) -> float:

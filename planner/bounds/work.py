@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from planner.bounds.memory import memory_work_bound
 from planner.costmodel import LayerCosts, allreduce_ms
 from planner.schedules import SPLIT_BACKWARD, placement_of
-from planner.search.model import work_total
+from planner.search.model import StageModel, work_total
 from planner.search.space import Config, Group
 from planner.search.state import SearchState
 
@@ -34,9 +35,7 @@ def cheap_bound(search: SearchState, cfg: Config, groups: Sequence[Group]) -> fl
     split_bw = cfg.schedule in SPLIT_BACKWARD
     # one micro-batch goes forward through every layer and its gradient back (a split
     # backward's weight gradients need not be on that path)
-    path = w if not split_bw else costs.prefix_forward[-1] + sum(
-        min(b_, i_) for b_, i_ in zip(costs.backward_ms, costs.input_ms, strict=True)
-    )
+    path = w if not split_bw else costs.prefix_forward[-1] + costs.prefix_grad[-1]
     bound = max(m * w / ssum, path / smax)
     # every rank r starts after the forward path through the stages before its first
     # stage (at least r layers) and ends after the backward path back: averaging the ranks'
@@ -56,9 +55,17 @@ def cheap_bound(search: SearchState, cfg: Config, groups: Sequence[Group]) -> fl
         grads = costs.prefix_param[-1] * search.training.gradient_bytes_per_param_byte
         ar_all = (2 * (d - 1) / d * grads / link.bandwidth_bytes_per_s + k * 2 * (d - 1) * link.latency_s) * 1e3
         bound = max(bound, m * w / ssum + smin * ar_all / ssum)
-    bound = max(bound, memory_work_bound(search, cfg, groups))
+    # (both shared by the schedules of one shape: cached on what they read)
+    groups_key = tuple(g.devices for g in groups)
+    counts = tuple(StageModel.joint_of(cfg, costs.num_layers))
+    mem_key = (cfg.microbatch_size(search.training.global_batch_size), cfg.num_microbatches, counts, groups_key)
+    bound = max(bound, search.table(_Cached, ("memory", mem_key), lambda: _Cached(memory_work_bound(search, cfg, groups))).value)
     # indivisible layers: some rank holds the heaviest ones (and all-reduces them)
-    bound = max(bound, rank_allreduce_bound(search, cfg, groups))
+    pinned_key = (
+        cfg.microbatch_size(search.training.global_batch_size), cfg.data_parallel, cfg.pipeline_degree,
+        cfg.num_microbatches, cfg.virtual_stages, placement_of(cfg.schedule), split_bw, groups_key,
+    )
+    bound = max(bound, search.table(_Cached, ("pinned", pinned_key), lambda: _Cached(rank_allreduce_bound(search, cfg, groups))).value)
     # the last stage holds the last layer and cannot start before micro-batch 0 has gone
     # forward through every earlier layer; then its rank still works at least M times that
     # layer (interleaved: its earlier chunks' warm-up forwards come out of its own work, see
@@ -70,10 +77,8 @@ def cheap_bound(search: SearchState, cfg: Config, groups: Sequence[Group]) -> fl
     if cfg.virtual_stages == 1 and split_bw:
         # the last stage's input gradients come before its deferred weight gradients, and the
         # last one still has to flow back through every earlier layer (its cheaper of B and I)
-        f_last = costs.forward_ms[n_l - 1]
-        pre = f_last + min(costs.backward_ms[n_l - 1], costs.input_ms[n_l - 1])
-        grad_path = sum(min(b_, i_) for b_, i_ in zip(costs.backward_ms[: n_l - 1], costs.input_ms[: n_l - 1], strict=True))
-        bound = max(bound, (costs.prefix_forward[n_l - 1] + m * pre + grad_path) / smax)
+        pre = costs.forward_ms[n_l - 1] + costs.prefix_grad[n_l] - costs.prefix_grad[n_l - 1]
+        bound = max(bound, (costs.prefix_forward[n_l - 1] + m * pre + costs.prefix_grad[n_l - 1]) / smax)
     if cfg.virtual_stages == 1 and m > 1:
         # continuous relaxation of min over splits of max_s (P[a_s] + M c_s), with P the work
         # before the stage (forward path in and gradient path out, which a B-only schedule
@@ -81,16 +86,16 @@ def cheap_bound(search: SearchState, cfg: Config, groups: Sequence[Group]) -> fl
         # T >= W / (1 - ((M-1)/M)^K).  A split backward may defer its weight gradients past
         # the gradient's way out, so only the forward path counts: P(y) >= alpha·y with
         # alpha the least forward share of any layer, and T >= alpha·W / (1 - (1-alpha/M)^K)
-        alpha = 1.0
-        if split_bw:
-            alpha = min(
-                (f / (f + b_) for f, b_ in zip(costs.forward_ms, costs.backward_ms, strict=True) if f + b_ > 0),
-                default=0.0,
-            )
+        alpha = costs.min_forward_share if split_bw else 1.0
         if alpha > 0:
             q = (1 - alpha / m) ** k
             bound = max(bound, alpha * w / smax / (1 - q))
     return bound
+
+
+@dataclass(frozen=True)
+class _Cached:
+    value: float
 
 
 class PinnedRanks:

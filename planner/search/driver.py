@@ -86,7 +86,7 @@ from planner.search.space import (
     fixed_ranges,
     make_groups,
 )
-from planner.search.state import SearchState
+from planner.search.state import SearchState, consider
 from planner.search.tighten import tighten_chains, tighten_cpsat
 from planner.splits.baseline_seed import seed_with_baselines
 from planner.splits.exhaustive import enumerate_splits
@@ -94,11 +94,20 @@ from planner.splits.fixed import solve_fixed
 from planner.splits.greedy import greedy_candidates
 from planner.splits.interleaved import interleaved_candidates
 from planner.splits.polish import polish
+from planner.splits.recompute import with_recompute
 
 #: configurations solved in order of promise before the search turns best-first: this many of
 #: the classic schedules (gpipe, 1f1b, interleaved-1f1b), then of the others
 INCUMBENT_TRIES = 6
 INCUMBENT_TRIES_NEW = 3
+#: work units of one configuration's cheap bound (counted for the newer schedules)
+CHEAP_WORK = 150
+#: with more configurations of the newer schedules than this, they are tried only on the
+#: (D, K, M) of the ``NEW_SHAPES`` best classic plans
+NEW_CONFIG_LIMIT = 600
+NEW_SHAPES = 1
+#: ... and only where a step has at most this many actions (3·M·K·v): longer ones are left out
+NEW_ACTION_LIMIT = 40_000
 CLASSIC = frozenset({"gpipe", "1f1b", "interleaved-1f1b"})
 #: share of the work budget the configuration search may use (for the classic schedules)
 SEARCH_SHARE = 0.6
@@ -157,6 +166,12 @@ def solve(
         f"{search.infeasible} proven not to fit, "
         f"{max(0, search.visited - search.pruned_after_visit - search.infeasible_after_visit)} solved"
         + (f"; {search.too_big} too large to simulate" if search.too_big else "")
+        + (
+            f"; {search.restricted} zero-bubble or planned ones left out (a large space: tried on the best "
+            "classic plans' D, K and M only)"
+            if search.restricted
+            else ""
+        )
         + ("; time limit reached" if search.timed_out else "")
     )
     plan = estimate(
@@ -201,24 +216,64 @@ def _branch_and_bound(search: SearchState, configs: Sequence[Config]) -> None:
     smallest bound reaches the best plan or at its share of the budget; what is left stays
     open at its bound.
     """
-    entries = []
     group_cache: dict[tuple[int, int], list[Group]] = {}
-    for cfg in configs:
-        key = (cfg.data_parallel, cfg.pipeline_degree)
-        if key not in group_cache:
-            group_cache[key] = make_groups(search.cluster, search.training, *key)
-        groups = group_cache[key]
-        if not static_fits(search, cfg, groups):
-            search.infeasible += 1
-            continue
-        entries.append((cheap_bound(search, cfg, groups), cfg, groups))
-    classic = [e for e in entries if e[1].schedule in CLASSIC]
-    newer = [e for e in entries if e[1].schedule not in CLASSIC]
+
+    def level0(cfgs: Sequence[Config], *, counted: bool) -> list[tuple[float, Config, list[Group]]]:
+        out = []
+        for cfg in cfgs:
+            key = (cfg.data_parallel, cfg.pipeline_degree)
+            if key not in group_cache:
+                group_cache[key] = make_groups(search.cluster, search.training, *key)
+            groups = group_cache[key]
+            if not static_fits(search, cfg, groups):
+                search.infeasible += 1
+                continue
+            if counted:
+                search.work += CHEAP_WORK
+            out.append((cheap_bound(search, cfg, groups), cfg, groups))
+        return out
+
+    classic = level0([c for c in configs if c.schedule in CLASSIC], counted=False)
     if classic:
         _round(search, classic, INCUMBENT_TRIES, SEARCH_SHARE)
+    others = [c for c in configs if c.schedule not in CLASSIC]
+    if classic and len(others) > NEW_CONFIG_LIMIT:
+        # a large space: the newer schedules on the meshes and micro-batch counts of the best
+        # classic plans only, and not on very long pipelines (the space the search then
+        # covers, and its gap)
+        shapes = sorted(search.best_step_of.items(), key=lambda e: (e[1], e[0]))
+        keep = list(dict.fromkeys((c.data_parallel, c.pipeline_degree, c.num_microbatches) for c, _ in shapes))[:NEW_SHAPES]
+        others = [
+            c for c in others
+            if (c.data_parallel, c.pipeline_degree, c.num_microbatches) in keep
+            and 3 * c.num_microbatches * c.num_stages <= NEW_ACTION_LIMIT
+        ]
+        search.restricted = len(configs) - len(others) - len([c for c in configs if c.schedule in CLASSIC])
+    newer = level0(others, counted=bool(classic))
     if newer:
+        if classic:
+            _reschedule_best(search, newer)
         _round(search, newer, INCUMBENT_TRIES_NEW if classic else INCUMBENT_TRIES,
                SEARCH_SHARE + NEW_SHARE if classic else SEARCH_SHARE)
+
+
+def _reschedule_best(search: SearchState, entries: list[tuple[float, Config, list[Group]]]) -> None:
+    """The best classic plan's split under the newer schedules of the same shape (same D, K,
+    M and chunks; recompute where their memory needs it): a strong first incumbent for them."""
+    if search.best is None:
+        return
+    best_cfg, best_split, _ = search.best
+    for cheap, cfg, groups in entries:
+        if cheap >= search.best_step or (cfg.data_parallel, cfg.pipeline_degree, cfg.num_microbatches) != (
+            best_cfg.data_parallel, best_cfg.pipeline_degree, best_cfg.num_microbatches
+        ):
+            continue
+        if cfg.num_stages != best_cfg.num_stages or 3 * cfg.num_microbatches * cfg.num_stages > SIM_ACTION_LIMIT:
+            continue
+        sm = search.stage_model(cfg)
+        split = with_recompute(search, sm, groups, best_split.ranges, tuple(best_split.groups[s] for s in range(cfg.num_stages)))
+        if split is not None and tuple(sm.owner) == tuple(range(cfg.pipeline_degree)) * cfg.virtual_stages:
+            consider(search, sm, groups, split)
 
 
 def _round(

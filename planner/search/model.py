@@ -34,6 +34,7 @@ from planner.costmodel import (
 from planner.schedules import (
     SPLIT_BACKWARD,
     RankWalk,
+    closed_form_walks,
     first_backward_counts,
     memory_points,
     placement_of,
@@ -89,10 +90,7 @@ class StageModel:
         self.W = costs.prefix_weight
         # per layer, the cheaper of its backward and its input gradient (what can carry a
         # gradient through it), summed: a lower bound of any stage's gradient path
-        g = [0.0]
-        for b_, i_ in zip(costs.backward_ms, costs.input_ms, strict=True):
-            g.append(g[-1] + min(b_, i_))
-        self.G = g
+        self.G = costs.prefix_grad
         self.PP = costs.prefix_param
         self.grad_factor = training.gradient_bytes_per_param_byte
         # prefix minimum of the stage-input bytes over starts 1..a (starts >= 1 only):
@@ -104,7 +102,7 @@ class StageModel:
                 cur = min(cur, costs.stage_input_bytes(a))
             pmin[a] = cur if cur < math.inf else 0.0
         self.pmin_input = pmin
-        k, m, v = cfg.pipeline_degree, cfg.num_microbatches, cfg.virtual_stages
+        k, v = cfg.pipeline_degree, cfg.virtual_stages
         placement = placement_of(cfg.schedule)
         self.owner = stage_ranks(placement, k, v)
         self.rank_stages = rank_stages(placement, k, v)
@@ -112,7 +110,7 @@ class StageModel:
         for own in self.rank_stages:
             for j, s in enumerate(own):
                 self.chunk[s] = j
-        self.counts = first_backward_counts(cfg.schedule, k, m, v)
+        self.counts = StageModel.counts_of(cfg, costs.num_layers)
         self.count = [self.counts[self.owner[s]][self.chunk[s]] for s in range(k * v)]
         #: lower bound of the micro-batches a one-chunk rank holds (v = 1; its stage's count)
         self.inflight = [min(c) for c in self.counts]
@@ -121,9 +119,23 @@ class StageModel:
         self._totals: list[tuple[int, bool]] | None = None
 
     @staticmethod
-    def counts_of(cfg: Config) -> list[tuple[int, ...]]:
-        """Per rank and chunk, the closed-form in-flight counts the bounds use."""
-        return first_backward_counts(cfg.schedule, cfg.pipeline_degree, cfg.num_microbatches, cfg.virtual_stages)
+    def counts_of(cfg: Config, num_layers: int) -> list[tuple[int, ...]]:
+        """Per rank and chunk, the closed-form in-flight counts the bounds use: the moment of
+        each rank's first backward; for a :func:`conservative` configuration the warm-up count
+        of its closed form, which holds for every chunk there."""
+        k, m, v = cfg.pipeline_degree, cfg.num_microbatches, cfg.virtual_stages
+        if conservative(cfg, num_layers):
+            return [(min((k - r - 1) * 2 + (v - 1) * k + 1, m * v),) * v for r in range(k)]
+        return first_backward_counts(cfg.schedule, k, m, v)
+
+    @staticmethod
+    def joint_of(cfg: Config, num_layers: int) -> list[float]:
+        """Per rank, a count ``g`` such that its chunks that keep their activations hold at
+        most ``free / g`` bytes together (:class:`RankCounts`)."""
+        counts = StageModel.counts_of(cfg, num_layers)
+        if conservative(cfg, num_layers):
+            return [c[0] / cfg.virtual_stages for c in counts]
+        return [float(max(1, min(c))) for c in counts]
 
     @property
     def split_backward(self) -> bool:
@@ -136,7 +148,7 @@ class StageModel:
             if self._points_source is not None:
                 self._points = self._points_source()
             else:
-                self._points = schedule_points(self.cfg)
+                self._points = search_points(self.cfg, self.L)
         return self._points
 
     # ------------------------------------------------------------------ time
@@ -193,10 +205,20 @@ class StageModel:
                 for walk in self.points
             ]
         most, weights = self._totals[rank]
-        terms = rank_memory_terms(self.costs, chunks, self.training)
-        hf, hw, live = held_bytes(terms, recompute)
-        per = max(max(hf, default=0.0), max(hw, default=0.0) if weights else 0.0)
-        return terms.static + most * per + max(live, default=0.0)
+        pa, pw, pp = self.costs.prefix_activation, self.costs.prefix_weight_grad, self.PP
+        per = live = 0.0
+        params = 0
+        for (a, b), rc in zip(chunks, recompute, strict=True):
+            act = pa[b] - pa[a]
+            params += pp[b] - pp[a]
+            held = self.costs.stage_input_bytes(a) if rc else act
+            if rc and act > live:
+                live = act
+            if weights and pw[b] - pw[a] > held:
+                held = pw[b] - pw[a]
+            if held > per:
+                per = held
+        return static_bytes(params, self.training) + most * per + live
 
     def memory(self, a: int, b: int, rc: bool, rank: int) -> float:
         """Exact peak of a one-chunk rank holding stage [a, b) (v = 1)."""
@@ -232,9 +254,36 @@ class RankCounts:
     joint: float
 
 
-def closed_counts(cfg: Config) -> list[RankCounts]:
+def closed_counts(cfg: Config, num_layers: int) -> list[RankCounts]:
     """:class:`RankCounts` from the closed forms (the moment of each rank's first backward)."""
-    return [RankCounts(c, float(max(1, min(c)))) for c in StageModel.counts_of(cfg)]
+    return [
+        RankCounts(c, max(1.0, j)) for c, j in zip(StageModel.counts_of(cfg, num_layers), StageModel.joint_of(cfg, num_layers), strict=True)
+    ]
+
+
+#: interleaved 1F1B schedules with more actions than this are searched with the closed-form
+#: memory of :func:`planner.schedules.closed_form_walks` (see :func:`conservative`)
+EXACT_WALK_LIMIT = 256
+#: models of at most this many layers are always searched with the exact walk (small
+#: instances are solved exactly, against brute force over every plan)
+SMALL_MODEL_LAYERS = 16
+
+
+def conservative(cfg: Config, num_layers: int) -> bool:
+    """Whether the search keeps ``cfg`` to a conservative memory model: an interleaved 1F1B
+    schedule of more than ``EXACT_WALK_LIMIT`` actions on a model of more than
+    ``SMALL_MODEL_LAYERS`` layers is searched, and bounded, with its closed form (the
+    warm-up count times its largest chunk's footprint, an upper bound of its walk, the older
+    cost model's), so its long walk is not listed and its bounds stay as strong as they were.
+    Its plans fit exactly too (their memory, walked by :func:`planner.costmodel.estimate`, can
+    only be lower); the search's space, and so its gap, covers the interleaved 1F1B plans
+    fitting that closed form (a documented limit, like the largest micro-batch it
+    extrapolates to).  Small models are searched with the exact walk."""
+    return (
+        cfg.schedule == "interleaved-1f1b"
+        and num_layers > SMALL_MODEL_LAYERS
+        and 2 * cfg.num_microbatches * cfg.num_stages > EXACT_WALK_LIMIT
+    )
 
 
 def walk_counts(points: RankPoints) -> list[RankCounts]:
@@ -263,6 +312,16 @@ def walk_counts(points: RankPoints) -> list[RankCounts]:
                     joint = max(joint, min(lam * a + (1 - lam) * b for a, b in zip(p.forward, q.forward, strict=True)))
         out.append(RankCounts(per, max(1.0, float(joint))))
     return out
+
+
+def search_points(cfg: Config, num_layers: int) -> RankPoints:
+    """The memory points the search uses for ``cfg``: closed forms where they are exact
+    (GPipe, 1F1B) or where the search is :func:`conservative`, else the walk."""
+    if cfg.schedule in ("gpipe", "1f1b") or conservative(cfg, num_layers):
+        closed = closed_form_walks(*cfg.shape)
+        assert closed is not None
+        return closed
+    return schedule_points(cfg)
 
 
 def schedule_points(cfg: Config) -> RankPoints:
