@@ -7,8 +7,9 @@ For every row of the planner benchmark (same profiles, clusters, batch, memory l
 time limit) the solver runs twice: once choosing among the schedules pipeplan had before
 (gpipe, 1f1b, interleaved-1f1b) and once among every schedule (adding zb-h1, zb-h2, zbv,
 dualpipev, interleaved-zb and planned).  The table gives both plans, the ratio of their
-predicted step times (new ÷ old: below 1 is faster), the old plan's bubble, and each solve's
-proven gap and wall time.
+predicted step times (new ÷ old: below 1 is faster), both bubbles, and each solve's proven
+gap and wall time.  A second table fixes one deep pipeline (D = 1, K = 8 devices, M = 8 or
+16 micro-batches), where the bubble is large, and compares the same way.
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from planner.errors import InfeasibleError  # noqa: E402
-from planner.schema import Cluster, Plan, PlanOptions, Profile, TrainingSetup  # noqa: E402
-from planner.solver import solve  # noqa: E402
-from planner.units import format_bytes  # noqa: E402
+from planner.errors import InfeasibleError
+from planner.schema import Cluster, Plan, PlanOptions, Profile, TrainingSetup
+from planner.solver import solve
+from planner.units import format_bytes
 
 OLD = ["gpipe", "1f1b", "interleaved-1f1b"]
 
@@ -45,9 +46,12 @@ def timed_solve(profile: Profile, cluster: Cluster, training: TrainingSetup, opt
     return plan, time.perf_counter() - t0
 
 
-def run_row(name: str, profile: Profile, cluster: Cluster, training: TrainingSetup, limit: float) -> list[str]:
-    old, t_old = timed_solve(profile, cluster, training, PlanOptions(time_limit_s=limit, schedules=OLD))  # type: ignore[arg-type]
-    new, t_new = timed_solve(profile, cluster, training, PlanOptions(time_limit_s=limit))
+def run_row(
+    name: str, profile: Profile, cluster: Cluster, training: TrainingSetup, limit: float, *, fixed: dict | None = None
+) -> list[str]:
+    extra = fixed or {}
+    old, t_old = timed_solve(profile, cluster, training, PlanOptions(time_limit_s=limit, schedules=OLD, **extra))  # type: ignore[arg-type]
+    new, t_new = timed_solve(profile, cluster, training, PlanOptions(time_limit_s=limit, **extra))
     if old is None or new is None:
         return [name, str(cluster.num_devices), str(profile.num_layers), "infeasible" if old is None else describe(old),
                 "infeasible" if new is None else describe(new), "", "", "", "", "", "", ""]
@@ -104,6 +108,16 @@ def main() -> None:
         rows.append(run_row("scale 1024x64", big, bench.homogeneous(64), TrainingSetup(global_batch_size=1024, optimizer="adam-mixed"),
                             args.time_limit))
     print_table(rows)
+    deep = []
+    for name, profile, make in suite:
+        if name == "resnet-like":
+            continue
+        for m in (8, 16):
+            deep.append(run_row(f"{name} M={m}", profile, make(8), training, args.time_limit,
+                                fixed={"stages": 8, "data_parallel": 1, "num_microbatches": m}))
+    print("\ndeep pipelines (D = 1, K = 8, M fixed):")
+    print_table(deep)
+    rows += deep
     ratios = [float(r[5]) for r in rows if r[5]]
     big_bubble = [float(r[5]) for r in rows if r[5] and float(r[6].rstrip("%")) > 15]
     print(

@@ -2,11 +2,19 @@
 
 ``solve(profile, cluster, training, options)`` (re-exported as :func:`planner.solver.solve`)
 searches the data-parallel degree D, the pipeline degree K, the micro-batch count M (and so
-the micro-batch size), the schedule (gpipe, 1f1b, interleaved-1f1b with v chunks), the stage
-boundaries, recompute per stage, and, on heterogeneous clusters, which devices take which
-pipeline position.
+the micro-batch size), the schedule (gpipe, 1f1b, interleaved-1f1b with v chunks, the
+zero-bubble zb-h1, zb-h2, zbv, dualpipev and interleaved-zb, and ``planned``: the orders of
+:mod:`planner.schedules`), the stage boundaries, recompute per stage, and, on heterogeneous
+clusters, which devices take which pipeline position.
 
-Method (best-first branch and bound over configurations, :func:`_branch_and_bound`):
+Method (best-first branch and bound over configurations, :func:`_branch_and_bound`), in two
+rounds: the classic schedules (gpipe, 1f1b, interleaved-1f1b) first, then the newer ones
+starting from the best plan so far (with ``NEW_SHARE`` more of the budget; the best classic
+split under the newer schedules of the same shape is their first candidate).  In a large
+space (more than ``NEW_CONFIG_LIMIT`` configurations of the newer schedules) those are tried
+only on the D, K and M of the best classic plan, and not beyond ``NEW_ACTION_LIMIT``
+actions a step: the space, and the proven gap, then cover that (the message says how many
+were left out).  In each round:
 
 1. Every configuration (D, K, M, schedule, v) the options allow
    (:func:`planner.search.space.enumerate_configs`) gets a closed-form lower bound

@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 from planner.baselines import block_partition, minmax_split, uniform_split
 from planner.bounds.split import split_lower_bound
 from planner.costmodel import estimate
+from planner.schedules import placement_of, stage_rank
 from planner.schema import TrainingSetup
 from planner.search.model import Split, StageModel, quick_step
 from planner.search.space import Config, make_groups
-from planner.schedules import placement_of, stage_rank
 from planner.simulator import build_orders, compile_schedule, makespans, simulate
 from tests.planner.helpers import brute_force, cluster, random_profile
 
