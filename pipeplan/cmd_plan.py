@@ -43,7 +43,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default="auto",
         help="pipeline schedule (default auto)",
     )
-    g.add_argument("--virtual-stages", type=int, help="chunks per device for interleaved-1f1b")
+    g.add_argument(
+        "--virtual-stages", type=int, help="chunks per device (interleaved-1f1b, interleaved-zb; zbv and dualpipev use 2)"
+    )
     g.add_argument("--no-recompute", action="store_true", help="never recompute activations")
     g.add_argument("--recompute", help="fix recompute per stage, e.g. 0,1,1,0 (needs --stages)")
     g.add_argument("--data-parallel", type=int, help="data-parallel degree D")

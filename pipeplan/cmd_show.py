@@ -17,13 +17,20 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "show",
         help="draw a plan: text grid of the schedule, Gantt and memory charts",
-        description="Show a plan's schedule.  Without --gantt/--memory, print a text grid of the "
-        "schedule (device x time slot: F3 = forward of micro-batch 3, B = backward, R = recompute, "
-        ". = idle).  With them, write the charts (.svg or .png by the file name).",
+        description="Show a plan's schedule.  Without --gantt/--memory/--actions, print a text grid of "
+        "the schedule (device x time slot: F3 = forward of micro-batch 3, B = backward, I/W = its "
+        "input/weight-gradient halves, R = recompute, . = idle).  With them, write the charts (.svg or "
+        ".png by the file name) or the action list as torch's schedule CSV.",
     )
     p.add_argument("plan", help="plan JSON (from `pipeplan plan -o` or `pipeplan estimate -o`)")
     p.add_argument("--gantt", metavar="FILE", help="write the schedule Gantt chart here (.svg or .png)")
     p.add_argument("--memory", metavar="FILE", help="write the per-device memory chart here (.svg or .png)")
+    p.add_argument(
+        "--actions",
+        metavar="FILE",
+        help="write what each rank runs as torch.distributed.pipelining's compute-only CSV (one row per "
+        "rank, e.g. 0F0,0F1,0I0,0W0; _PipelineScheduleRuntime._load_csv reads it); '-' for stdout",
+    )
     p.add_argument(
         "--profile",
         metavar="FILE",
@@ -42,6 +49,10 @@ def run(args: argparse.Namespace) -> int:
     plan: Plan = load_document("plan", args.plan)
     if args.profile:
         plan = reevaluate(plan, args.profile)
+    if args.actions is not None:
+        write_actions(plan, args.actions)
+        if args.gantt is None and args.memory is None:
+            return 0
     if args.gantt is None and args.memory is None:
         from planner.grid import text_grid
 
@@ -72,6 +83,24 @@ def run(args: argparse.Namespace) -> int:
         written = save_chart(build(plan), path)
         print(f"{what} written to {written}")
     return 0
+
+
+def write_actions(plan: Plan, path: str) -> None:
+    """The plan's per-rank actions as torch's compute-only CSV (``-``: standard output)."""
+    from planner.costmodel import plan_orders
+    from planner.errors import InputError
+    from planner.schedules import to_csv
+
+    text = to_csv(plan_orders(plan))
+    if path == "-":
+        print(text, end="")
+        return
+    try:
+        with open(path, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+    except OSError as err:
+        raise InputError(f"cannot write the actions to {path!r}: {err}") from None
+    print(f"actions of {plan.pipeline_degree} ranks ({plan.schedule}) written to {path}")
 
 
 def _check_suffix(path: str) -> None:

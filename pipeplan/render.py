@@ -71,7 +71,13 @@ def summary_lines(plan: Plan, comparisons: Sequence[Comparison] = ()) -> list[st
     p = plan.predicted
     lines = [
         f"schedule {plan.schedule}"
-        + (f" ({plan.virtual_stages} chunks per device)" if plan.virtual_stages > 1 else "")
+        + (
+            f" ({plan.virtual_stages} chunks per device"
+            + (", V placement: rank r holds stages r and 2K-1-r" if plan.placement == "v" else "")
+            + ")"
+            if plan.virtual_stages > 1
+            else ""
+        )
         + f", pipeline degree K={plan.pipeline_degree}, data-parallel D={plan.data_parallel_degree}"
         + (f", {plan.idle_devices} device(s) idle" if plan.idle_devices else ""),
         f"micro-batches M={plan.num_microbatches} of {plan.microbatch_size} "

@@ -19,12 +19,21 @@ micro-batches of one sample (M = global batch / D, the smallest bubble and activ
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from planner.costmodel import estimate, layer_costs, plan_fits
 from planner.errors import PipeplanError
-from planner.schema import Cluster, Plan, PlanOptions, Profile, Schedule, TrainingSetup
+from planner.schedules import ScheduleError, check_schedule_shape
+from planner.schema import (
+    SCHEDULE_CHUNKS,
+    Cluster,
+    Plan,
+    PlanOptions,
+    Profile,
+    Schedule,
+    TrainingSetup,
+)
 from planner.search.space import Config
 from planner.units import format_bytes
 
@@ -130,11 +139,24 @@ def block_partition(weights: Sequence[float], parts: int) -> list[tuple[int, int
     return [(bounds[i], bounds[i + 1]) for i in range(parts)]
 
 
-def _smallest_divisor_at_least(x: int, low: int, *, multiple_of: int = 1) -> int | None:
+def _smallest_divisor_at_least(x: int, low: int, *, ok: Callable[[int], bool] = lambda m: True) -> int | None:
     for m in range(max(1, low), x + 1):
-        if x % m == 0 and m % multiple_of == 0:
+        if x % m == 0 and ok(m):
             return m
     return None
+
+
+def _runs(schedule: Schedule, k: int, v: int) -> Callable[[int], bool]:
+    """Whether the schedule runs with M micro-batches on K ranks of v chunks."""
+
+    def ok(m: int) -> bool:
+        try:
+            check_schedule_shape(schedule, k, m, v)
+        except ScheduleError:
+            return False
+        return True
+
+    return ok
 
 
 def baseline_splits(
@@ -167,7 +189,7 @@ def _baseline_specs(
     if g % d:
         d = 1
     schedule: Schedule = options.schedule or "1f1b"
-    v = options.virtual_stages or (2 if schedule == "interleaved-1f1b" else 1)
+    v = options.virtual_stages or (1 if SCHEDULE_CHUNKS[schedule] == "1" else 2)
     if isinstance(options.stages, int):
         k = options.stages
     elif isinstance(options.stages, list):
@@ -175,12 +197,12 @@ def _baseline_specs(
     else:
         k = max(1, min(cluster.num_devices // d, n_layers // v))
     parts = k * v
-    mult = k if schedule == "interleaved-1f1b" else 1
     m_fixed = num_microbatches or options.num_microbatches
-    m = m_fixed or (g // d if (g // d) % mult == 0 else None)
-    # the GPipe rule keeps M = 4K unless the user fixed M
-    m4 = options.num_microbatches or _smallest_divisor_at_least(g // d, 4 * k, multiple_of=mult) or m
+    m = m_fixed or (g // d if _runs(schedule, k, v)(g // d) else None)
     sched4: Schedule = options.schedule or "gpipe"
+    v4 = v if SCHEDULE_CHUNKS[sched4] != "1" else 1
+    # the GPipe rule keeps M = 4K unless the user fixed M
+    m4 = options.num_microbatches or _smallest_divisor_at_least(g // d, 4 * k, ok=_runs(sched4, k, v4)) or m
     out: list[tuple[str, Config | None, list[tuple[int, int]] | None, str]] = []
     if parts > n_layers or m is None:
         why = (
@@ -200,7 +222,7 @@ def _baseline_specs(
         b4 = g // (d * m4)
         costs4 = layer_costs(profile, b4)
         times4 = [f + bw for f, bw in zip(costs4.forward_ms, costs4.backward_ms, strict=True)]
-        cfg4 = Config(d, k, m4, sched4, v if sched4 == "interleaved-1f1b" else 1)
+        cfg4 = Config(d, k, m4, sched4, v4)
         parts4 = cfg4.num_stages
         out.append(("gpipe-4k", cfg4, block_partition(times4, parts4), f"M={m4} (4K rule), time-balanced"))
     else:

@@ -1,7 +1,8 @@
 """Charts of a plan, drawn with matplotlib from the simulator's timeline.
 
 * :func:`gantt_figure` - one row per pipeline rank (device; data-parallel replicas run the
-  same timeline): forward, backward and recompute boxes labelled and shaded by micro-batch,
+  same timeline): forward, backward (or its input- and weight-gradient halves, I and W) and
+  recompute boxes labelled and shaded by micro-batch,
   the transfers each rank sends as a thin strip under its row, the idle time (the bubble)
   hatched, and the bubble fraction in the title.
 * :func:`memory_figure` - per device, stacked parameters, gradients, optimizer state and
@@ -25,7 +26,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Literal
 
 from planner.errors import InputError
-from planner.schema import Plan, SweepResult
+from planner.schema import Plan, StagePlan, SweepResult
 from planner.simulator import Simulation
 
 if TYPE_CHECKING:
@@ -38,6 +39,8 @@ CHART_KINDS: tuple[ChartKind, ...] = ("gantt", "memory")
 KIND_COLOURS: Mapping[str, str] = MappingProxyType({
     "forward": "#1f77b4",
     "backward": "#2ca02c",
+    "backward_input": "#bcbd22",
+    "backward_weight": "#17becf",
     "recompute": "#ff7f0e",
     "send_forward": "#9467bd",
     "send_backward": "#8c564b",
@@ -98,7 +101,7 @@ def allreduce_per_rank(plan: Plan) -> list[float]:
     k, d = plan.pipeline_degree, plan.data_parallel_degree
     out = []
     for r in range(k):
-        own = [s for s in plan.stages if s.index % k == r]
+        own = rank_stage_plans(plan, r)
         grad_bytes = sum(s.param_bytes for s in own) * plan.training.gradient_bytes_per_param_byte
         replicas = own[0].devices
         cluster = plan.cluster
@@ -219,9 +222,18 @@ def gantt_figure(
             f"D={plan.data_parallel_degree} - step {makespan:.4g} ms, bubble {sim.bubble_fraction:.1%}"
         )
     ax.set_title(title, fontsize=10)
+    present = {e.kind for t in sim.timelines for e in t}
     handles = [
         Patch(facecolor=KIND_COLOURS["forward"], label="forward"),
-        Patch(facecolor=KIND_COLOURS["backward"], label="backward"),
+        *[
+            Patch(facecolor=KIND_COLOURS[kind], label=label)
+            for kind, label in (
+                ("backward", "backward"),
+                ("backward_input", "input gradient (I)"),
+                ("backward_weight", "weight gradient (W)"),
+            )
+            if kind in present or (kind == "backward" and not present & {"backward_input", "backward_weight"})
+        ],
         Patch(facecolor=KIND_COLOURS["recompute"], label="recompute"),
         Patch(facecolor=KIND_COLOURS["send_forward"], label="send activations"),
         Patch(facecolor=KIND_COLOURS["send_backward"], label="send gradients"),
@@ -232,8 +244,16 @@ def gantt_figure(
     return fig
 
 
+def rank_stage_plans(plan: Plan, rank: int) -> list[StagePlan]:
+    """The stages pipeline rank ``rank`` runs (the plan's placement)."""
+    from planner.schedules import stage_rank
+
+    k, v = plan.pipeline_degree, plan.virtual_stages
+    return [s for s in plan.stages if stage_rank(plan.placement, s.index, k, v) == rank]
+
+
 def _rank_label(plan: Plan, rank: int) -> str:
-    stages = [s for s in plan.stages if s.index % plan.pipeline_degree == rank]
+    stages = rank_stage_plans(plan, rank)
     devices = stages[0].devices if stages else []
     shown = ",".join(str(d) for d in devices[:4]) + (",..." if len(devices) > 4 else "")
     return f"rank {rank} (dev {shown})"
@@ -271,7 +291,7 @@ def memory_breakdown(plan: Plan) -> list[MemoryBreakdown]:
     opt_f = plan.training.optimizer_state_factor
     out = []
     for r in range(k):
-        own = [s for s in plan.stages if s.index % k == r]
+        own = rank_stage_plans(plan, r)
         params = float(sum(s.param_bytes for s in own))
         peak = float(max(s.memory_bytes for s in own))
         static = params * (1 + grad_f + opt_f)

@@ -8,6 +8,13 @@ Sources of the formulas:
 * Narayanan et al. 2021 (Megatron-LM at scale, SC'21): 1F1B keeps at most K-k micro-batches
   in flight on stage k; interleaved 1F1B with v chunks per device cuts the bubble to
   (K-1)/(vM) and warms up with (K-r-1)*2 + (v-1)*K micro-batches on rank r.
+* Qi et al. 2024 (Zero Bubble Pipeline Parallelism, ICLR): the backward split into an
+  input-gradient and a weight-gradient pass, the latter free to fill the bubble.
+* Memory from the timeline: each rank's peak activation bytes come from walking its action
+  list (:func:`planner.schedules.memory_points`): a forward adds the stage's activations (only
+  its input when it recomputes), an input gradient frees what the weight gradient does not
+  need, the weight gradient (or a full backward) frees the rest, and a recomputing stage holds
+  its re-materialized activations during its backward.
 * Korthikanti et al. 2022 (Reducing activation recomputation): activation bytes per layer,
   and recompute costs one extra forward pass.
 * Ring all-reduce (Patarasuk & Yuan 2009): 2(D-1)/D of the bytes cross each link.
@@ -20,13 +27,31 @@ cost per sample non-increasing) and reads it at the size a plan needs.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from planner import scaling
 from planner.errors import InputError
+from planner.schedules import (
+    Action,
+    MemoryPoint,
+    ScheduleError,
+    check_schedule_shape,
+    format_actions,
+    list_schedule,
+    memory_points,
+    parse_actions,
+    peak_bytes,
+    placement_of,
+    rank_stages,
+    schedule_actions,
+    stage_rank,
+)
 from planner.schema import (
+    SCHEDULE_CHUNKS,
     Cluster,
+    LayerProfile,
+    Placement,
     Plan,
     Predicted,
     Profile,
@@ -37,14 +62,7 @@ from planner.schema import (
     TrainingSetup,
     check_coverage,
 )
-from planner.simulator import (
-    ScheduleError,
-    Simulation,
-    check_schedule_shape,
-    compile_schedule,
-    makespans,
-    simulate_schedule,
-)
+from planner.simulator import Simulation, compile_actions, makespans, simulate
 
 
 def interpolate(sizes: Sequence[int], values: Sequence[float], b: float, *, clamp: bool = True) -> float:
@@ -65,7 +83,12 @@ class LayerCosts:
     microbatch_size: int
     forward_ms: tuple[float, ...]
     backward_ms: tuple[float, ...]
+    #: input- and weight-gradient parts of the backward (split-backward schedules)
+    input_ms: tuple[float, ...]
+    weight_ms: tuple[float, ...]
     activation_bytes: tuple[float, ...]
+    #: bytes held between the input and the weight gradient
+    weight_grad_bytes: tuple[float, ...]
     param_bytes: tuple[int, ...]
     #: bytes crossing a cut right after each layer
     cut_bytes: tuple[float, ...]
@@ -82,6 +105,13 @@ class LayerCosts:
     #: ``kept_inputs`` of any start, as a positive number; 0 for almost every profile): the
     #: solver's prefix-sum memory bounds subtract it, or step aside, to stay valid
     activation_slack: float = 0.0
+    prefix_input: tuple[float, ...] = ()
+    prefix_weight: tuple[float, ...] = ()
+    prefix_weight_grad: tuple[float, ...] = ()
+    #: prefix sums of each layer's cheaper of backward and input gradient (what can carry a
+    #: gradient through it), and the least forward share f / (f + b) of any layer
+    prefix_grad: tuple[float, ...] = ()
+    min_forward_share: float = 0.0
 
     @property
     def num_layers(self) -> int:
@@ -124,11 +154,21 @@ def layer_costs(profile: Profile, microbatch_size: int) -> LayerCosts:
             tuple((k.offset, interpolate(sizes, k.bytes, b, clamp=False)) for k in layer.kept_inputs or ())
             for layer in profile.layers
         )
+    split = [split_backward(sizes, layer, b, total) for layer, total in zip(profile.layers, bwd, strict=True)]
+    bin_ = tuple(x for x, _ in split)
+    bwt = tuple(y for _, y in split)
+    wgrad = tuple(
+        interpolate(sizes, layer.weight_grad_bytes, b) if layer.weight_grad_bytes is not None else a
+        for layer, a in zip(profile.layers, act, strict=True)
+    )
     return LayerCosts(
         microbatch_size=b,
         forward_ms=fwd,
         backward_ms=bwd,
+        input_ms=bin_,
+        weight_ms=bwt,
         activation_bytes=act,
+        weight_grad_bytes=wgrad,
         param_bytes=params,
         cut_bytes=cut,
         input_bytes=inp,
@@ -138,7 +178,42 @@ def layer_costs(profile: Profile, microbatch_size: int) -> LayerCosts:
         prefix_param=tuple(int(x) for x in _prefix(params)),
         kept_inputs=kept,
         activation_slack=max((-sum(min(0.0, n) for _, n in entries) for entries in kept), default=0.0),
+        prefix_input=_prefix(bin_),
+        prefix_weight=_prefix(bwt),
+        prefix_weight_grad=_prefix(wgrad),
+        prefix_grad=_prefix([min(x, y) for x, y in zip(bwd, bin_, strict=True)]),
+        min_forward_share=min((f / (f + b_) for f, b_ in zip(fwd, bwd, strict=True) if f + b_ > 0), default=0.0),
     )
+
+
+def split_backward(sizes: Sequence[int], layer: LayerProfile, b: int, backward: float) -> tuple[float, float]:
+    """A layer's (input-gradient, weight-gradient) ms at micro-batch size ``b``.
+
+    Profiles that measured the split give it (each part fitted like every series); a profile
+    that gives one part gets the other as the rest of ``backward``; older profiles without
+    either split the backward in half (a matrix product's two gradients cost the same).
+    The two parts never sum to less than the backward: when measured parts do, both are
+    scaled up to it (so a split backward is never cheaper than the whole one, and every
+    bound that counts a backward as work holds for split schedules too).
+    """
+    if layer.backward_input_ms is None and layer.backward_weight_ms is None:
+        return backward / 2, backward / 2
+    if layer.backward_input_ms is not None and layer.backward_weight_ms is not None:
+        i = scaling.at_size(sizes, layer.backward_input_ms, b)
+        w = scaling.at_size(sizes, layer.backward_weight_ms, b)
+    elif layer.backward_input_ms is not None:
+        i = min(backward, scaling.at_size(sizes, layer.backward_input_ms, b))
+        w = backward - i
+    else:
+        assert layer.backward_weight_ms is not None
+        w = min(backward, scaling.at_size(sizes, layer.backward_weight_ms, b))
+        i = backward - w
+    if i + w < backward:
+        if i + w <= 0:
+            return backward / 2, backward / 2
+        scale = backward / (i + w)
+        i, w = i * scale, w * scale
+    return i, w
 
 
 def _prefix(values: Sequence[float]) -> tuple[float, ...]:
@@ -151,24 +226,49 @@ def _prefix(values: Sequence[float]) -> tuple[float, ...]:
 # --------------------------------------------------------------------------- memory
 
 
-def inflight_microbatches(schedule: Schedule, num_ranks: int, num_microbatches: int, rank: int, virtual_stages: int = 1) -> int:
-    """How many micro-batches' activations rank ``rank`` holds at its peak.
-
-    GPipe: all M.  1F1B: min(K - k, M) on stage k.  Interleaved 1F1B: Megatron's warm-up
-    count (K - r - 1) * 2 + (v - 1) * K, plus the one in its steady state, capped at M * v
-    (counted in chunk-micro-batches).
-    """
-    k, m, v = num_ranks, num_microbatches, virtual_stages
-    if schedule == "gpipe":
-        return m
-    if schedule == "1f1b":
-        return min(k - rank, m)
-    return min((k - rank - 1) * 2 + (v - 1) * k + 1, m * v)
-
-
 def static_bytes(param_bytes: float, training: TrainingSetup) -> float:
     """Parameters + gradients + optimizer state."""
     return param_bytes * (1.0 + training.gradient_bytes_per_param_byte + training.optimizer_state_factor)
+
+
+@dataclass(frozen=True)
+class RankTerms:
+    """What a rank's memory reads of its stages (chunks in increasing stage order): its static
+    bytes, and per chunk the activations, input bytes and bytes held for the weight gradient."""
+
+    static: float
+    acts: tuple[float, ...]
+    inputs: tuple[float, ...]
+    weight_grads: tuple[float, ...]
+
+
+def rank_memory_terms(costs: LayerCosts, ranges: Sequence[tuple[int, int]], training: TrainingSetup) -> RankTerms:
+    """:class:`RankTerms` of a rank holding the stages ``ranges`` (for searches that try many
+    recompute choices)."""
+    params = sum(costs.prefix_param[b] - costs.prefix_param[a] for a, b in ranges)
+    return RankTerms(
+        static_bytes(params, training),
+        tuple(costs.stage_activation_bytes(a, b) for a, b in ranges),
+        tuple(costs.stage_input_bytes(a) for a, _ in ranges),
+        tuple(costs.prefix_weight_grad[b] - costs.prefix_weight_grad[a] for a, b in ranges),
+    )
+
+
+def held_bytes(terms: RankTerms, recompute: Sequence[bool]) -> tuple[list[float], list[float], list[float]]:
+    """Per chunk: bytes a forward holds (its activations, or its input when it recomputes),
+    bytes its input gradient leaves for the weight gradient, and bytes live during its
+    backward (the re-materialized activations of a recomputing chunk)."""
+    rc = list(recompute)
+    hf = [inp if r else act for act, inp, r in zip(terms.acts, terms.inputs, rc, strict=True)]
+    live = [act if r else 0.0 for act, r in zip(terms.acts, rc, strict=True)]
+    return hf, list(terms.weight_grads), live
+
+
+def rank_memory_from_terms(terms: RankTerms, recompute: Sequence[bool], points: Iterable[MemoryPoint]) -> float:
+    """Peak bytes of a rank: its static bytes plus the peak of its walk
+    (:func:`planner.schedules.peak_bytes` of its memory points)."""
+    hf, hw, live = held_bytes(terms, recompute)
+    return terms.static + peak_bytes(points, hf, hw, live)
 
 
 def rank_memory_bytes(
@@ -177,43 +277,23 @@ def rank_memory_bytes(
     recompute: Sequence[bool],
     training: TrainingSetup,
     *,
-    inflight: int,
+    points: Iterable[MemoryPoint],
 ) -> float:
-    """Peak bytes of one rank holding the stages ``ranges`` (one, or v chunks when interleaved).
-
-    Without recompute each in-flight micro-batch keeps the stage's activations; with
-    recompute it keeps only the stage input, and one micro-batch's full activations exist
-    during its backward.  For v chunks, the in-flight count multiplies the largest chunk's
-    footprint (an upper bound).
-    """
-    static, acts, inputs = rank_memory_terms(costs, ranges, training)
-    return rank_memory_from_terms(static, acts, inputs, recompute, inflight=inflight)
+    """Peak bytes of one rank holding the stages ``ranges`` (its chunks, in stage order),
+    from its action list's memory ``points`` (:func:`planner.schedules.memory_points`)."""
+    return rank_memory_from_terms(rank_memory_terms(costs, ranges, training), recompute, points)
 
 
-def rank_memory_terms(
-    costs: LayerCosts, ranges: Sequence[tuple[int, int]], training: TrainingSetup
-) -> tuple[float, list[float], list[float]]:
-    """What :func:`rank_memory_bytes` reads of a rank's stages: its static bytes, and each
-    stage's activations and input bytes (for searches that try many recompute choices)."""
-    params = sum(costs.prefix_param[b] - costs.prefix_param[a] for a, b in ranges)
-    acts = [costs.stage_activation_bytes(a, b) for a, b in ranges]
-    inputs = [costs.stage_input_bytes(a) for a, _ in ranges]
-    return static_bytes(params, training), acts, inputs
-
-
-def rank_memory_from_terms(
-    static: float, acts: Sequence[float], inputs: Sequence[float], recompute: Sequence[bool], *, inflight: int
-) -> float:
-    """:func:`rank_memory_bytes` from :func:`rank_memory_terms` and the recompute flags."""
-    stash = 0.0
-    live = 0.0
-    for act, inp, rc in zip(acts, inputs, recompute, strict=True):
-        if rc:
-            stash = max(stash, inp)
-            live = max(live, act)
-        else:
-            stash = max(stash, act)
-    return static + inflight * stash + live
+def memory_lower_bound(terms: RankTerms, recompute: Sequence[bool], counts: Sequence[int]) -> float:
+    """A lower bound of the rank's peak from the closed-form ``counts`` of
+    :func:`planner.schedules.first_backward_counts` (a moment of its walk, when it starts its
+    first backward): static + counts x held bytes, plus the live bytes of the chunk that
+    backward runs on (a recomputing one-chunk rank) - what the solver's bounds use."""
+    hf, _, live = held_bytes(terms, recompute)
+    total = terms.static + sum(c * h for c, h in zip(counts, hf, strict=True))
+    if len(counts) == 1:
+        total += live[0]
+    return total
 
 
 # --------------------------------------------------------------------------- time
@@ -254,12 +334,16 @@ def boundary_transfer_ms(
     return out
 
 
-def default_devices(num_stages: int, pipeline_degree: int, data_parallel: int) -> list[list[int]]:
+def default_devices(
+    num_stages: int, pipeline_degree: int, data_parallel: int, *, placement: Placement = "loop"
+) -> list[list[int]]:
     """Device indices of each stage's replicas: replica d of rank k is device d * K + k.
 
     A pipeline occupies consecutive devices, so neighbouring stages share a node when they can.
     """
-    return [[d * pipeline_degree + s % pipeline_degree for d in range(data_parallel)] for s in range(num_stages)]
+    k = pipeline_degree
+    v = max(1, num_stages // k)
+    return [[d * k + stage_rank(placement, s, k, v) for d in range(data_parallel)] for s in range(num_stages)]
 
 
 def lower_bound_ms(profile: Profile, cluster: Cluster, training: TrainingSetup) -> float:
@@ -277,6 +361,51 @@ def lower_bound_ms(profile: Profile, cluster: Cluster, training: TrainingSetup) 
     return best * g / sum(d.speed for d in cluster.devices)
 
 
+@dataclass(frozen=True)
+class StageTimes:
+    """Per stage, for one micro-batch: forward, full backward, input and weight gradient
+    (recompute included in the backward and the input gradient, where a stage recomputes),
+    and per boundary the transfer time."""
+
+    forward: list[float]
+    backward: list[float]
+    input: list[float]
+    weight: list[float]
+    transfer: list[float]
+
+
+def planned_actions(
+    num_microbatches: int,
+    times: StageTimes,
+    terms: Sequence[RankTerms],
+    recompute: Sequence[bool],
+    limits: Sequence[float],
+) -> list[list[Action]]:
+    """The ``planned`` schedule of a one-stage-per-rank split: :func:`planner.schedules.list_schedule`
+    with the stages' times and each rank's memory left for activations (its usable memory
+    less its static bytes)."""
+    hf: list[float] = []
+    hw: list[float] = []
+    live: list[float] = []
+    for t, rc in zip(terms, recompute, strict=True):
+        f_, w_, l_ = held_bytes(t, [rc])
+        hf.append(f_[0])
+        hw.append(w_[0])
+        live.append(l_[0])
+    orders, _ = list_schedule(
+        num_microbatches,
+        forward_ms=times.forward,
+        input_ms=times.input,
+        weight_ms=times.weight,
+        transfer_ms=times.transfer,
+        held_forward=hf,
+        held_weight=hw,
+        live=live,
+        capacity=[lim - t.static for lim, t in zip(limits, terms, strict=True)],
+    )
+    return orders
+
+
 def estimate(
     profile: Profile,
     cluster: Cluster,
@@ -290,13 +419,16 @@ def estimate(
     pipeline_degree: int | None = None,
     devices: Sequence[Sequence[int]] | None = None,
     solver: SolverInfo | None = None,
+    actions: Sequence[str] | None = None,
 ) -> Plan:
     """Predict step time and memory of a fully specified plan and return it as a :class:`Plan`.
 
     ``stages`` are ``[start, stop)`` layer ranges in order.  ``pipeline_degree`` K defaults to
-    the number of stages; with ``interleaved-1f1b`` it defaults to the devices available per
-    replica, and each rank runs ``len(stages) / K`` chunks.  ``devices[s]`` lists the device of
-    each data-parallel replica of stage ``s`` (default: :func:`default_devices`).
+    the number of stages (half of them for the two-chunk V schedules; with the interleaved
+    schedules, the devices available per replica), and each rank runs ``len(stages) / K``
+    chunks.  ``devices[s]`` lists the device of each data-parallel replica of stage ``s``
+    (default: :func:`default_devices`).  ``actions`` (one string per rank, as
+    ``Plan.actions``) replaces the schedule's own order, e.g. to re-evaluate a plan.
     """
     ranges = [(s.start, s.stop) if isinstance(s, StageRange) else (int(s[0]), int(s[1])) for s in stages]
     try:
@@ -307,17 +439,26 @@ def estimate(
     n = cluster.num_devices
     if data_parallel < 1:
         raise InputError(f"data_parallel must be >= 1, got {data_parallel}")
+    chunks = SCHEDULE_CHUNKS[schedule]
     if pipeline_degree is None:
-        pipeline_degree = num_stages if schedule != "interleaved-1f1b" else max(1, min(num_stages, n // data_parallel))
+        if chunks == "n":
+            pipeline_degree = max(1, min(num_stages, n // data_parallel))
+        elif chunks == "2":
+            pipeline_degree = max(1, num_stages // 2)
+        else:
+            pipeline_degree = num_stages
     k = pipeline_degree
     if num_stages % k != 0:
         raise InputError(
-            f"{num_stages} stages cannot be spread over pipeline degree {k}: with interleaved-1f1b give a "
-            f"multiple of {k} stages"
+            f"{num_stages} stages cannot be spread over pipeline degree {k}: give a multiple of {k} stages"
         )
     v = num_stages // k
-    if schedule != "interleaved-1f1b" and v != 1:
-        raise InputError(f"{num_stages} stages on {k} devices needs schedule interleaved-1f1b, not {schedule!r}")
+    if (chunks == "1" and v != 1) or (chunks == "2" and v != 2):
+        need = "one stage" if chunks == "1" else "two stages"
+        raise InputError(
+            f"{num_stages} stages on {k} devices is {v} per device, but schedule {schedule!r} runs {need} "
+            "per device: choose interleaved-1f1b or interleaved-zb for several, zbv or dualpipev for two"
+        )
     if k * data_parallel > n:
         raise InputError(
             f"the plan needs pipeline degree {k} x data-parallel degree {data_parallel} = "
@@ -337,45 +478,60 @@ def estimate(
     rc = [bool(recompute)] * num_stages if isinstance(recompute, bool) else [bool(x) for x in recompute]
     if len(rc) != num_stages:
         raise InputError(f"recompute has {len(rc)} entries for {num_stages} stages: give one per stage")
-    placement = [list(d) for d in devices] if devices is not None else default_devices(num_stages, k, data_parallel)
-    _check_placement(placement, num_stages, k, data_parallel, n)
+    placement = placement_of(schedule)
+    devs = (
+        [list(d) for d in devices]
+        if devices is not None
+        else default_devices(num_stages, k, data_parallel, placement=placement)
+    )
+    owner = [stage_rank(placement, s, k, v) for s in range(num_stages)]
+    _check_placement(devs, owner, data_parallel, n)
 
     b = g // (data_parallel * m)
     costs = layer_costs(profile, b)
 
-    speed = [min(cluster.devices[d].speed for d in placement[s]) for s in range(num_stages)]
-    fwd = [(costs.prefix_forward[e] - costs.prefix_forward[a]) / speed[s] for s, (a, e) in enumerate(ranges)]
-    bwd = [(costs.prefix_backward[e] - costs.prefix_backward[a]) / speed[s] for s, (a, e) in enumerate(ranges)]
-    rec = [fwd[s] if rc[s] else 0.0 for s in range(num_stages)]
-    xfer = boundary_transfer_ms(costs, ranges, placement, cluster)
+    times = stage_times(costs, ranges, rc, [min(cluster.devices[d].speed for d in devs[s]) for s in range(num_stages)],
+                        boundary_transfer_ms(costs, ranges, devs, cluster))
+    own_stages = rank_stages(placement, k, v)
+    terms = [rank_memory_terms(costs, [ranges[s] for s in own], training) for own in own_stages]
+    limit_rank = [
+        int(min(cluster.devices[d].memory_bytes for s in own for d in devs[s]) * (1 - training.memory_margin))
+        for own in own_stages
+    ]
+    if actions is not None:
+        try:
+            orders = parse_actions(actions)
+        except ScheduleError as err:
+            raise InputError(f"invalid actions: {err}") from None
+    elif schedule == "planned":
+        orders = planned_actions(m, times, terms, rc, limit_rank)
+    else:
+        orders = schedule_actions(schedule, k, m, v)
+    try:
+        compiled = compile_actions(orders, num_stages, m)
+    except ScheduleError as err:
+        raise InputError(f"the actions cannot run: {err}") from None
+    if list(compiled.stage_to_rank) != owner:
+        raise InputError(
+            f"the actions put the stages on ranks {list(compiled.stage_to_rank)}, but schedule {schedule!r} "
+            f"places them on {owner}"
+        )
 
     # the simulator's fast path (no events: the largest plans have 10^5 actions and more)
-    finish = makespans(compile_schedule(schedule, k, m, v), fwd, [b_ + r_ for b_, r_ in zip(bwd, rec, strict=True)], xfer)
+    finish = makespans(compiled, times.forward, times.backward, times.transfer, binput=times.input, bweight=times.weight)
     makespan = max(finish, default=0.0)
-    busy = m * sum(fwd) + m * sum(bwd) + m * sum(rec)
+    busy = busy_ms(orders, times)
     bubble = max(0.0, 1.0 - busy / (k * makespan)) if makespan > 0 else 0.0
 
-    # Per rank: memory, and the gradient all-reduce after its last backward.
-    rank_stages = [[s for s in range(num_stages) if s % k == r] for r in range(k)]
+    # Per rank: memory (walking its actions), and the gradient all-reduce after its last backward.
+    points = memory_points(orders, own_stages)
     mem_rank: list[float] = []
-    limit_rank: list[int] = []
     ar_rank: list[float] = []
-    for r in range(k):
-        own = rank_stages[r]
-        mem_rank.append(
-            rank_memory_bytes(
-                costs,
-                [ranges[s] for s in own],
-                [rc[s] for s in own],
-                training,
-                inflight=inflight_microbatches(schedule, k, m, r, v),
-            )
-        )
-        devs = {d for s in own for d in placement[s]}
-        limit_rank.append(int(min(cluster.devices[d].memory_bytes for d in devs) * (1 - training.memory_margin)))
+    for r, own in enumerate(own_stages):
+        mem_rank.append(rank_memory_from_terms(terms[r], [rc[s] for s in own], points[r]))
         grad = sum(costs.prefix_param[ranges[s][1]] - costs.prefix_param[ranges[s][0]] for s in own)
         grad_bytes = grad * training.gradient_bytes_per_param_byte
-        replicas = placement[own[0]]
+        replicas = devs[own[0]]
         link = cluster.intra_node if all(cluster.same_node(replicas[0], d) for d in replicas) else cluster.inter_node
         ar_rank.append(allreduce_ms(grad_bytes, data_parallel, link.bandwidth_bytes_per_s, link.latency_s))
     step = max(f + a for f, a in zip(finish, ar_rank, strict=True))
@@ -386,14 +542,16 @@ def estimate(
             start=a,
             stop=e,
             layer_names=[profile.layers[i].name for i in range(a, e)],
-            devices=placement[s],
+            devices=devs[s],
             recompute=rc[s],
             param_bytes=costs.prefix_param[e] - costs.prefix_param[a],
-            forward_ms=fwd[s],
-            backward_ms=bwd[s] + rec[s],
-            memory_bytes=math.ceil(mem_rank[s % k]),
-            memory_limit_bytes=limit_rank[s % k],
-            send_ms=xfer[s] if s < num_stages - 1 else 0.0,
+            forward_ms=times.forward[s],
+            backward_ms=times.backward[s],
+            backward_input_ms=times.input[s],
+            backward_weight_ms=times.weight[s],
+            memory_bytes=math.ceil(mem_rank[owner[s]]),
+            memory_limit_bytes=limit_rank[owner[s]],
+            send_ms=times.transfer[s] if s < num_stages - 1 else 0.0,
         )
         for s, (a, e) in enumerate(ranges)
     ]
@@ -402,6 +560,7 @@ def estimate(
         profile_sha256=profile.sha256(),
         num_layers=profile.num_layers,
         schedule=schedule,
+        placement=placement,
         pipeline_degree=k,
         data_parallel_degree=data_parallel,
         virtual_stages=v,
@@ -421,7 +580,33 @@ def estimate(
         training=training,
         notes=[note] if (note := scaling.extrapolation_note(profile.microbatch_sizes, b)) else [],
         split_points=list(profile.split_points),
+        actions=format_actions(orders),
     )
+
+
+def stage_times(
+    costs: LayerCosts,
+    ranges: Sequence[tuple[int, int]],
+    recompute: Sequence[bool],
+    speed: Sequence[float],
+    transfer: Sequence[float],
+) -> StageTimes:
+    """:class:`StageTimes` of a split (each stage at its devices' ``speed``)."""
+    fwd = [(costs.prefix_forward[e] - costs.prefix_forward[a]) / speed[s] for s, (a, e) in enumerate(ranges)]
+    rec = [f if r else 0.0 for f, r in zip(fwd, recompute, strict=True)]
+    return StageTimes(
+        forward=fwd,
+        backward=[(costs.prefix_backward[e] - costs.prefix_backward[a]) / speed[s] + rec[s] for s, (a, e) in enumerate(ranges)],
+        input=[(costs.prefix_input[e] - costs.prefix_input[a]) / speed[s] + rec[s] for s, (a, e) in enumerate(ranges)],
+        weight=[(costs.prefix_weight[e] - costs.prefix_weight[a]) / speed[s] for s, (a, e) in enumerate(ranges)],
+        transfer=list(transfer),
+    )
+
+
+def busy_ms(orders: Sequence[Sequence[Action]], times: StageTimes) -> float:
+    """Compute time of every action (what the ranks are busy with)."""
+    per = {"F": times.forward, "B": times.backward, "I": times.input, "W": times.weight}
+    return sum(per[a.kind][a.stage] for acts in orders for a in acts)
 
 
 def reestimate(
@@ -446,6 +631,8 @@ def reestimate(
         pipeline_degree=plan.pipeline_degree,
         devices=[s.devices for s in plan.stages],
         solver=solver,
+        # what runs is the plan's own order (a planned schedule too: it is not rebuilt)
+        actions=plan.actions,
     )
 
 
@@ -454,22 +641,32 @@ def plan_fits(plan: Plan) -> bool:
     return all(s.memory_bytes <= s.memory_limit_bytes for s in plan.stages)
 
 
+def plan_orders(plan: Plan) -> list[list[Action]]:
+    """The plan's actions per rank (its ``actions``, or its schedule's template)."""
+    if plan.actions is not None:
+        return parse_actions(plan.actions)
+    return schedule_actions(plan.schedule, plan.pipeline_degree, plan.num_microbatches, plan.virtual_stages)
+
+
 def simulate_plan(plan: Plan) -> Simulation:
     """Re-run the simulator for a plan (for timelines and charts); needs nothing but the plan."""
     rec = [s.forward_ms if s.recompute else 0.0 for s in plan.stages]
-    return simulate_schedule(
-        plan.schedule,
-        plan.pipeline_degree,
-        plan.num_microbatches,
+    bwd = [s.backward_ms - r for s, r in zip(plan.stages, rec, strict=True)]
+    inp = [s.backward_input_ms - r if s.backward_input_ms is not None else b / 2 for s, r, b in zip(plan.stages, rec, bwd, strict=True)]
+    wgt = [s.backward_weight_ms if s.backward_weight_ms is not None else b - i for s, b, i in zip(plan.stages, bwd, inp, strict=True)]
+    return simulate(
+        plan_orders(plan),
         [s.forward_ms for s in plan.stages],
-        [s.backward_ms - r for s, r in zip(plan.stages, rec, strict=True)],
-        virtual_stages=plan.virtual_stages,
+        bwd,
         recompute_ms=rec,
         transfer_ms=[s.send_ms for s in plan.stages[:-1]],
+        input_ms=inp,
+        weight_ms=wgt,
     )
 
 
-def _check_placement(placement: list[list[int]], num_stages: int, k: int, d: int, n: int) -> None:
+def _check_placement(placement: list[list[int]], owner: Sequence[int], d: int, n: int) -> None:
+    num_stages = len(owner)
     if len(placement) != num_stages or any(len(p) != d for p in placement):
         raise InputError(f"devices must list {d} device(s) for each of the {num_stages} stages, got {placement}")
     for s, p in enumerate(placement):
@@ -479,9 +676,16 @@ def _check_placement(placement: list[list[int]], num_stages: int, k: int, d: int
     used: dict[int, int] = {}
     for s, p in enumerate(placement):
         for dev in p:
-            rank = s % k
+            rank = owner[s]
             if used.setdefault(dev, rank) != rank:
                 raise InputError(f"device {dev} is given to two pipeline ranks ({used[dev]} and {rank}): one rank per device")
+    for s in range(num_stages):
+        for t in range(s + 1, num_stages):
+            if owner[s] == owner[t] and sorted(placement[s]) != sorted(placement[t]):
+                raise InputError(
+                    f"stages {s} and {t} run on the same pipeline rank, so they need the same devices, "
+                    f"got {placement[s]} and {placement[t]}"
+                )
 
 
 def _divisors(x: int) -> list[int]:

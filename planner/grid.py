@@ -1,8 +1,9 @@
 """A compact text grid of a schedule: one row per pipeline rank, one column per time slot.
 
 Each cell shows what the rank computes during that slot: ``F3`` (forward of micro-batch 3),
-``B0`` (backward), ``R1`` (recompute before a backward), or ``.`` (idle: the bubble).  With
-interleaved 1F1B (several chunks per rank) the chunk follows after a colon: ``F3:1``.
+``B0`` (backward), ``I0`` / ``W0`` (its input- and weight-gradient halves, in zero-bubble
+schedules), ``R1`` (recompute before a backward), or ``.`` (idle: the bubble).  With several
+chunks per rank (interleaved, V schedules) the chunk follows after a colon: ``F3:1``.
 
 A slot shows the event that fills most of it, so a 2 ms backward drawn with 1 ms slots takes
 two cells, and a slot mostly idle shows ``.``.  Transfers are not drawn: they overlap computation.
@@ -22,12 +23,14 @@ from planner.schema import Plan
 from planner.simulator import Event, Simulation
 
 #: one letter per compute event kind
-KIND_LETTER: Mapping[str, str] = MappingProxyType({"forward": "F", "backward": "B", "recompute": "R"})
+KIND_LETTER: Mapping[str, str] = MappingProxyType({
+    "forward": "F", "backward": "B", "backward_input": "I", "backward_weight": "W", "recompute": "R",
+})
 IDLE = "."
 
 
 def cell_label(event: Event, *, num_ranks: int, chunked: bool) -> str:
-    """``F3`` / ``B0`` / ``R1``; ``F3:1`` for chunk 1 of an interleaved rank."""
+    """``F3`` / ``B0`` / ``I0`` / ``W0`` / ``R1``; ``F3:1`` for chunk 1 of a rank."""
     label = f"{KIND_LETTER[event.kind]}{event.microbatch}"
     if chunked:
         label += f":{event.stage // num_ranks}"
@@ -117,7 +120,7 @@ def text_grid(
         if plan is not None:
             what = f"{plan.schedule} K={plan.pipeline_degree} M={plan.num_microbatches}"
             if plan.virtual_stages > 1:
-                what += f" v={plan.virtual_stages}"
+                what += f" v={plan.virtual_stages}" + (" (V placement)" if plan.placement == "v" else "")
             what += ", "
         lines.append(
             f"{what}makespan {sim.makespan_ms:.4g} ms, bubble {sim.bubble_fraction:.1%}, "
@@ -128,5 +131,7 @@ def text_grid(
         lines.append(f"{f'rank {r}'.ljust(label_width)} | {cells}".rstrip())
     if legend:
         chunk = ", :c = chunk" if any(":" in c for r in rows for c in r) else ""
-        lines.append(f"F forward, B backward, R recompute, . idle; number = micro-batch{chunk}")
+        split = any(c[:1] in ("I", "W") for r in rows for c in r)
+        parts = "B backward, I input gradient, W weight gradient" if split else "B backward"
+        lines.append(f"F forward, {parts}, R recompute, . idle; number = micro-batch{chunk}")
     return "\n".join(lines)

@@ -13,7 +13,7 @@ import math
 import time
 from collections.abc import Sequence
 
-from planner.costmodel import LayerCosts, layer_costs, rank_memory_bytes
+from planner.costmodel import LayerCosts, layer_costs, memory_lower_bound, rank_memory_terms
 from planner.errors import InfeasibleError, InputError
 from planner.schema import Cluster, Device, PlanOptions, Profile, TrainingSetup
 from planner.search.feasibility import config_fits
@@ -52,7 +52,10 @@ def any_fits(
 
 def _memory_order(configs: Sequence[Config]) -> list[Config]:
     """Most promising for memory first: 1F1B, many stages, small micro-batches."""
-    rank = {"1f1b": 0, "interleaved-1f1b": 1, "gpipe": 2}
+    rank = {
+        "1f1b": 0, "zb-h1": 1, "planned": 2, "interleaved-1f1b": 3, "interleaved-zb": 4, "zbv": 5,
+        "dualpipev": 6, "zb-h2": 7, "gpipe": 8,
+    }
     return sorted(configs, key=lambda c: (rank[c.schedule], -c.pipeline_degree, -c.num_microbatches * c.data_parallel, c))
 
 
@@ -119,7 +122,7 @@ def largest_layer(
     limit = max(usable_bytes(d.memory_bytes, training) for d in cluster.devices)
     seen: dict[tuple[int, int], None] = {}
     for cfg in configs:
-        sm_inflight = min(StageModel.inflight_of(cfg, r) for r in range(cfg.pipeline_degree))
+        sm_inflight = min(min(c) for c in StageModel.counts_of(cfg, profile.num_layers))
         seen.setdefault((cfg.microbatch_size(training.global_batch_size), sm_inflight), None)
     rc_opts = [options.recompute] if isinstance(options.recompute, bool) else [False, True]
     need = [math.inf] * profile.num_layers
@@ -127,7 +130,8 @@ def largest_layer(
         costs = layer_costs(profile, b)
         for i in range(profile.num_layers):
             for rc in rc_opts:
-                need[i] = min(need[i], rank_memory_bytes(costs, [(i, i + 1)], [rc], training, inflight=inflight))
+                terms = rank_memory_terms(costs, [(i, i + 1)], training)
+                need[i] = min(need[i], memory_lower_bound(terms, [rc], [inflight]))
     worst = max(range(profile.num_layers), key=lambda i: (need[i], -i))
     if need[worst] > limit:
         return worst, need[worst]
@@ -201,6 +205,8 @@ def _relaxations(profile: Profile, cluster: Cluster, training: TrainingSetup, op
         trials.append(("allow recompute (drop --no-recompute)", options.model_copy(update={"recompute": None})))
     if options.schedule is not None:
         trials.append(("let the solver choose the schedule (drop --schedule)", options.model_copy(update={"schedule": None, "virtual_stages": None})))
+    elif options.schedules is not None:
+        trials.append(("let the solver choose among every schedule (drop schedules)", options.model_copy(update={"schedules": None})))
     if options.stages is not None:
         trials.append(("let the solver choose the stages (drop --stages)", options.model_copy(update={"stages": None})))
     if options.num_microbatches is not None:

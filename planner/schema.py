@@ -48,8 +48,26 @@ SCHEMA_VERSION: Literal[2] = 2
 #: versions a reader accepts (older ones are migrated when read)
 READABLE_VERSIONS = (1, 2)
 
-Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
-SCHEDULES: tuple[Schedule, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
+Schedule = Literal[
+    "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv", "dualpipev", "interleaved-zb", "planned"
+]
+#: every schedule, in the order the CLI lists them (``planner/schedules.py`` defines their orders)
+SCHEDULES: tuple[Schedule, ...] = (
+    "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv", "dualpipev", "interleaved-zb", "planned"
+)
+#: chunks (stages) per device each schedule runs: exactly 1, exactly 2, or any number ("n")
+SCHEDULE_CHUNKS: Mapping[Schedule, Literal["1", "2", "n"]] = MappingProxyType({
+    "gpipe": "1", "1f1b": "1", "interleaved-1f1b": "n", "zb-h1": "1", "zb-h2": "1", "zbv": "2",
+    "dualpipev": "2", "interleaved-zb": "n", "planned": "1",
+})
+#: where a pipeline's stages live: ``loop`` (stage s on rank s mod K), ``v`` (rank r holds
+#: stages r and 2K-1-r) or ``contiguous`` (rank r holds stages r·v .. r·v+v-1)
+Placement = Literal["loop", "v", "contiguous"]
+PLACEMENTS: tuple[Placement, ...] = ("loop", "v", "contiguous")
+#: each schedule's placement
+SCHEDULE_PLACEMENT: Mapping[Schedule, Placement] = MappingProxyType({
+    s: ("v" if s in ("zbv", "dualpipev") else "loop") for s in SCHEDULES
+})
 
 
 
@@ -114,6 +132,23 @@ class LayerProfile(_Model):
         default=None, description="run-to-run spread (interquartile range) of forward_ms"
     )
     backward_ms_spread: list[NonNegFloat] | None = None
+    backward_input_ms: list[NonNegFloat] | None = Field(
+        default=None,
+        description="the part of backward_ms that computes the input gradient (I); zero-bubble "
+        "schedules run it apart from the weight gradient.  Default: backward_ms - "
+        "backward_weight_ms when that is given, else half of backward_ms",
+    )
+    backward_weight_ms: list[NonNegFloat] | None = Field(
+        default=None,
+        description="the part of backward_ms that computes the weight gradient (W).  Default: "
+        "backward_ms - backward_input_ms when that is given, else half of backward_ms",
+    )
+    weight_grad_bytes: list[NonNegInt] | None = Field(
+        default=None,
+        description="bytes still held between the input-gradient and the weight-gradient pass "
+        "(what W needs: inputs of the weight layers and their output gradients).  Default: "
+        "activation_bytes (the input-gradient pass frees nothing)",
+    )
     peak_memory_bytes: list[NonNegInt] | None = Field(
         default=None, description="CUDA max_memory_allocated during this layer, for cross-checks"
     )
@@ -139,6 +174,9 @@ _PARALLEL_FIELDS = (
     "cut_bytes",
     "forward_ms_spread",
     "backward_ms_spread",
+    "backward_input_ms",
+    "backward_weight_ms",
+    "weight_grad_bytes",
     "peak_memory_bytes",
     "flops",
 )
@@ -379,6 +417,11 @@ class PlanOptions(_Model):
     )
     num_microbatches: Annotated[int, Field(ge=1, le=MAX_MICROBATCHES)] | None = None
     schedule: Schedule | None = None
+    schedules: list[Schedule] | None = Field(
+        default=None,
+        min_length=1,
+        description="the schedules the solver may choose among when `schedule` is free (default: all)",
+    )
     recompute: bool | Annotated[list[bool], Field(max_length=MAX_LAYERS)] | None = Field(
         default=None, description="False forbids recompute, a list fixes it per stage"
     )
@@ -399,6 +442,14 @@ class StagePlan(_Model):
     param_bytes: NonNegInt = 0
     forward_ms: NonNegFloat = Field(description="per micro-batch")
     backward_ms: NonNegFloat = Field(description="per micro-batch, recompute included")
+    backward_input_ms: NonNegFloat | None = Field(
+        default=None,
+        description="input-gradient part of the backward (I), recompute included; default "
+        "(plans without it): half of the backward without recompute, plus the recompute",
+    )
+    backward_weight_ms: NonNegFloat | None = Field(
+        default=None, description="weight-gradient part of the backward (W); default: the rest"
+    )
     memory_bytes: NonNegInt = Field(description="predicted peak of the device running this stage")
     memory_limit_bytes: NonNegInt = Field(description="device memory less the safety margin")
     send_ms: NonNegFloat = Field(
@@ -429,9 +480,13 @@ class Plan(_Model):
     profile_sha256: str = Field(min_length=64, max_length=64)
     num_layers: PosInt
     schedule: Schedule
+    placement: Placement = Field(
+        default="loop",
+        description="stage to rank: loop (stage s on rank s mod K) or v (rank r holds stages r and 2K-1-r)",
+    )
     pipeline_degree: PosInt
     data_parallel_degree: PosInt = 1
-    virtual_stages: PosInt = Field(default=1, description="chunks per device (interleaved-1f1b)")
+    virtual_stages: PosInt = Field(default=1, description="chunks (stages) per device")
     num_microbatches: PosInt
     microbatch_size: PosInt
     global_batch_size: PosInt
@@ -448,6 +503,14 @@ class Plan(_Model):
         default_factory=list,
         description="the profile's split points: the runtime cuts the model there (empty: every block)",
     )
+    actions: list[str] | None = Field(
+        default=None,
+        description="what each pipeline rank computes, in order: one string per rank of "
+        "space-separated actions in torch.distributed.pipelining's text form (stage, kind, "
+        "micro-batch: '0F3' forward, '0B3' full backward, '0I3' input gradient, '0W3' weight "
+        "gradient).  The prediction simulated exactly this; the runtime executes it.  Plans "
+        "without it run the schedule's template (planner/schedules.py); 'planned' needs it",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -463,8 +526,21 @@ class Plan(_Model):
                 f"{k} x {v} = {k * v}"
             )
         check_coverage([(s.start, s.stop) for s in self.stages], self.num_layers)
-        if self.schedule != "interleaved-1f1b" and v != 1:
-            raise ValueError(f"virtual_stages={v} needs schedule 'interleaved-1f1b', not {self.schedule!r}")
+        chunks = SCHEDULE_CHUNKS[self.schedule]
+        if (chunks == "1" and v != 1) or (chunks == "2" and v != 2):
+            need = "1 chunk" if chunks == "1" else "2 chunks"
+            raise ValueError(
+                f"virtual_stages={v} does not suit schedule {self.schedule!r}, which runs {need} per device"
+            )
+        if self.placement != SCHEDULE_PLACEMENT[self.schedule]:
+            raise ValueError(
+                f"placement {self.placement!r} does not suit schedule {self.schedule!r}, which places "
+                f"its stages {SCHEDULE_PLACEMENT[self.schedule]!r}"
+            )
+        if self.actions is not None and len(self.actions) != k:
+            raise ValueError(f"actions lists {len(self.actions)} ranks but pipeline_degree is {k}: give one string per rank")
+        if self.actions is None and self.schedule == "planned":
+            raise ValueError("schedule 'planned' needs its actions: the plan must list what each rank runs")
         expected = self.microbatch_size * self.num_microbatches * self.data_parallel_degree
         if expected != self.global_batch_size:
             raise ValueError(

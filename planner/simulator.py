@@ -1,20 +1,19 @@
 """Event-level simulator of pipeline schedules.
 
-A schedule is, per pipeline rank, an ordered list of actions (as in
-``torch.distributed.pipelining``): ``F`` (forward) or ``B`` (backward) of one stage on one
-micro-batch.  Compact text form: ``"2F5"`` is stage 2's forward of micro-batch 5.
-
-The simulator runs those lists with their data dependencies:
+A schedule is, per pipeline rank, an ordered list of actions (:mod:`planner.schedules`, the
+one definition of every schedule's order): ``F`` (forward), ``B`` (full backward), ``I``
+(input gradient) or ``W`` (weight gradient) of one stage on one micro-batch, ``"2I5"`` in
+text form.  The simulator runs those lists with their data dependencies:
 
 * ``F(s, m)`` starts after ``F(s-1, m)`` ends plus the transfer time of boundary ``s-1``;
-* ``B(s, m)`` starts after ``F(s, m)`` and, unless ``s`` is the last stage, after
-  ``B(s+1, m)`` ends plus the transfer time of boundary ``s`` (gradients of the same size);
+* ``B(s, m)`` and ``I(s, m)`` start after ``F(s, m)`` and, unless ``s`` is the last stage,
+  after the gradient of stage ``s+1`` (its ``B`` or ``I``) ends plus the transfer time of
+  boundary ``s`` (gradients of the same size); a recomputing stage first runs its forward
+  again;
+* ``W(s, m)`` starts after ``I(s, m)`` (on the same rank: it sends nothing);
 * a rank runs one action at a time, in its list's order; transfers overlap computation.
 
-Stage ``s`` runs on rank ``s % K``; with ``v`` chunks per rank (interleaved 1F1B) rank ``r``
-holds stages ``r, r+K, ..., r+(v-1)K`` (Narayanan et al. 2021, "Efficient Large-Scale
-Language Model Training on GPU Clusters Using Megatron-LM", section 2.2).
-
+The stage-to-rank mapping is read from the lists (loop, V and contiguous placements alike).
 The result is the exact makespan of that model and each rank's timeline, which the cost
 model reports and the Gantt chart draws.
 """
@@ -25,20 +24,39 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from planner.schedules import (
+    Action,
+    ScheduleError,
+    check_schedule_shape,
+    format_orders,
+    placement_of,
+    schedule_actions,
+    stage_ranks,
+    validate_actions,
+)
 from planner.schema import Schedule
 
-OpKind = Literal["F", "B"]
-EventKind = Literal["forward", "backward", "recompute", "send_forward", "send_backward"]
+__all__ = [
+    "Action",
+    "CompiledSchedule",
+    "Event",
+    "ScheduleError",
+    "Simulation",
+    "build_orders",
+    "check_schedule_shape",
+    "compile_actions",
+    "compile_schedule",
+    "compile_template",
+    "format_orders",
+    "makespans",
+    "simulate",
+    "simulate_schedule",
+]
 
-
-@dataclass(frozen=True, order=True)
-class Action:
-    stage: int
-    kind: OpKind
-    microbatch: int
-
-    def __str__(self) -> str:
-        return f"{self.stage}{self.kind}{self.microbatch}"
+EventKind = Literal[
+    "forward", "backward", "backward_input", "backward_weight", "recompute", "send_forward", "send_backward"
+]
+_COMPUTE_KIND: dict[str, EventKind] = {"F": "forward", "B": "backward", "I": "backward_input", "W": "backward_weight"}
 
 
 @dataclass(frozen=True)
@@ -57,11 +75,11 @@ class Event:
 @dataclass(frozen=True)
 class Simulation:
     makespan_ms: float
-    #: compute events (forward, recompute, backward) per rank, in time order
+    #: compute events (forward, recompute, backward, input and weight gradients) per rank, in time order
     timelines: tuple[tuple[Event, ...], ...]
     #: transfer events, in time order of their start
     transfers: tuple[Event, ...]
-    #: most micro-batches whose activations a stage held at once
+    #: most micro-batches whose activations a stage held at once (forwarded, not yet through B/I)
     peak_inflight: tuple[int, ...]
 
     def busy_ms(self, rank: int) -> float:
@@ -77,82 +95,9 @@ class Simulation:
         return max(0.0, 1.0 - busy / (ranks * self.makespan_ms))
 
 
-class ScheduleError(ValueError):
-    """A schedule that is malformed or cannot run (it deadlocks)."""
-
-
-def check_schedule_shape(schedule: Schedule, num_ranks: int, num_microbatches: int, virtual_stages: int) -> None:
-    """Raise ``ScheduleError`` when the (schedule, K, M, v) combination is not runnable."""
-    if num_ranks < 1 or num_microbatches < 1 or virtual_stages < 1:
-        raise ScheduleError(
-            f"K, M and v must be >= 1, got K={num_ranks} M={num_microbatches} v={virtual_stages}"
-        )
-    if schedule != "interleaved-1f1b" and virtual_stages != 1:
-        raise ScheduleError(f"{virtual_stages} chunks per rank need schedule 'interleaved-1f1b', not {schedule!r}")
-    if schedule == "1f1b" and num_microbatches < num_ranks:
-        raise ScheduleError(
-            f"1f1b needs at least as many micro-batches as pipeline stages (the rule of "
-            f"torch.distributed.pipelining's Schedule1F1B, which runs the plans): M={num_microbatches} < "
-            f"K={num_ranks}; use M >= {num_ranks} or schedule 'gpipe'"
-        )
-    if schedule == "interleaved-1f1b" and num_microbatches % num_ranks != 0:
-        raise ScheduleError(
-            f"interleaved-1f1b needs the micro-batch count to be a multiple of the pipeline degree "
-            f"(Megatron-LM's rule): M={num_microbatches} is not a multiple of K={num_ranks}; "
-            f"use M={num_microbatches + (-num_microbatches) % num_ranks}"
-        )
-
-
 def build_orders(schedule: Schedule, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> list[list[Action]]:
-    """Per-rank ordered action lists of a schedule (:func:`schedule_orders` as actions)."""
-    check_schedule_shape(schedule, num_ranks, num_microbatches, virtual_stages)
-    return [
-        [Action(s, "B" if is_b else "F", mb) for s, is_b, mb in order]
-        for order in schedule_orders(schedule, num_ranks, num_microbatches, virtual_stages)
-    ]
-
-
-def schedule_orders(schedule: Schedule, k: int, m: int, v: int = 1) -> list[list[tuple[int, bool, int]]]:
-    """Per-rank ordered actions as ``(stage, backward?, micro-batch)`` tuples.
-
-    * GPipe (Huang et al. 2019): all forwards, then all backwards.
-    * 1F1B / PipeDream-Flush (Narayanan et al. 2021): ``K-r-1`` warm-up forwards, then one
-      forward and one backward in turn, then the remaining backwards.
-    * Interleaved 1F1B (Megatron-LM): micro-batches in groups of K go through chunk 0, then
-      chunk 1, ...; backwards visit the chunks in reverse; ``(K-r-1)·2 + (v-1)·K`` warm-up
-      forwards, then 1F1B.
-    """
-    if schedule == "gpipe":
-        return [[(r, False, i) for i in range(m)] + [(r, True, i) for i in range(m)] for r in range(k)]
-    out = []
-    for r in range(k):
-        if schedule == "1f1b":
-            fwd = [(r, False, i) for i in range(m)]
-            bwd = [(r, True, i) for i in range(m)]
-            warmup = min(k - r - 1, m)
-        else:
-            fwd, bwd = [], []
-            for i in range(m * v):
-                group, within = divmod(i, k * v)
-                chunk = (i // k) % v
-                mb = group * k + within % k
-                fwd.append((chunk * k + r, False, mb))
-                bwd.append(((v - 1 - chunk) * k + r, True, mb))
-            warmup = min((k - r - 1) * 2 + (v - 1) * k, m * v)
-        order = fwd[:warmup]
-        f = warmup
-        for b in range(len(bwd)):
-            if f < len(fwd):
-                order.append(fwd[f])
-                f += 1
-            order.append(bwd[b])
-        out.append(order)
-    return out
-
-
-def format_orders(orders: Sequence[Sequence[Action]]) -> str:
-    """Compact text form, one rank a line: ``rank 0: 0F0 0F1 0B0 ...``."""
-    return "\n".join(f"rank {r}: " + " ".join(str(a) for a in acts) for r, acts in enumerate(orders))
+    """Per-rank ordered action lists of a named schedule (:func:`planner.schedules.schedule_actions`)."""
+    return schedule_actions(schedule, num_ranks, num_microbatches, virtual_stages)
 
 
 def simulate(
@@ -162,13 +107,16 @@ def simulate(
     *,
     recompute_ms: Sequence[float] | None = None,
     transfer_ms: Sequence[float] | None = None,
+    input_ms: Sequence[float] | None = None,
+    weight_ms: Sequence[float] | None = None,
 ) -> Simulation:
     """Run per-rank action lists and return the makespan and timelines.
 
     ``forward_ms[s]``, ``backward_ms[s]``: one micro-batch on stage ``s`` (backward without
-    recompute); ``recompute_ms[s]``: the extra forward a recomputing stage runs right before
-    each backward; ``transfer_ms[s]``: the time to move a micro-batch's activations across
-    boundary ``s -> s+1`` (and its gradients back).
+    recompute); ``input_ms[s]``, ``weight_ms[s]``: its input- and weight-gradient parts
+    (needed when the lists have ``I``/``W``); ``recompute_ms[s]``: the extra forward a
+    recomputing stage runs right before each ``B``/``I``; ``transfer_ms[s]``: the time to move
+    a micro-batch's activations across boundary ``s -> s+1`` (and its gradients back).
     """
     num_ranks = len(orders)
     num_stages = len(forward_ms)
@@ -176,16 +124,20 @@ def simulate(
         raise ScheduleError(f"{len(backward_ms)} backward times for {num_stages} stages")
     recompute = list(recompute_ms) if recompute_ms is not None else [0.0] * num_stages
     transfer = list(transfer_ms) if transfer_ms is not None else [0.0] * max(0, num_stages - 1)
+    inp, wgt = _split_times(backward_ms, input_ms, weight_ms)
     if len(recompute) != num_stages or len(transfer) != max(0, num_stages - 1):
         raise ScheduleError(
             f"need {num_stages} recompute times and {num_stages - 1} transfer times, got "
             f"{len(recompute)} and {len(transfer)}"
         )
-    if num_stages % num_ranks != 0:
-        raise ScheduleError(f"{num_stages} stages do not spread evenly over {num_ranks} ranks")
+    mbs = {a.microbatch for o in orders for a in o}
+    m = max(mbs) + 1 if mbs else 0
+    owner = validate_actions(orders, num_stages=num_stages, num_microbatches=m)
+    if len(set(owner)) != num_ranks:
+        raise ScheduleError(f"the actions use ranks {sorted(set(owner))} of {num_ranks}: every rank needs a stage")
 
     f_end: dict[tuple[int, int], float] = {}
-    b_end: dict[tuple[int, int], float] = {}
+    g_end: dict[tuple[int, int], float] = {}  # end of B or I: the gradient sent to stage s-1
     pos = [0] * num_ranks
     free = [0.0] * num_ranks
     timelines: list[list[Event]] = [[] for _ in range(num_ranks)]
@@ -202,8 +154,6 @@ def simulate(
             while pos[r] < len(order):
                 a = order[pos[r]]
                 s, mb = a.stage, a.microbatch
-                if s % num_ranks != r:
-                    raise ScheduleError(f"action {a} is listed on rank {r} but stage {s} runs on rank {s % num_ranks}")
                 if a.kind == "F":
                     if s > 0:
                         if (s - 1, mb) not in f_end:
@@ -215,29 +165,33 @@ def simulate(
                     end = start + forward_ms[s]
                     f_end[(s, mb)] = end
                     timelines[r].append(Event(r, "forward", s, mb, start, end))
-                    if s < last:
-                        transfers.append(
-                            Event(r, "send_forward", s, mb, end, end + transfer[s], peer=(s + 1) % num_ranks)
-                        )
+                    if s < last and owner[s + 1] != r:
+                        transfers.append(Event(r, "send_forward", s, mb, end, end + transfer[s], peer=owner[s + 1]))
                     inflight[s] += 1
                     peak[s] = max(peak[s], inflight[s])
+                elif a.kind == "W":
+                    if (s, mb) not in g_end:
+                        break  # (validate_actions put the I earlier on this rank)
+                    start = max(free[r], g_end[(s, mb)])
+                    end = start + wgt[s]
+                    timelines[r].append(Event(r, "backward_weight", s, mb, start, end))
                 else:
                     if (s, mb) not in f_end:
                         break
                     ready = f_end[(s, mb)]
                     if s < last:
-                        if (s + 1, mb) not in b_end:
+                        if (s + 1, mb) not in g_end:
                             break
-                        ready = max(ready, b_end[(s + 1, mb)] + transfer[s])
+                        ready = max(ready, g_end[(s + 1, mb)] + transfer[s])
                     start = max(free[r], ready)
                     if recompute[s] > 0:
                         timelines[r].append(Event(r, "recompute", s, mb, start, start + recompute[s]))
-                    end = start + recompute[s] + backward_ms[s]
-                    b_end[(s, mb)] = end
-                    timelines[r].append(Event(r, "backward", s, mb, start + recompute[s], end))
-                    if s > 0:
+                    end = start + recompute[s] + (backward_ms[s] if a.kind == "B" else inp[s])
+                    g_end[(s, mb)] = end
+                    timelines[r].append(Event(r, _COMPUTE_KIND[a.kind], s, mb, start + recompute[s], end))
+                    if s > 0 and owner[s - 1] != r:
                         transfers.append(
-                            Event(r, "send_backward", s, mb, end, end + transfer[s - 1], peer=(s - 1) % num_ranks)
+                            Event(r, "send_backward", s, mb, end, end + transfer[s - 1], peer=owner[s - 1])
                         )
                     inflight[s] -= 1
                 free[r] = end
@@ -248,7 +202,6 @@ def simulate(
             stuck = {r: str(orders[r][pos[r]]) for r in range(num_ranks) if pos[r] < len(orders[r])}
             raise ScheduleError(f"the schedule deadlocks: ranks wait on each other at {stuck}")
 
-    _check_complete(orders, num_stages, f_end, b_end)
     makespan = max(free) if free else 0.0
     transfers.sort(key=lambda e: (e.start_ms, e.rank))
     return Simulation(
@@ -259,20 +212,16 @@ def simulate(
     )
 
 
-def _check_complete(
-    orders: Sequence[Sequence[Action]],
-    num_stages: int,
-    f_end: dict[tuple[int, int], float],
-    b_end: dict[tuple[int, int], float],
-) -> None:
-    mbs = {a.microbatch for o in orders for a in o}
-    for s in range(num_stages):
-        for mb in mbs:
-            if (s, mb) not in f_end or (s, mb) not in b_end:
-                raise ScheduleError(f"stage {s} never runs the forward and backward of micro-batch {mb}")
-    count = sum(len(o) for o in orders)
-    if count != 2 * num_stages * len(mbs):
-        raise ScheduleError(f"{count} actions for {num_stages} stages x {len(mbs)} micro-batches: some repeat")
+def _split_times(
+    backward_ms: Sequence[float], input_ms: Sequence[float] | None, weight_ms: Sequence[float] | None
+) -> tuple[list[float], list[float]]:
+    """The input- and weight-gradient times (half the backward each when not given)."""
+    n = len(backward_ms)
+    inp = list(input_ms) if input_ms is not None else [b / 2 for b in backward_ms]
+    wgt = list(weight_ms) if weight_ms is not None else [b - i for b, i in zip(backward_ms, inp, strict=True)]
+    if len(inp) != n or len(wgt) != n:
+        raise ScheduleError(f"need {n} input- and weight-gradient times, got {len(inp)} and {len(wgt)}")
+    return inp, wgt
 
 
 def simulate_schedule(
@@ -285,10 +234,15 @@ def simulate_schedule(
     virtual_stages: int = 1,
     recompute_ms: Sequence[float] | None = None,
     transfer_ms: Sequence[float] | None = None,
+    input_ms: Sequence[float] | None = None,
+    weight_ms: Sequence[float] | None = None,
 ) -> Simulation:
-    """Build the schedule's action lists and simulate them."""
+    """Build a named schedule's action lists and simulate them."""
     orders = build_orders(schedule, num_ranks, num_microbatches, virtual_stages)
-    return simulate(orders, forward_ms, backward_ms, recompute_ms=recompute_ms, transfer_ms=transfer_ms)
+    return simulate(
+        orders, forward_ms, backward_ms, recompute_ms=recompute_ms, transfer_ms=transfer_ms,
+        input_ms=input_ms, weight_ms=weight_ms,
+    )
 
 
 # --------------------------------------------------------------------------- fast path
@@ -300,39 +254,65 @@ class CompiledSchedule:
     come first, with the indices :func:`makespans` reads.
 
     Action ``i`` runs on rank ``r`` and starts after ``max(free[r], end[dep_a] + x[xa],
-    end[dep_b] + x[xb])``; it lasts ``dur[di]`` (``di`` indexes forward times, then backward
-    times).  Missing dependencies point at a sentinel slot (index ``len(program)``) that ends
-    at time 0, with the zero transfer that pads the transfer list (index ``stages - 1``).
+    end[dep_b] + x[xb])``; it lasts ``dur[di]`` (``di`` indexes forward times, then
+    backward, input-gradient and weight-gradient times, ``num_stages`` each).  Missing
+    dependencies point at a sentinel slot (index ``len(program)``) that ends at time 0, with
+    the zero transfer that pads the transfer list (index ``stages - 1``).
     """
 
     program: tuple[tuple[int, int, int, int, int, int], ...]
     num_ranks: int
     num_stages: int
     num_microbatches: int
+    #: stage of each action, rank of each stage
+    stage_to_rank: tuple[int, ...] = ()
 
 
 def compile_schedule(schedule: Schedule, k: int, m: int, v: int = 1) -> CompiledSchedule:
-    """The schedule's flat program (checks the shape like :func:`build_orders`)."""
-    check_schedule_shape(schedule, k, m, v)
-    orders = schedule_orders(schedule, k, m, v)
-    n_stages = k * v
+    """A named schedule's flat program (checks the shape like :func:`build_orders`)."""
+    return compile_template(schedule, k, m, v, schedule_actions(schedule, k, m, v))
+
+
+def compile_template(
+    schedule: Schedule, k: int, m: int, v: int, orders: Sequence[Sequence[Action]]
+) -> CompiledSchedule:
+    """:func:`compile_actions` of a named schedule's own lists (``schedule_actions``), which
+    are valid by construction (``tests/test_schedules.py`` validates every shape), so the
+    stage-to-rank mapping comes from the placement instead of a validation pass."""
+    owner = stage_ranks(placement_of(schedule), k, v)
+    return compile_actions(orders, k * v, m, owner=owner)
+
+
+def compile_actions(
+    orders: Sequence[Sequence[Action]], num_stages: int, num_microbatches: int, *, owner: Sequence[int] | None = None
+) -> CompiledSchedule:
+    """Any per-rank action lists as a flat program (:class:`CompiledSchedule`); raises
+    :class:`ScheduleError` when they are malformed or deadlock.  ``owner`` (each stage's
+    rank) skips the validation for lists known to be valid."""
+    m = num_microbatches
+    if owner is None:
+        owner = validate_actions(orders, num_stages=num_stages, num_microbatches=m)
+    k = len(orders)
+    n_stages = num_stages
     last = n_stages - 1
     total = sum(len(o) for o in orders)
     sentinel = total
     zero_x = n_stages - 1
     f_idx = [-1] * (n_stages * m)
-    b_idx = [-1] * (n_stages * m)
+    g_idx = [-1] * (n_stages * m)  # the B or I that sends stage s's gradient
     program: list[tuple[int, int, int, int, int, int]] = []
     pos = [0] * k
+    base = {"B": n_stages, "I": 2 * n_stages, "W": 3 * n_stages}
     while len(program) < total:
         progressed = False
         for r in range(k):
             order = orders[r]
             p = pos[r]
             while p < len(order):
-                s_, is_b, mb = order[p]
+                a = order[p]
+                s_, kind, mb = a.stage, a.kind, a.microbatch
                 i = len(program)
-                if not is_b:
+                if kind == "F":
                     if s_ > 0:
                         dep = f_idx[(s_ - 1) * m + mb]
                         if dep < 0:
@@ -341,37 +321,52 @@ def compile_schedule(schedule: Schedule, k: int, m: int, v: int = 1) -> Compiled
                     else:
                         program.append((r, sentinel, zero_x, sentinel, zero_x, s_))
                     f_idx[s_ * m + mb] = i
+                elif kind == "W":
+                    own = g_idx[s_ * m + mb]
+                    if own < 0:
+                        break
+                    program.append((r, own, zero_x, sentinel, zero_x, base["W"] + s_))
                 else:
                     own = f_idx[s_ * m + mb]
                     if own < 0:
                         break
                     if s_ < last:
-                        nxt = b_idx[(s_ + 1) * m + mb]
+                        nxt = g_idx[(s_ + 1) * m + mb]
                         if nxt < 0:
                             break
-                        program.append((r, own, zero_x, nxt, s_, n_stages + s_))
+                        program.append((r, own, zero_x, nxt, s_, base[kind] + s_))
                     else:
-                        program.append((r, own, zero_x, sentinel, zero_x, n_stages + s_))
-                    b_idx[s_ * m + mb] = i
+                        program.append((r, own, zero_x, sentinel, zero_x, base[kind] + s_))
+                    g_idx[s_ * m + mb] = i
                 p += 1
                 progressed = True
             pos[r] = p
-        if not progressed:  # pragma: no cover - schedule_orders gives runnable orders
-            raise ScheduleError("the schedule deadlocks")
-    return CompiledSchedule(tuple(program), k, n_stages, m)
+        if not progressed:
+            stuck = {r: str(orders[r][pos[r]]) for r in range(k) if pos[r] < len(orders[r])}
+            raise ScheduleError(f"the schedule deadlocks: ranks wait on each other at {stuck}")
+    return CompiledSchedule(tuple(program), k, n_stages, m, tuple(owner))
 
 
 def makespans(
-    cs: CompiledSchedule, fwd: Sequence[float], bwd: Sequence[float], xfer: Sequence[float]
+    cs: CompiledSchedule,
+    fwd: Sequence[float],
+    bwd: Sequence[float],
+    xfer: Sequence[float],
+    *,
+    binput: Sequence[float] | None = None,
+    bweight: Sequence[float] | None = None,
 ) -> list[float]:
-    """Each rank's finish time (``bwd`` includes recompute).
+    """Each rank's finish time (``bwd`` and ``binput`` include recompute).
 
     Same semantics as :func:`simulate` (a rank runs its list in order; a forward waits for
-    the previous stage's forward plus the transfer, a backward for its own forward and the
-    next stage's backward plus the transfer), without building events: the fast path of
-    the planner and of :func:`planner.costmodel.estimate`.
+    the previous stage's forward plus the transfer, a backward or input gradient for its own
+    forward and the next stage's gradient plus the transfer, a weight gradient for its input
+    gradient), without building events: the fast path of the planner and of
+    :func:`planner.costmodel.estimate`.  ``binput``/``bweight`` default to half of ``bwd``
+    each (only schedules with ``I``/``W`` read them).
     """
-    dur = [*fwd, *bwd]
+    half = [b / 2 for b in bwd] if binput is None or bweight is None else None
+    dur = [*fwd, *bwd, *(binput if binput is not None else half or ()), *(bweight if bweight is not None else half or ())]
     x = [*xfer, 0.0]
     end = [0.0] * (len(cs.program) + 1)
     free = [0.0] * cs.num_ranks

@@ -5,7 +5,12 @@ micro-batch b and dtype of p bytes:
 
 * parameters: 4h^2 + 2hf weights + 9h + f biases and LayerNorm (GPT-2 layout);
 * forward FLOPs: 2·b·s·(4h^2 + 2hf) for the matrix products + 4·b·s^2·h for attention;
-  backward costs twice the forward (Narayanan et al. 2021, appendix);
+  backward costs twice the forward (Narayanan et al. 2021, appendix), split (Qi et al. 2024)
+  into the weight gradient W (the matrix products once more: 2·b·s·(4h^2 + 2hf)) and the
+  input gradient I (the rest: the matrix products and attention's backward);
+* bytes held between I and W (what torch.distributed.pipelining keeps for the weight pass):
+  the inputs of the weight layers (the four matrix products, the two LayerNorms) and the
+  gradients at their outputs, s·b·(10h + 2f)·p;
 * time: FLOPs ÷ (peak FLOP/s of the device and dtype × MFU);
 * activations kept for backward: s·b·h·(34 + 5·a·s/h) bytes for 16-bit training
   (Korthikanti et al. 2022, eq. 1).  Term by term that is s·b·h·(16p + 2) + a·s²·b·(2p + 1):
@@ -89,6 +94,10 @@ def synth_transformer(
             param_bytes=(v * h + s * h) * p,
             forward_ms=emb_fwd,
             backward_ms=[2 * t for t in emb_fwd],
+            # token ids have no gradient: the whole backward is the table's (weight) gradient
+            backward_input_ms=[0.0 for _ in emb_fwd],
+            backward_weight_ms=[2 * t for t in emb_fwd],
+            weight_grad_bytes=[b * s * 8 + b * s * h * p for b in sizes],
             # token ids, position ids (+ the dropout mask)
             activation_bytes=[b * s * 8 + s * 8 + (b * s * h if dropout else 0) for b in sizes],
             output_bytes=[b * s * h * p for b in sizes],
@@ -97,12 +106,16 @@ def synth_transformer(
     )
     for i in range(layers):
         fwd = [ms(2 * b * s * (4 * h * h + 2 * h * f) + 4 * b * s * s * h) for b in sizes]
+        wgt = [ms(2 * b * s * (4 * h * h + 2 * h * f)) for b in sizes]
         out.append(
             LayerProfile(
                 name=f"blocks.{i}",
                 param_bytes=block_params,
                 forward_ms=fwd,
                 backward_ms=[2 * t for t in fwd],
+                backward_input_ms=[2 * t - w_ for t, w_ in zip(fwd, wgt, strict=True)],
+                backward_weight_ms=wgt,
+                weight_grad_bytes=[s * b * (10 * h + 2 * f) * p for b in sizes],
                 activation_bytes=[block_activation_bytes(b, s, h, a, p, dropout=dropout) for b in sizes],
                 output_bytes=[b * s * h * p for b in sizes],
                 flops=[2 * b * s * (4 * h * h + 2 * h * f) + 4 * b * s * s * h for b in sizes],
@@ -116,6 +129,10 @@ def synth_transformer(
             param_bytes=(0 if tied_embeddings else v * h * p) + 2 * h * p,
             forward_ms=head_fwd,
             backward_ms=[2 * t for t in head_fwd],
+            backward_input_ms=head_fwd,
+            backward_weight_ms=head_fwd,
+            # the LayerNorm's input and output, the gradient of the logits
+            weight_grad_bytes=[2 * b * s * h * p + b * s * v * p for b in sizes],
             # LayerNorm input and output, targets, float32 log-probabilities of the loss
             activation_bytes=[2 * b * s * h * p + b * s * 8 + b * s * v * 4 for b in sizes],
             output_bytes=[4 for _ in sizes],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -224,3 +226,106 @@ def test_reestimate_reproduces_a_plan_and_follows_a_new_profile() -> None:
     assert [s.forward_ms for s in again.stages] == pytest.approx([2 * s.forward_ms for s in plan.stages])
     assert [s.recompute for s in again.stages] == [True, False]
     assert again.predicted.step_time_ms > 1.9 * plan.predicted.step_time_ms
+
+
+# --------------------------------------------------------------------------- zero-bubble
+
+
+def _zb_plan(schedule: str, *, k: int = 2, m: int = 8, recompute: bool = False, split: bool = True):  # type: ignore[no-untyped-def]
+    from planner.costmodel import estimate
+    from planner.schema import SCHEDULE_CHUNKS, TrainingSetup
+    from tests.planner.helpers import cluster, random_profile
+
+    v = 2 if SCHEDULE_CHUNKS[schedule] != "1" else 1  # type: ignore[index]
+    n = k * v
+    layers = 2 * n
+    profile = random_profile(11, layers, split_backward=split)
+    bounds = [round(i * layers / n) for i in range(n + 1)]
+    plan = estimate(
+        profile, cluster(k, "8GiB"), TrainingSetup(global_batch_size=2 * m), [(bounds[i], bounds[i + 1]) for i in range(n)],
+        num_microbatches=m, schedule=schedule, pipeline_degree=k, recompute=recompute,  # type: ignore[arg-type]
+    )
+    return profile, plan
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv", "dualpipev", "interleaved-zb", "planned"])
+def test_plan_carries_the_actions_it_predicted(schedule: str) -> None:
+    """The plan lists what each rank runs; simulating exactly that gives the predicted step,
+    the JSON round trip keeps it, and re-estimating with those actions changes nothing."""
+    from planner.costmodel import plan_orders, reestimate, simulate_plan
+    from planner.schedules import parse_actions, schedule_actions
+    from planner.schema import Plan
+
+    profile, plan = _zb_plan(schedule)
+    assert plan.actions is not None and len(plan.actions) == plan.pipeline_degree
+    if schedule != "planned":
+        assert parse_actions(plan.actions) == schedule_actions(schedule, 2, 8, plan.virtual_stages)  # type: ignore[arg-type]
+    sim = simulate_plan(plan)
+    assert sim.makespan_ms == pytest.approx(plan.predicted.step_time_ms, rel=1e-12)
+    again = Plan.model_validate_json(plan.model_dump_json())
+    assert again == plan and plan_orders(again) == plan_orders(plan)
+    assert reestimate(again, profile).predicted == plan.predicted
+    kinds = {e.kind for t in sim.timelines for e in t}
+    if schedule in ("zb-h1", "zb-h2", "zbv", "interleaved-zb", "planned"):
+        assert {"backward_input", "backward_weight"} <= kinds and "backward" not in kinds
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_memory_from_the_walk_equals_the_closed_forms_for_gpipe_and_1f1b(schedule: str, recompute: bool) -> None:
+    """GPipe holds M micro-batches, 1F1B K - k on stage k; with recompute only the stage input
+    each, plus one micro-batch's activations during its backward: the walk gives exactly that."""
+    from planner.costmodel import layer_costs, static_bytes
+
+    profile, plan = _zb_plan(schedule, k=3, m=6, recompute=recompute, split=False)
+    costs = layer_costs(profile, plan.microbatch_size)
+    for st_ in plan.stages:
+        n = 6 if schedule == "gpipe" else 3 - st_.index
+        acts = costs.prefix_activation[st_.stop] - costs.prefix_activation[st_.start]
+        stash = costs.stage_input_bytes(st_.start) if recompute else acts
+        closed = static_bytes(st_.param_bytes, plan.training) + n * stash + (acts if recompute else 0.0)
+        assert st_.memory_bytes == math.ceil(closed)
+
+
+def test_interleaved_memory_is_at_most_the_old_closed_form() -> None:
+    """Interleaved 1F1B: the walk never exceeds the old closed form (in-flight count x the
+    largest chunk) and equals it when the chunks are alike."""
+    from planner.costmodel import layer_costs, static_bytes
+
+    for split in (False, True):
+        profile, plan = _zb_plan("interleaved-1f1b", k=2, m=4, split=split)
+        costs = layer_costs(profile, plan.microbatch_size)
+        for r in range(2):
+            own = [s for s in plan.stages if s.index % 2 == r]
+            n = min((2 - r - 1) * 2 + 2 + 1, 8)
+            acts = [costs.prefix_activation[s.stop] - costs.prefix_activation[s.start] for s in own]
+            closed = static_bytes(sum(s.param_bytes for s in own), plan.training) + n * max(acts)
+            assert own[0].memory_bytes <= math.ceil(closed)
+
+
+def test_old_profiles_split_the_backward_in_half_and_hold_everything_until_w() -> None:
+    from planner.costmodel import layer_costs
+    from tests.planner.helpers import random_profile
+
+    costs = layer_costs(random_profile(2, 5), 2)
+    assert costs.input_ms == pytest.approx([b / 2 for b in costs.backward_ms])
+    assert costs.weight_ms == pytest.approx([b / 2 for b in costs.backward_ms])
+    assert costs.weight_grad_bytes == costs.activation_bytes
+    measured = layer_costs(random_profile(2, 5, split_backward=True), 2)
+    for b, i, w in zip(measured.backward_ms, measured.input_ms, measured.weight_ms, strict=True):
+        assert i + w >= b * (1 - 1e-12)  # never cheaper than the whole backward
+
+
+def test_plan_documents_refuse_inconsistent_schedules() -> None:
+    from planner.errors import InputError
+    from planner.schema import parse_document
+
+    _, plan = _zb_plan("zbv")
+    data = plan.model_dump(mode="json")
+    with pytest.raises(InputError, match="placement 'loop' does not suit schedule 'zbv'"):
+        parse_document("plan", {**data, "placement": "loop"})
+    _, planned = _zb_plan("planned")
+    with pytest.raises(InputError, match="'planned' needs its actions"):
+        parse_document("plan", {**planned.model_dump(mode="json"), "actions": None})
+    with pytest.raises(InputError, match="actions lists 1 ranks but pipeline_degree is 2"):
+        parse_document("plan", {**data, "actions": data["actions"][:1]})

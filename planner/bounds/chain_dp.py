@@ -29,6 +29,11 @@ split of the configuration takes longer than ``t``.  The table is computed with 
 start ``a`` at once for each stage length; a stage holds 1 to ``longest`` layers (the most
 whose M micro-batches fit in ``t``), which limits the starts each stage can have.
 
+Every one-chunk schedule: the waits are counted for 1F1B and GPipe only; with a split
+backward the stage test is the split bound's ``max(M·work + allreduce, M·pre_gradient +
+out_b)``, since the weight gradients may run after the last gradient has gone back (memory
+uses the closed-form in-flight count, a lower bound where it is not exact).
+
 Homogeneous clusters only: with mixed devices the positions' speeds depend on the device
 order, which the other bounds relax.
 """
@@ -99,6 +104,9 @@ def chain_split(
     speed = groups[0].speed
     f_pre = np.asarray(sm.F) / speed
     b_pre = np.asarray(sm.B) / speed
+    split_bw = sm.split_backward
+    # the gradient's path back: per layer the cheaper of B and I in split-backward schedules
+    g_pre = np.asarray(sm.G) / speed if split_bw else b_pre
     p_pre = np.asarray(sm.PP, dtype=float)
     a_pre = np.asarray(costs.prefix_activation)
     total = f_pre[-1] + b_pre[-1]
@@ -122,6 +130,7 @@ def chain_split(
     acts = a_pre[ends] - a_pre[starts]
     grads = (p_pre[ends] - p_pre[starts]) * training.gradient_bytes_per_param_byte
     after = total - f_pre[ends] - b_pre[ends]  # work of the later layers
+    after_g = f_pre[-1] + g_pre[-1] - f_pre[ends] - g_pre[ends]  # their forwards and gradients
     back_after = b_pre[-1] - b_pre[ends]
     inf = math.inf
     nxt = np.full(n_layers + 1, inf)  # G[s+1][.]: only the empty suffix at L is covered
@@ -155,13 +164,16 @@ def chain_split(
                 for bw_, lat in hop_links[s]:
                     xfer = np.maximum(xfer, (cut[en] / bw_ + lat) * 1e3)
             down = after[:, cols] + 2 * xfer + later
+            down_g = after_g[:, cols] + 2 * xfer + later
             if d > 1:
                 steps = 2 * (d - 1)
                 gr = grads[:, cols]
                 ar = np.where(gr > 0, (steps / d * gr / link.bandwidth_bytes_per_s + steps * link.latency_s) * 1e3, 0.0)
-                tail = np.maximum((b_pre + up[s])[st], ar)
             else:
-                tail = np.broadcast_to((b_pre + up[s])[st], fw.shape)
+                ar = np.zeros_like(fw)
+            back = (g_pre + up[s])[st]
+            tail = np.maximum(back, ar)
+            gw = g_pre[en] - g_pre[st]
             head = f_pre[-1] + up[s] + back_after[:, cols] + np.where(usable, nxt_q[en], inf)
             columns = np.arange(hi + 1 - lo)
             for rc in recompute_options(options, s):
@@ -172,9 +184,19 @@ def chain_split(
                         idle = idle + np.maximum(0.0, down - w * fw)
                 elif cfg.schedule == "gpipe":
                     idle = np.maximum(0.0, down - (m - 1) * fw)
-                else:  # pragma: no cover - callers pass v = 1 schedules only
+                elif cfg.schedule == "zb-h1":
+                    # the first input gradient's wait (planner.bounds.split), on the input
+                    # gradients' path downstream
+                    idle = np.maximum(0.0, down_g - w * fw)
+                else:  # the other one-chunk schedules: no forced wait is counted
                     idle = np.zeros_like(fw)
-                bound = (f_pre + up[s])[st] + m * (fw + bw_total) + idle + tail
+                if split_bw:
+                    # the weight gradients may run after the last gradient has gone back
+                    pre = fw + gw + (fw if rc else 0.0)
+                    bound = (f_pre + up[s])[st] + idle + np.maximum(m * (fw + bw_total) + ar, m * pre + back)
+                else:
+                    bound = (f_pre + up[s])[st] + m * (fw + bw_total) + idle + tail
+                # memory at the rank's first backward (exact for 1F1B and GPipe, a lower bound else)
                 kept = sm.inflight[s] * inputs[st] + acts[:, cols] if rc else sm.inflight[s] * acts[:, cols]
                 ok = usable & (bound <= t) & (np.ceil(static[:, cols] + kept) <= groups[s].limit_bytes)
                 if cycles:

@@ -22,7 +22,7 @@ from typing import Any
 
 from planner.bounds.knapsack import knapsack_at, recompute_freedom, state_per_work
 from planner.costmodel import LayerCosts
-from planner.search.model import StageModel, bisect_feasible
+from planner.search.model import bisect_feasible
 from planner.search.space import Config, Group
 from planner.search.state import SearchState
 
@@ -137,23 +137,30 @@ def chunk_memory_bound(
     best step time so far) a bound at or above it is returned as ``cutoff`` after one test,
     since then only "not better" matters.
 
-    Rank ``r`` holds ``n_r`` micro-batches in flight and v chunks.  With ``y_r`` its work
-    (forward + backward at speed 1) and ``u_r`` the work of its chunks that keep their
-    activations, the cost model gives, for every split:
+    Rank ``r`` has v chunks; at some moment of its memory walk it holds ``n_{r,j}``
+    micro-batches of chunk j, and any mixture of its moments bounds the bytes of its kept
+    chunks together by ``L / g_r`` (:meth:`planner.search.state.SearchState.memory_counts`:
+    the walk itself, or the closed forms of :func:`planner.schedules.first_backward_counts`
+    for large schedules).  With ``y_r`` its work (forward + backward
+    at speed 1) and ``u_r`` the work of its chunks that keep their activations, the cost model
+    gives, for every split:
 
     * its parameter state is at least ``sigma·y_r`` (``sigma``: least state bytes per unit
-      of work over the layers), so every chunk that keeps its activations keeps at most
-      ``A_r = (limit - sigma·y_r) / n_r`` activation bytes, and works at most ``kappa(A_r)``,
-      the smaller of the fractional knapsack of :class:`planner.bounds.knapsack.Knapsack`
-      (most work per activation byte) and the whole-layer windows of :class:`Windows` (a
-      chunk keeps whole layers);
-    * either no chunk recomputes (``u_r = y_r <= v·kappa(A_r)``) or at least one does, and
-      then ``u_r <= (v - 1)·kappa(A_r)``: this is what the whole-model bounds cannot see, a
-      rank that recomputes anything gives up a whole chunk's share of its memory;
+      of work over the layers), so with ``L_r = limit - sigma·y_r`` the chunks that keep
+      their activations hold each at most ``L_r / n_{r,j}`` and all together at most
+      ``A_r = L_r / g_r``; a chunk holding ``a`` works at most
+      ``kappa(a)``, the smaller of the fractional knapsack of
+      :class:`planner.bounds.knapsack.Knapsack` (most work per activation byte, concave: c
+      chunks sharing ``A_r`` work at most ``c·knapsack(A_r / c)``) and the whole-layer windows
+      of :class:`Windows` (a chunk keeps whole layers);
+    * either no chunk recomputes (``u_r = y_r`` within all v chunks' share) or at least one
+      does, and then ``u_r`` is within the share of v - 1 chunks: this is what the
+      whole-model bounds cannot see, a rank that recomputes anything gives up a whole chunk's
+      share of its memory;
     * the rank works ``y_r + phi·(y_r - u_r) <= t = T·speed / M`` (recompute costs at least
       ``phi = min f / (f + b)`` of the work it repeats);
-    * globally the chunks that keep activations hold at most ``sum_r j_r·A_r`` bytes
-      (``j_r`` of them on rank r), so ``sum_r u_r <= alpha + beta·sum_r j_r·A_r`` for every
+    * globally the chunks that keep activations hold at most ``sum_r A_r`` bytes (over the
+      ranks keeping any), so ``sum_r u_r <= alpha + beta·sum_r A_r`` for every
       tangent ``(alpha, beta)`` of the concave knapsack curve (one rank's knapsack alone
       would let every rank claim the same best layers);
     * ``sum_r y_r = W``.
@@ -185,29 +192,42 @@ def chunk_memory_bound(
     keep_allowed, rc_allowed = recompute_freedom(search.options)
     # chunks that may keep their activations when a rank recomputes something
     keep_with_rc = v - 1 if keep_allowed else 0
-    inflight = [max(1, StageModel.inflight_of(cfg, r)) for r in range(k)]
+    # per rank, its chunks' in-flight counts at its first backward, smallest first: kept
+    # chunks j satisfy sum_j n_j·a_j <= limit - state, so each a_j <= that / n_j and their
+    # total <= that / n_0 (planner.schedules.first_backward_counts)
+    held = search.memory_counts(cfg)
+    inflight = [tuple(sorted(c.per_chunk)) for c in held]
+    joint = {ns: min(c.joint for c, ns2 in zip(held, inflight, strict=True) if ns2 == ns) for ns in inflight}
     y_cap = limit / sigma if sigma > 0 else math.inf
-    keep_all_work: dict[tuple[int, bool], float] = {}  # most work with nothing recomputed
+    keep_all_work: dict[tuple[tuple[int, ...], bool], float] = {}  # most work with nothing recomputed
     # runs through a few outlier layers (the densest, like an LM head) can be kept by at
     # most that many chunks in the whole model; every other rank is held to the runs
     # without them (``base``), and only the ``len(outliers)`` ranks that gain most get more
     outliers = outlier_layers(costs)
     base_windows = windows_at(search, b, exclude=outliers) if outliers else windows
     for runs in {id(windows): windows, id(base_windows): base_windows}.values():
-        runs.reserve(limit / min(inflight))  # the largest capacity asked (y = 0)
+        runs.reserve(limit / min(min(ns[0], joint[ns]) for ns in inflight))  # the largest capacity asked (y = 0)
 
-    def most_work(n: int, chunks: int, need: Callable[[float], float], base: bool, top: float = math.inf) -> float:
-        """At least the largest y in [0, min(y_cap, top)] with need(y) <= chunks·kappa(A(y))
-        (need increasing, so the set is an interval); -1 when not even y = 0 qualifies.  The
-        bisection returns its infeasible end, so the result never falls short."""
+    def most_work(
+        ns: tuple[int, ...], chunks: int, need: Callable[[float], float], base: bool, top: float = math.inf
+    ) -> float:
+        """At least the largest y in [0, min(y_cap, top)] with need(y) <= kappa_chunks(y), the
+        most work ``chunks`` kept chunks can hold (need increasing, so the set is an
+        interval); -1 when not even y = 0 qualifies.  The bisection returns its infeasible
+        end, so the result never falls short.
+
+        With ``L = limit - sigma·y``: each kept chunk j holds at most ``L / n_j`` (whole layers:
+        :class:`Windows`, or the knapsack), so at most the ``chunks`` smallest counts' worth;
+        and together at most ``L / n_0``, which the concave knapsack spreads best evenly."""
         runs = base_windows if base else windows
 
         def ok(y: float) -> bool:
-            a_cap = (limit - sigma * y) / n
-            if a_cap < 0:
+            left = limit - sigma * y
+            if left < 0:
                 return False
-            kappa = min(knap.value(a_cap), runs.value(a_cap))
-            return need(y) <= chunks * kappa * (1 + 1e-12) + 1e-12
+            each = sum(min(knap.value(left / n), runs.value(left / n)) for n in ns[:chunks])
+            together = chunks * knap.value(left / (joint[ns] * chunks)) if chunks else 0.0
+            return need(y) <= min(each, together) * (1 + 1e-12) + 1e-12
         hi = min(y_cap, w, top)
         if ok(hi):
             return hi
@@ -222,7 +242,7 @@ def chunk_memory_bound(
                 hi = mid
         return hi
 
-    def rank_options(t: float, n: int, base: bool) -> list[tuple[float, float, float, bool]]:
+    def rank_options(t: float, n: tuple[int, ...], base: bool) -> list[tuple[float, float, float, bool]]:
         """Each choice as (y_max, kink, chunks kept, keeps all): y <= y_max; without
         recompute u = y, with it u = max(0, ((1+phi)·y - t) / phi), which grows past ``kink``."""
         opts: list[tuple[float, float, float, bool]] = []
@@ -245,7 +265,7 @@ def chunk_memory_bound(
                     opts.append((y_ii, t / (1 + phi), float(keep_with_rc), False))
         return opts
 
-    a_all = sum(v * limit / n for n in inflight)
+    a_all = sum(limit / joint[ns] for ns in inflight)
     lines = {(knap.work, 0.0), *knap.tangents([a_all * theta for theta in (1.0, 0.5, 0.25, 0.1)])}
     lambdas = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)
 
@@ -264,7 +284,7 @@ def chunk_memory_bound(
                         u = y
                     else:
                         u = max(0.0, ((1 + phi) * y - t) / phi) if phi > 0 else 0.0
-                    ys[r, i], us[r, i], caps[r, i] = y, u, chunks * (limit - sigma * y) / n
+                    ys[r, i], us[r, i], caps[r, i] = y, u, (limit - sigma * y) / joint[n] if chunks else 0.0
                     i += 1
         return ys, us, caps
 

@@ -9,11 +9,12 @@ the per-rank memory limit.  Compact formulation (no layer x stage booleans):
 * element constraints read the prefix sums of forward time, backward time, parameter
   state bytes, activation bytes and stage-input bytes at every boundary;
 * a stage's work is a difference of two prefix reads (plus the forward again when it
-  recomputes); a rank's memory is its static bytes plus in-flight x stash plus live bytes,
-  stash and live being maxima over its chunks;
-* ``Z >= in_f + M·work + idle + max(out_b, allreduce)`` for every rank, and for every
-  later chunk of an interleaved rank the chunk bound of :mod:`planner.bounds.split`;
-  minimise ``Z``.
+  recomputes); a rank's memory is its static bytes plus, per chunk, the closed-form count
+  of :func:`planner.schedules.first_backward_counts` times what the chunk keeps, plus the
+  live bytes of a recomputing lone chunk (a moment of its walk, so a lower bound);
+* ``Z >= in_f + idle + max(M·work + allreduce, M·pre_gradient + out_b)`` for every rank
+  (:mod:`planner.bounds.split`), and for every later chunk of an interleaved rank the chunk
+  bound; minimise ``Z``.
 
 Numbers are scaled to integers so that the model is a relaxation (times rounded down,
 memory limits rounded up by the rounding error), so CP-SAT's proven objective bound is a
@@ -29,6 +30,7 @@ from __future__ import annotations
 import math
 
 from planner.costmodel import static_bytes
+from planner.schedules import forwards_before_chunk
 from planner.search.model import Split, StageModel
 from planner.search.space import Group
 
@@ -68,6 +70,9 @@ def config_bound(
     unit = max(total / TIME_UNITS, 1e-12)
     fpre = _scaled_prefix(tuple(x / smax for x in sm.F), unit)
     bpre = _scaled_prefix(tuple(x / smax for x in sm.B), unit)
+    split_bw = sm.split_backward
+    # the gradient's path back (per layer the cheaper of B and I with a split backward)
+    gpre = _scaled_prefix(tuple(x / smax for x in sm.G), unit) if split_bw else bpre
     # all-reduce is linear in gradient bytes: ar = alpha * bytes + beta
     if d > 1:
         steps = 2 * (d - 1)
@@ -98,6 +103,7 @@ def config_bound(
 
     fx = [element(fpre, x[j], f"f{j}") for j in range(n + 1)]
     bx = [element(bpre, x[j], f"b{j}") for j in range(n + 1)]
+    gx = [element(gpre, x[j], f"g{j}") for j in range(n + 1)] if split_bw else bx
     sx = [element(spre, x[j], f"s{j}") for j in range(n + 1)]
     ax = [element(apre, x[j], f"a{j}") for j in range(n + 1)]
     ix = [element(inp, x[j], f"i{j}") for j in range(n)]
@@ -125,55 +131,69 @@ def config_bound(
             model.add(e == 0).only_enforce_if(~r)
             refw.append(e)
     work = [fdiff[j] + bdiff[j] + refw[j] for j in range(n)]
-    z = model.new_int_var(0, big_t * (m + n + 2) + 10**6 + beta_u, "z")
+    z = model.new_int_var(0, big_t * (m + n + 2) + 10**6 + beta_u + arpre[-1], "z")
     big_m = max(apre[-1], max(inp)) + 1
+    before = forwards_before_chunk(cfg.schedule, k, m, v)
     for r in range(k):
-        own = [j for j in range(n) if j % k == r]
+        own = sm.rank_stages[r]
         first = own[0]
         rank_work = sum(work[j] for j in own)
+        # what runs before the last gradient leaves the rank's first stage (all of its work
+        # unless the weight gradients of a split backward may follow)
+        rank_pre = sum(fdiff[j] + gx[j + 1] - gx[j] + refw[j] for j in own) if split_bw else rank_work
         idle: cp_model.LinearExpr | int = 0
-        if v == 1 and cfg.schedule in ("1f1b", "gpipe"):
-            down = (fpre[-1] + bpre[-1]) - (fx[first + 1] + bx[first + 1])
+        if v == 1 and cfg.schedule in ("1f1b", "gpipe", "zb-h1"):
+            if cfg.schedule == "zb-h1":  # the first input gradient's wait (planner.bounds.split)
+                down = (fpre[-1] + gpre[-1]) - (fx[first + 1] + gx[first + 1])
+                credit = min(k - r - 1, m) * fdiff[first]
+            else:
+                down = (fpre[-1] + bpre[-1]) - (fx[first + 1] + bx[first + 1])
             if cfg.schedule == "1f1b":
                 credit = min(k - r - 1, m) * (bdiff[first] + refw[first])
-            else:
+            elif cfg.schedule == "gpipe":
                 credit = (m - 1) * fdiff[first]
             ivar = model.new_int_var(0, big_t, f"idle{r}")
             model.add(ivar >= down - credit)
             idle = ivar
-        base = fx[first] + m * rank_work + idle
-        tail = model.new_int_var(0, big_t * (m + n + 2) + beta_u, f"tail{r}")
-        model.add(tail >= bx[first])
+        ar: cp_model.LinearExpr | int = 0
         if rx is not None:
-            model.add(tail >= sum(rx[j + 1] - rx[j] for j in own) + beta_u)
-        model.add(z >= base + tail)
+            ar = sum(rx[j + 1] - rx[j] for j in own) + beta_u
+        # z >= in_f + idle + max(M·work + allreduce, M·pre + out_b) (planner.bounds.split)
+        model.add(z >= fx[first] + idle + m * rank_work + ar)
+        model.add(z >= fx[first] + idle + m * rank_pre + gx[first])
         if v > 1:
             # chunk j starts after the path through all earlier stages, when the rank has
-            # run only K forwards of each earlier chunk (see planner.bounds.split)
+            # run only ``before`` forwards of each earlier chunk (see planner.bounds.split)
             for jj in range(1, v):
                 s_ = own[jj]
-                done = sum(fdiff[own[q]] for q in range(jj))
-                model.add(z >= fx[s_] + m * rank_work - k * done + tail)
-        # memory of the rank
+                done = before[r][jj] * sum(fdiff[own[q]] for q in range(jj))
+                model.add(z >= fx[s_] + m * rank_work - done + ar)
+                model.add(z >= fx[s_] + m * rank_pre - done + gx[first])
+        # memory of the rank at its first backward (planner.schedules.first_backward_counts):
+        # static + sum over chunks of count x kept bytes (+ the live bytes of a lone chunk)
         static = sum(sx[j + 1] - sx[j] for j in own)
-        stash = model.new_int_var(0, big_m, f"stash{r}")
-        live = model.new_int_var(0, big_m, f"live{r}")
-        for j in own:
+        kept: list[cp_model.LinearExpr] = []
+        live: cp_model.LinearExpr | int = 0
+        for jj, j in enumerate(own):
             acts = ax[j + 1] - ax[j]
+            count = sm.counts[r][jj]
             rj = rc[j]
             if isinstance(rj, int):
-                if rj:
-                    model.add(stash >= ix[j])
-                    model.add(live >= acts)
-                else:
-                    model.add(stash >= acts)
+                kept.append(count * (ix[j] if rj else acts))
+                if rj and v == 1:
+                    live = acts
             else:
+                stash = model.new_int_var(0, big_m, f"stash{j}")
                 model.add(stash >= ix[j]).only_enforce_if(rj)
-                model.add(live >= acts).only_enforce_if(rj)
                 model.add(stash >= acts).only_enforce_if(~rj)
-        inflight = sm.inflight[r]
+                kept.append(count * stash)
+                if v == 1:
+                    lv = model.new_int_var(0, big_m, f"live{j}")
+                    model.add(lv >= acts).only_enforce_if(rj)
+                    live = lv
+        slack = sum(sm.counts[r]) + v + 4
         # each floored difference is off by less than one unit
-        model.add(static + inflight * stash + live <= limit_u + v + inflight + 4)
+        model.add(static + sum(kept) + live <= limit_u + slack)
     model.minimize(z)
     if hint is not None and len(hint.ranges) == n:
         for j in range(n):
@@ -196,7 +216,7 @@ def config_bound(
         raise RuntimeError(solver.status_name(status))
     # rounding: every floored difference is off by less than one unit; a rank's bound sums
     # M x 3v of them, the idle term fewer than 2K + 2M, the rest a few
-    margin = 3 * v * m + 2 * k + 2 * m + (k + 3) * v + 16
+    margin = 4 * v * m + 2 * k + 2 * m + (k + 3) * v + 16 + max(before[r][j] for r in range(k) for j in range(v)) * v
     bound = (solver.best_objective_bound - margin) * unit
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         # no solution in time; the objective bound is still proven

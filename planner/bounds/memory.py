@@ -28,9 +28,11 @@ from planner.search.state import SearchState
 def memory_work_bound(search: SearchState, cfg: Config, groups: Sequence[Group]) -> float:
     """A lower bound of any split of ``cfg`` that counts the recompute memory forces.
 
-    Rank ``r`` holds ``n_r`` micro-batches in flight, so each of its chunks that does not
-    recompute keeps at most ``limit / n_r`` activation bytes, and its (at most v) such chunks
-    at most ``A_r = v · limit / n_r`` (``limit``: the largest usable memory of any group).
+    When rank ``r`` starts its first backward it holds ``n_{r,j}`` micro-batches of each chunk
+    j (:func:`planner.schedules.first_backward_counts`), so the activation bytes its chunks
+    without recompute keep satisfy ``sum_j n_{r,j}·a_j <= limit`` and total at most ``A_r =
+    limit / n_r`` with ``n_r = min_j n_{r,j}`` (``limit``: the largest usable memory of any
+    group).
     Work of a recomputed layer costs ``1 + phi`` times its forward + backward
     (``phi = min f / (f + b)``).  Rank ``r`` runs ``M`` micro-batches within ``T``, so it
     does at most ``t_r = T · speed_r / M`` of work (counting recompute).  For any set ``S`` of
@@ -49,11 +51,10 @@ def memory_work_bound(search: SearchState, cfg: Config, groups: Sequence[Group])
     """
     b = cfg.microbatch_size(search.training.global_batch_size)
     knap = knapsack_at(search, b)
-    k, m, v = cfg.pipeline_degree, cfg.num_microbatches, cfg.virtual_stages
+    k, m = cfg.pipeline_degree, cfg.num_microbatches
     limit = max(g.limit_bytes for g in groups)
-    caps = sorted(
-        (v * limit / max(1, StageModel.inflight_of(cfg, r)) for r in range(k)), reverse=True
-    )
+    held = rank_counts(cfg, search.profile.num_layers)
+    caps = sorted((limit / n for n in held), reverse=True)
     speeds = sorted((g.speed for g in groups), reverse=True)
     ssum = sum(speeds)
     keep_allowed, allow_rc = recompute_freedom(search.options)
@@ -68,13 +69,13 @@ def memory_work_bound(search: SearchState, cfg: Config, groups: Sequence[Group])
         sigma.append(sigma[-1] + sp)
     # every rank's parameters, gradients and optimizer state take memory that its
     # activations cannot use: the ranks outside S hold at least static - j·limit of it, which
-    # costs them at least v / n_max activation bytes per byte
+    # costs them at least 1 / n_max activation bytes per byte
     static = static_bytes(search.profile_param_bytes, search.training)
-    n_max = max(StageModel.inflight_of(cfg, r) for r in range(k))
+    n_max = max(held)
     for j in range(k, -1, -1):
         if j < k:
             suffix += caps[j]
-        kappa = knap.value(max(0.0, suffix - v * max(0.0, static - j * limit) / max(1, n_max)))
+        kappa = knap.value(max(0.0, suffix - max(0.0, static - j * limit) / n_max))
         if allow_rc:
             best = max(best, m * ((1 + phi) * w - phi * kappa) / (ssum + phi * sigma[j]))
         elif kappa < w * (1 - 1e-12):
@@ -90,12 +91,12 @@ def static_memory_bound(search: SearchState, cfg: Config, groups: Sequence[Group
     A rank holding work ``y_r`` (forward + backward at speed 1 of its layers) keeps at least
     ``sigma·y_r`` bytes of parameters, gradients and optimizer state (``sigma``: least state
     bytes per unit of work over the layers), so its chunks without recompute keep at most
-    ``a_r = v (limit - sigma·y_r) / n_r`` activation bytes.  The work done without recompute,
+    ``a_r = (limit - sigma·y_r) / n_r`` activation bytes (``n_r`` as in :func:`memory_work_bound`).  The work done without recompute,
     over all ranks, is at most the knapsack value of ``sum a_r``, and so at most
     ``alpha + beta·sum a_r`` for any line ``(alpha, beta)`` of the concave knapsack curve.
     A rank with work ``y_r`` of which ``z_r`` is recomputed needs ``y_r + phi·z_r <= t_r =
-    T·speed/M``.  Hence ``sum_r (y_r - z_r) + gamma_r·y_r <= C`` with ``gamma_r = beta·v·sigma/n_r``
-    and ``C = alpha + beta·v·limit·sum 1/n_r``: each rank's use of ``C`` is convex piecewise
+    T·speed/M``.  Hence ``sum_r (y_r - z_r) + gamma_r·y_r <= C`` with ``gamma_r = beta·sigma/n_r``
+    and ``C = alpha + beta·limit·sum 1/n_r``: each rank's use of ``C`` is convex piecewise
     linear in ``y_r`` (``gamma_r`` per unit up to ``t_r/(1+phi)``, all recomputed, then
     ``1 + gamma_r + 1/phi``), so the most work the ranks can cover within ``T`` is a
     fractional greedy over those pieces.  The bound is the least ``T`` (bisection) at which
@@ -106,10 +107,10 @@ def static_memory_bound(search: SearchState, cfg: Config, groups: Sequence[Group
     b = cfg.microbatch_size(search.training.global_batch_size)
     knap = knapsack_at(search, b)
     costs = search.costs_at(b)
-    k, m, v = cfg.pipeline_degree, cfg.num_microbatches, cfg.virtual_stages
+    k, m = cfg.pipeline_degree, cfg.num_microbatches
     limit = max(g.limit_bytes for g in groups)
     smax = max(g.speed for g in groups)
-    inflight = [max(1, StageModel.inflight_of(cfg, r)) for r in range(k)]
+    inflight = [c.joint for c in search.memory_counts(cfg)]
     sigma = state_per_work(costs, search.training)
     keep_allowed, allow_rc = recompute_freedom(search.options)
     if not keep_allowed:
@@ -118,13 +119,13 @@ def static_memory_bound(search: SearchState, cfg: Config, groups: Sequence[Group
     if w <= 0:
         return 0.0
     inv = sum(1.0 / n for n in inflight)
-    a_star = v * limit * inv
+    a_star = limit * inv
     lines = knap.tangents([a_star * theta for theta in (1.0, 0.5, 0.15)])
 
     best = 0.0
     for alpha, beta in sorted(lines):
-        cap = alpha + beta * v * limit * inv
-        gammas = [beta * v * sigma / n for n in inflight]
+        cap = alpha + beta * limit * inv
+        gammas = [beta * sigma / n for n in inflight]
 
         def coverable(t: float, cap: float = cap, gammas: list[float] = gammas) -> float:
             pieces: list[tuple[float, float]] = []
@@ -152,8 +153,8 @@ def static_memory_bound(search: SearchState, cfg: Config, groups: Sequence[Group
         def per_rank(t: float, alpha: float = alpha, beta: float = beta) -> float:
             total = 0.0
             for n in inflight:
-                big_p = alpha + beta * v * limit / n
-                big_q = beta * v * sigma / n
+                big_p = alpha + beta * limit / n
+                big_q = beta * sigma / n
                 y_cap = limit / sigma if sigma > 0 else math.inf
                 if big_p - big_q * t >= t:
                     y = t
@@ -185,6 +186,12 @@ def static_memory_bound(search: SearchState, cfg: Config, groups: Sequence[Group
                     lo = mid
             best = max(best, lo * m / smax)
     return best
+
+
+def rank_counts(cfg: Config, num_layers: int) -> list[float]:
+    """Per rank, a count such that the activation bytes its kept chunks hold total at most
+    ``limit / count`` (:meth:`planner.search.model.StageModel.joint_of`, at least 1)."""
+    return [max(1.0, j) for j in StageModel.joint_of(cfg, num_layers)]
 
 
 def memory_bounds(search: SearchState, cfg: Config, groups: Sequence[Group], *, lo: float = 0.0) -> float:

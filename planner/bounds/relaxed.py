@@ -2,8 +2,10 @@
 
 :func:`relaxed_bound` is the strong bound of a v = 1 configuration (level 1 of
 :mod:`planner.search.driver`): the least ``t`` such that some split (and device order) has
-every stage pass a relaxed test at ``t``, stage by stage ``in_f + M·work + idle +
-max(out_b, allreduce)`` with a memory lower bound that is monotone in both ends.  Because the
+every stage pass a relaxed test at ``t``, stage by stage the split bound of :mod:`planner.bounds.split`
+(``in_f + idle + max(M·work + allreduce, M·pre_gradient + out_b)``, see
+:meth:`planner.search.model.StageModel.stage_value`) with a memory lower bound that is
+monotone in both ends.  Because the
 test is monotone in the stage's end, a farthest-reach greedy decides it exactly, and a binary
 search on ``t`` finds the bound.  :func:`idle_bound` is the wait that 1F1B's and GPipe's
 fixed order forces on a stage (its downstream path at the fastest speed, without the later
@@ -38,7 +40,7 @@ def relaxed_bound(
     kinds = sorted({g.kind for g in groups}, reverse=True)
     kind_groups = [next(g for g in groups if g.kind == kd) for kd in kinds]
     smax = max(g.speed for g in groups)
-    m, k = cfg.num_microbatches, cfg.pipeline_degree
+    k = cfg.pipeline_degree
     # the paths into and out of stage s cross the boundaries too
     xfers = search.transfers_at(sm.costs.microbatch_size, groups)
 
@@ -49,7 +51,7 @@ def relaxed_bound(
             lo_b, hi_b = a, sm.L
             reach = a  # an empty stage is allowed in the relaxation
             in_f = sm.F[a] / smax + xfers.up[s]
-            out_b = sm.B[a] / smax + xfers.up[s]
+            out_b = sm.gradient_prefix(a) / smax + xfers.up[s]
             for g in kind_groups:
                 for rc in recompute_options(search.options, s):
 
@@ -59,7 +61,7 @@ def relaxed_bound(
                         if b == a:
                             return True
                         wait = idle_bound(sm, a, b, rc, s, g.speed, smax, transfers=xfers.down[s])
-                        value = in_f + m * sm.work_ms(a, b, rc, g.speed) + wait + max(out_b, sm.allreduce(a, b, g))
+                        value = sm.stage_value(in_f, out_b, a, b, rc, g.speed, sm.allreduce(a, b, g)) + wait
                         return value <= t and sm.memory_relaxed(a, b, rc, s) <= g.limit_bytes
 
                     b = farthest(ok, lo_b, hi_b)
@@ -94,13 +96,23 @@ def idle_bound(
     ``M >= w + 1``, plus the wait for the first backward ``max(0, downstream - w·forward)``
     when ``M >= w + 2`` (then one more layer adds ``M·c_l`` to the work and takes at most
     ``(2 + w)·c_l`` off the two waits, so the test stays monotone); GPipe:
-    ``max(0, downstream - (M-1)·forward)``, always monotone.  The downstream path is the
+    ``max(0, downstream - (M-1)·forward)``, always monotone; ZB-H1: the first-backward wait
+only, on the forward and input-gradient path (its drain is filled with weight gradients),
+monotone since ``M >= w + 1``; other schedules: 0.  The downstream path is the
     later layers' forward + backward at the fastest speed without recompute, plus
     ``transfers`` (a lower bound of the later boundaries' transfers, both ways: constant in
     ``b``, so the test stays monotone).
     """
     cfg = sm.cfg
     m = cfg.num_microbatches
+    if cfg.schedule == "zb-h1":
+        # the first input gradient waits for the forward and input-gradient path downstream,
+        # while the rank runs only its w = K-s-1 warm-up forwards (the drain is W's filler)
+        w = min(cfg.pipeline_degree - s - 1, m)
+        if m < w + 1:
+            return 0.0
+        down_g = (sm.F[-1] + sm.G[-1] - sm.F[b] - sm.G[b]) / smax + transfers
+        return max(0.0, down_g - w * (sm.F[b] - sm.F[a]) / speed)
     down = (sm.F[-1] + sm.B[-1] - sm.F[b] - sm.B[b]) / smax + transfers
     if cfg.schedule == "1f1b":
         w = min(cfg.pipeline_degree - s - 1, m)
@@ -125,7 +137,6 @@ def relaxed_memory_fits(search: SearchState, sm: StageModel, groups: Sequence[Gr
     farthest-reach greedy decides it exactly.
     """
     cfg = sm.cfg
-    k = cfg.pipeline_degree
     search.work += cfg.num_stages * 2 * math.log2(sm.L + 1)
     limit = max(g.limit_bytes for g in groups)
     a = 0
@@ -134,7 +145,7 @@ def relaxed_memory_fits(search: SearchState, sm: StageModel, groups: Sequence[Gr
         for rc in recompute_options(search.options, j):
 
             def ok(b: int, rc: bool = rc, a: int = a, j: int = j) -> bool:
-                return b == a or sm.memory_relaxed(a, b, rc, j % k) <= limit
+                return b == a or sm.memory_relaxed(a, b, rc, j) <= limit
 
             b = farthest(ok, a, sm.L)
             if b is not None and b > reach:

@@ -1,23 +1,33 @@
 """The lower bound of one split, and the least transfers of a pipeline's paths.
 
-Lower bound of a split (GPipe, 1F1B, interleaved; valid for any durations): rank ``r`` can
-start no earlier than the first micro-batch's forward path into its first stage, works
-``M · c_r`` (its stages' forward + backward + recompute per micro-batch, divided by its
-speed), and after its last backward the gradient still has to flow back to stage 0 (or the
-rank all-reduces its gradients, whichever is longer):
+Lower bound of a split (every schedule; valid for any durations): rank ``r`` can start no
+earlier than the first micro-batch's forward path into its first stage, works ``M · c_r``
+(its stages' forward + backward + recompute per micro-batch, divided by its speed), and
+after the last gradient leaves its first stage, that gradient still has to flow back to
+stage 0 (or the rank all-reduces its gradients, whichever is longer):
 
-    LB_r = in_f(r) + M·c_r + idle_r + max(out_b(r), allreduce_r)
+    LB_r = in_f(r) + idle_r + max(M·c_r + allreduce_r, M·p_r + out_b(r))
+
+where ``p_r`` is what the rank runs before the last gradient leaves: with a split backward
+(zero-bubble schedules, ``planned``) its forwards and input gradients, since it may still run
+all its weight gradients after that, and the path back crosses input gradients only;
+otherwise ``p_r = c_r`` (and the bound is the older ``in_f + M·c_r + idle + max(out_b,
+allreduce)``).
 
 ``idle_r`` is the wait the schedule's fixed order forces between the last forward and the
 last backward of rank ``r`` (1F1B: the downstream path minus the ``w = min(K-r-1, M)``
 backwards the rank can run meanwhile, plus, when ``M >= w + 2``, the wait between the first
 forward and the first backward: the downstream path minus the ``w`` warm-up forwards run
-meanwhile; the two intervals are disjoint because ``F(M-1)`` comes after ``B(0)``; GPipe: the downstream path of the first micro-batch
-minus the ``M-1`` forwards that follow it; interleaved: 0).  Interleaved ranks also get
-one bound per chunk j: the forward of chunk j on micro-batch 0 waits for the path through
-every earlier stage, and the rank has by then run only K forwards of each earlier chunk.  The simulator's makespan can
-only be larger, so ``max_r LB_r`` (:func:`split_lower_bound`) bounds the step time of that
-split from below: the search simulates a candidate only when this bound beats the best plan.
+meanwhile; the two intervals are disjoint because ``F(M-1)`` comes after ``B(0)``; GPipe: the
+downstream path of the first micro-batch minus the ``M-1`` forwards that follow it; ZB-H1:
+the wait for the first input gradient, its forward and input-gradient path downstream minus
+the ``w`` warm-up forwards; every other schedule: 0).  Ranks of several chunks also get one bound per chunk j: the forward
+of chunk j on micro-batch 0 waits for the path through every earlier stage, and the rank
+has by then run only a fixed number of forwards of each earlier chunk
+(:func:`planner.schedules.forwards_before_chunk`: K for interleaved 1F1B).  The simulator's
+makespan can only be larger, so ``max_r LB_r`` (:func:`split_lower_bound`) bounds the step
+time of that split from below: the search simulates a candidate only when this bound beats
+the best plan.
 
 :class:`TransferBounds` gives split-independent lower bounds of the transfers on those paths,
 which the configuration bounds (:mod:`planner.bounds.relaxed`, :mod:`planner.bounds.work`,
@@ -30,6 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from planner.costmodel import LayerCosts, allreduce_ms, boundary_transfer_ms, transfer_ms
+from planner.schedules import forwards_before_chunk
 from planner.schema import Cluster
 from planner.search.model import Split, StageModel
 from planner.search.space import Group
@@ -90,28 +101,42 @@ def split_lower_bound(sm: StageModel, cluster: Cluster, groups: Sequence[Group],
     xfer = boundary_transfer_ms(sm.costs, ranges, placement, cluster)
     speed = [groups[g].speed for g in split.groups]
     f = [(sm.F[b] - sm.F[a]) / speed[s] for s, (a, b) in enumerate(ranges)]
-    bw = [(sm.B[b] - sm.B[a]) / speed[s] + (f[s] if split.recompute[s] else 0.0) for s, (a, b) in enumerate(ranges)]
+    rec = [f[s] if split.recompute[s] else 0.0 for s in range(n)]
+    bw = [(sm.B[b] - sm.B[a]) / speed[s] + rec[s] for s, (a, b) in enumerate(ranges)]
+    if sm.split_backward:
+        iw = [(sm.I[b] - sm.I[a]) / speed[s] + rec[s] for s, (a, b) in enumerate(ranges)]
+        # a micro-batch's backward is a B, or an I and a W (together at least as long,
+        # planner.costmodel.split_backward); what sends its gradient on is a B or an I
+        grad = [min(x, y) for x, y in zip(bw, iw, strict=True)]
+    else:
+        grad = bw
+    back = bw
     in_f = [0.0] * n
     out_b = [0.0] * n
     for s in range(1, n):
         in_f[s] = in_f[s - 1] + f[s - 1] + xfer[s - 1]
-        out_b[s] = out_b[s - 1] + bw[s - 1] + xfer[s - 1]
-    # downstream path after stage s: all later stages forward and backward plus transfers twice
+        out_b[s] = out_b[s - 1] + grad[s - 1] + xfer[s - 1]
+    # downstream path after stage s: all later stages forward and backward (for ZB-H1 the
+    # input gradients: what the first one waits for) plus transfers twice
+    later = grad if cfg.schedule == "zb-h1" else bw
     down = [0.0] * n
     for s in range(n - 2, -1, -1):
-        down[s] = down[s + 1] + f[s + 1] + bw[s + 1] + 2 * xfer[s]
+        down[s] = down[s + 1] + f[s + 1] + later[s + 1] + 2 * xfer[s]
+    before = forwards_before_chunk(cfg.schedule, k, m, cfg.virtual_stages)
     best = 0.0
     for r in range(k):
-        own = [s for s in range(n) if s % k == r]
+        own = sm.rank_stages[r]
         first = own[0]
-        work = m * sum(f[s] + bw[s] for s in own)
+        work = m * sum(f[s] + back[s] for s in own)
+        # what the rank runs before the last gradient leaves its first stage: everything but
+        # the weight gradients it may still defer (all of its work without a split backward)
+        pre = m * sum(f[s] + grad[s] for s in own)
         if len(own) == 1:
             ar = sm.allreduce(*ranges[first], groups[split.groups[first]])
         else:
-            grad = sum(sm.PP[ranges[s][1]] - sm.PP[ranges[s][0]] for s in own) * sm.grad_factor
+            grad_bytes = sum(sm.PP[ranges[s][1]] - sm.PP[ranges[s][0]] for s in own) * sm.grad_factor
             link = groups[split.groups[first]].link
-            ar = allreduce_ms(grad, cfg.data_parallel, link.bandwidth_bytes_per_s, link.latency_s)
-        tail = max(out_b[first], ar)
+            ar = allreduce_ms(grad_bytes, cfg.data_parallel, link.bandwidth_bytes_per_s, link.latency_s)
         idle = 0.0
         if cfg.schedule == "1f1b":
             w = min(k - r - 1, m)
@@ -122,14 +147,16 @@ def split_lower_bound(sm: StageModel, cluster: Cluster, groups: Sequence[Group],
                 idle += max(0.0, down[first] - w * f[first])
         elif cfg.schedule == "gpipe":
             idle = max(0.0, down[first] - (m - 1) * f[first])
-        else:
-            # interleaved: before the forward of chunk j on micro-batch 0 the rank has run
-            # exactly K forwards of each earlier chunk (they are all in its warm-up), so
-            # from that start it still has M·c_r minus those forwards to do
-            done = 0.0
+        elif cfg.schedule == "zb-h1":
+            # between F(0) and I(0) the rank runs only its w warm-up forwards
+            idle = max(0.0, down[first] - min(k - r - 1, m) * f[first])
+        elif len(own) > 1:
+            # several chunks: before the forward of chunk j on micro-batch 0 the rank has run
+            # only before[r][j] forwards of each earlier chunk, so from that start it still
+            # has M·c_r minus those forwards to do
             for j, s in enumerate(own):
                 if j > 0:
-                    best = max(best, in_f[s] + work - done + tail)
-                done += k * f[s]
-        best = max(best, in_f[first] + work + idle + tail)
+                    done = before[r][j] * sum(f[q] for q in own[:j])
+                    best = max(best, in_f[s] + max(work - done + ar, pre - done + out_b[first]))
+        best = max(best, in_f[first] + idle + max(work + ar, pre + out_b[first]))
     return best

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from planner.bounds.memory import memory_work_bound
 from planner.costmodel import LayerCosts, allreduce_ms
-from planner.search.model import work_total
+from planner.schedules import SPLIT_BACKWARD, placement_of
+from planner.search.model import StageModel, work_total
 from planner.search.space import Config, Group
 from planner.search.state import SearchState
 
@@ -30,12 +32,20 @@ def cheap_bound(search: SearchState, cfg: Config, groups: Sequence[Group]) -> fl
     m, k = cfg.num_microbatches, cfg.pipeline_degree
     smax = max(g.speed for g in groups)
     ssum = sum(g.speed for g in groups)
-    bound = max(m * w / ssum, w / smax)
+    split_bw = cfg.schedule in SPLIT_BACKWARD
+    # one micro-batch goes forward through every layer and its gradient back (a split
+    # backward's weight gradients need not be on that path)
+    path = w if not split_bw else costs.prefix_forward[-1] + costs.prefix_grad[-1]
+    bound = max(m * w / ssum, path / smax)
     # every rank r starts after the forward path through the stages before its first
     # stage (at least r layers) and ends after the backward path back: averaging the ranks'
     # bounds with weights speed_r / sum(speed) gives
     smin = min(g.speed for g in groups)
-    first = sum(costs.prefix_forward[r] + costs.prefix_backward[r] for r in range(min(k, costs.num_layers)))
+    # (a split backward may defer its weight gradients past the gradient's way back: then
+    # only the way in counts)
+    first = sum(
+        costs.prefix_forward[r] + (0.0 if split_bw else costs.prefix_backward[r]) for r in range(min(k, costs.num_layers))
+    )
     bound = max(bound, m * w / ssum + smin * first / (ssum * smax))
     d = cfg.data_parallel
     if d > 1:
@@ -45,23 +55,47 @@ def cheap_bound(search: SearchState, cfg: Config, groups: Sequence[Group]) -> fl
         grads = costs.prefix_param[-1] * search.training.gradient_bytes_per_param_byte
         ar_all = (2 * (d - 1) / d * grads / link.bandwidth_bytes_per_s + k * 2 * (d - 1) * link.latency_s) * 1e3
         bound = max(bound, m * w / ssum + smin * ar_all / ssum)
-    bound = max(bound, memory_work_bound(search, cfg, groups))
+    # (both shared by the schedules of one shape: cached on what they read)
+    groups_key = tuple(g.devices for g in groups)
+    counts = tuple(StageModel.joint_of(cfg, costs.num_layers))
+    mem_key = (cfg.microbatch_size(search.training.global_batch_size), cfg.num_microbatches, counts, groups_key)
+    bound = max(bound, search.table(_Cached, ("memory", mem_key), lambda: _Cached(memory_work_bound(search, cfg, groups))).value)
     # indivisible layers: some rank holds the heaviest ones (and all-reduces them)
-    bound = max(bound, rank_allreduce_bound(search, cfg, groups))
+    pinned_key = (
+        cfg.microbatch_size(search.training.global_batch_size), cfg.data_parallel, cfg.pipeline_degree,
+        cfg.num_microbatches, cfg.virtual_stages, placement_of(cfg.schedule), split_bw, groups_key,
+    )
+    bound = max(bound, search.table(_Cached, ("pinned", pinned_key), lambda: _Cached(rank_allreduce_bound(search, cfg, groups))).value)
     # the last stage holds the last layer and cannot start before micro-batch 0 has gone
     # forward through every earlier layer; then its rank still works at least M times that
     # layer (interleaved: its earlier chunks' warm-up forwards come out of its own work, see
     # planner.bounds.split), and without interleaving the gradient must also flow back through them
     n_l = costs.num_layers
     last = costs.prefix_forward[n_l] - costs.prefix_forward[n_l - 1] + costs.prefix_backward[n_l] - costs.prefix_backward[n_l - 1]
-    path = costs.prefix_forward[n_l - 1] + (costs.prefix_backward[n_l - 1] if cfg.virtual_stages == 1 else 0.0)
+    path = costs.prefix_forward[n_l - 1] + (costs.prefix_backward[n_l - 1] if cfg.virtual_stages == 1 and not split_bw else 0.0)
     bound = max(bound, (path + m * last) / smax)
+    if cfg.virtual_stages == 1 and split_bw:
+        # the last stage's input gradients come before its deferred weight gradients, and the
+        # last one still has to flow back through every earlier layer (its cheaper of B and I)
+        pre = costs.forward_ms[n_l - 1] + costs.prefix_grad[n_l] - costs.prefix_grad[n_l - 1]
+        bound = max(bound, (costs.prefix_forward[n_l - 1] + m * pre + costs.prefix_grad[n_l - 1]) / smax)
     if cfg.virtual_stages == 1 and m > 1:
-        # continuous relaxation of min over splits of max_s (P[a_s] + M c_s): the reach
-        # y_{s+1} = y_s + (T - y_s) / M gives T >= W / (1 - ((M-1)/M)^K)
-        q = ((m - 1) / m) ** k
-        bound = max(bound, w / smax / (1 - q))
+        # continuous relaxation of min over splits of max_s (P[a_s] + M c_s), with P the work
+        # before the stage (forward path in and gradient path out, which a B-only schedule
+        # adds to its rank's work): the reach y_{s+1} = y_s + (T - y_s) / M gives
+        # T >= W / (1 - ((M-1)/M)^K).  A split backward may defer its weight gradients past
+        # the gradient's way out, so only the forward path counts: P(y) >= alpha·y with
+        # alpha the least forward share of any layer, and T >= alpha·W / (1 - (1-alpha/M)^K)
+        alpha = costs.min_forward_share if split_bw else 1.0
+        if alpha > 0:
+            q = (1 - alpha / m) ** k
+            bound = max(bound, alpha * w / smax / (1 - q))
     return bound
+
+
+@dataclass(frozen=True)
+class _Cached:
+    value: float
 
 
 class PinnedRanks:
@@ -80,9 +114,15 @@ class PinnedRanks:
         self.light_params = sorted((self.params[i], i) for i in range(1, n - 1))
         self._busiest: dict[int, tuple[tuple[float, float], ...]] = {}
 
-    def ends(self, k: int, v: int) -> tuple[tuple[float, float], tuple[float, float]]:
+    def ends(self, k: int, v: int, *, v_shape: bool = False) -> tuple[tuple[float, float], tuple[float, float] | None]:
         """(work, params) at least of rank 0 and of rank K-1 (K >= 2): the end layer and
-        ``v - 1`` more (one per other chunk), rank K-1's from layer K-1 on."""
+        ``v - 1`` more (one per other chunk), rank K-1's from layer K-1 on.  In the V
+        placement (``v_shape``) rank 0 holds both end layers and rank K-1 neither: (rank 0's,
+        None)."""
+        if v_shape:
+            n = self.n
+            both = (self.work[0] + self.work[n - 1], self.params[0] + self.params[n - 1]) if n > 1 else (self.work[0], self.params[0])
+            return both, None
         extra = v - 1
 
         def lightest(pairs: list[tuple[float, int]], start: int) -> float:
@@ -147,9 +187,12 @@ def rank_allreduce_bound(search: SearchState, cfg: Config, groups: Sequence[Grou
 
     if k == 1:  # one rank holds every layer
         return rank_bound(0.0, 0.0, (sum(pinned.work), sum(pinned.params)))
-    first, last = pinned.ends(k, v)
+    first, last = pinned.ends(k, v, v_shape=placement_of(cfg.schedule) == "v")
     bound = max(rank_bound(0.0, 0.0, first), *(rank_bound(0.0, 0.0, x) for x in pinned.busiest(k)))
+    if last is None:
+        return bound
     up = search.transfers_at(b, groups).up
     fill_f = costs.prefix_forward[k - 1] / smax + up[k - 1]
-    fill_b = costs.prefix_backward[k - 1] / smax + up[k - 1]
+    # a split backward may run its weight gradients after the gradient has gone back
+    fill_b = 0.0 if cfg.schedule in SPLIT_BACKWARD else costs.prefix_backward[k - 1] / smax + up[k - 1]
     return max(bound, rank_bound(fill_f, fill_b, last))

@@ -2,11 +2,19 @@
 
 ``solve(profile, cluster, training, options)`` (re-exported as :func:`planner.solver.solve`)
 searches the data-parallel degree D, the pipeline degree K, the micro-batch count M (and so
-the micro-batch size), the schedule (gpipe, 1f1b, interleaved-1f1b with v chunks), the stage
-boundaries, recompute per stage, and, on heterogeneous clusters, which devices take which
-pipeline position.
+the micro-batch size), the schedule (gpipe, 1f1b, interleaved-1f1b with v chunks, the
+zero-bubble zb-h1, zb-h2, zbv, dualpipev and interleaved-zb, and ``planned``: the orders of
+:mod:`planner.schedules`), the stage boundaries, recompute per stage, and, on heterogeneous
+clusters, which devices take which pipeline position.
 
-Method (best-first branch and bound over configurations, :func:`_branch_and_bound`):
+Method (best-first branch and bound over configurations, :func:`_branch_and_bound`), in two
+rounds: the classic schedules (gpipe, 1f1b, interleaved-1f1b) first, then the newer ones
+starting from the best plan so far (with ``NEW_SHARE`` more of the budget; the best classic
+split under the newer schedules of the same shape is their first candidate).  In a large
+space (more than ``NEW_CONFIG_LIMIT`` configurations of the newer schedules) those are tried
+only on the D, K and M of the best classic plan, and not beyond ``NEW_ACTION_LIMIT``
+actions a step: the space, and the proven gap, then cover that (the message says how many
+were left out).  In each round:
 
 1. Every configuration (D, K, M, schedule, v) the options allow
    (:func:`planner.search.space.enumerate_configs`) gets a closed-form lower bound
@@ -77,7 +85,7 @@ from planner.bounds.work import cheap_bound
 from planner.costmodel import estimate, static_bytes
 from planner.infeasible import diagnose
 from planner.schema import Cluster, Plan, PlanOptions, Profile, SolverInfo, TrainingSetup
-from planner.search.model import StageModel, work_total
+from planner.search.model import work_total
 from planner.search.space import (
     Config,
     Group,
@@ -86,7 +94,7 @@ from planner.search.space import (
     fixed_ranges,
     make_groups,
 )
-from planner.search.state import SearchState
+from planner.search.state import SearchState, consider
 from planner.search.tighten import tighten_chains, tighten_cpsat
 from planner.splits.baseline_seed import seed_with_baselines
 from planner.splits.exhaustive import enumerate_splits
@@ -94,11 +102,25 @@ from planner.splits.fixed import solve_fixed
 from planner.splits.greedy import greedy_candidates
 from planner.splits.interleaved import interleaved_candidates
 from planner.splits.polish import polish
+from planner.splits.recompute import with_recompute
 
-#: configurations solved in order of promise before the search turns best-first
+#: configurations solved in order of promise before the search turns best-first: this many of
+#: the classic schedules (gpipe, 1f1b, interleaved-1f1b), then of the others
 INCUMBENT_TRIES = 6
-#: share of the work budget the configuration search may use
+INCUMBENT_TRIES_NEW = 3
+#: work units of one configuration's cheap bound (counted for the newer schedules)
+CHEAP_WORK = 150
+#: with more configurations of the newer schedules than this, they are tried only on the
+#: (D, K, M) of the ``NEW_SHAPES`` best classic plans
+NEW_CONFIG_LIMIT = 600
+NEW_SHAPES = 1
+#: ... and only where a step has at most this many actions (3·M·K·v): longer ones are left out
+NEW_ACTION_LIMIT = 40_000
+CLASSIC = frozenset({"gpipe", "1f1b", "interleaved-1f1b"})
+#: share of the work budget the configuration search may use (for the classic schedules)
 SEARCH_SHARE = 0.6
+#: share of the work budget the zero-bubble and planned schedules get after the classic ones
+NEW_SHARE = 0.25
 #: work units (about one simulated action, or one stage test) per second of time limit
 WORK_PER_SECOND = 400_000.0
 #: wall-clock safety net: stop searching after this multiple of the time limit regardless
@@ -152,6 +174,12 @@ def solve(
         f"{search.infeasible} proven not to fit, "
         f"{max(0, search.visited - search.pruned_after_visit - search.infeasible_after_visit)} solved"
         + (f"; {search.too_big} too large to simulate" if search.too_big else "")
+        + (
+            f"; {search.restricted} zero-bubble or planned ones left out (a large space: tried on the best "
+            "classic plans' D, K and M only)"
+            if search.restricted
+            else ""
+        )
         + ("; time limit reached" if search.timed_out else "")
     )
     plan = estimate(
@@ -186,30 +214,87 @@ def _branch_and_bound(search: SearchState, configs: Sequence[Config]) -> None:
     that nothing fits.  Level 2 is the search for a plan (:func:`enumerate_splits`, the greedy
     splits), after which a configuration is solved or stays open at its bound.
 
-    First the ``INCUMBENT_TRIES`` configurations that promise most (the textbook step time
-    of a balanced split) go through every level, so that a good plan prunes the rest; then
-    the configuration with the smallest bound is always the next to advance a level, since
-    it alone decides the proven gap.  The search stops when the smallest bound reaches the
-    best plan (optimal) or at SEARCH_SHARE of the work budget; what is left stays open at
-    its bound.
+    Two rounds: first the classic schedules (gpipe, 1f1b, interleaved-1f1b) with
+    ``SEARCH_SHARE`` of the work budget, then the zero-bubble and planned ones, starting
+    from the best plan found, with ``NEW_SHARE`` more (or ``SEARCH_SHARE`` when only those
+    are allowed).  In each round the ``INCUMBENT_TRIES`` configurations that promise most
+    (the textbook step time of a balanced split) go through every level first, so that a
+    good plan prunes the rest; then the configuration with the smallest bound is always the
+    next to advance a level, since it alone decides the proven gap.  A round stops when its
+    smallest bound reaches the best plan or at its share of the budget; what is left stays
+    open at its bound.
     """
-    entries = []
     group_cache: dict[tuple[int, int], list[Group]] = {}
-    for cfg in configs:
-        key = (cfg.data_parallel, cfg.pipeline_degree)
-        if key not in group_cache:
-            group_cache[key] = make_groups(search.cluster, search.training, *key)
-        groups = group_cache[key]
-        if not static_fits(search, cfg, groups):
-            search.infeasible += 1
+
+    def level0(cfgs: Sequence[Config], *, counted: bool) -> list[tuple[float, Config, list[Group]]]:
+        out = []
+        for cfg in cfgs:
+            key = (cfg.data_parallel, cfg.pipeline_degree)
+            if key not in group_cache:
+                group_cache[key] = make_groups(search.cluster, search.training, *key)
+            groups = group_cache[key]
+            if not static_fits(search, cfg, groups):
+                search.infeasible += 1
+                continue
+            if counted:
+                search.work += CHEAP_WORK
+            out.append((cheap_bound(search, cfg, groups), cfg, groups))
+        return out
+
+    classic = level0([c for c in configs if c.schedule in CLASSIC], counted=False)
+    if classic:
+        _round(search, classic, INCUMBENT_TRIES, SEARCH_SHARE)
+    others = [c for c in configs if c.schedule not in CLASSIC]
+    if classic and len(others) > NEW_CONFIG_LIMIT:
+        # a large space: the newer schedules on the meshes and micro-batch counts of the best
+        # classic plans only, and not on very long pipelines (the space the search then
+        # covers, and its gap)
+        shapes = sorted(search.best_step_of.items(), key=lambda e: (e[1], e[0]))
+        keep = list(dict.fromkeys((c.data_parallel, c.pipeline_degree, c.num_microbatches) for c, _ in shapes))[:NEW_SHAPES]
+        others = [
+            c for c in others
+            if (c.data_parallel, c.pipeline_degree, c.num_microbatches) in keep
+            and 3 * c.num_microbatches * c.num_stages <= NEW_ACTION_LIMIT
+        ]
+        search.restricted = len(configs) - len(others) - len([c for c in configs if c.schedule in CLASSIC])
+    newer = level0(others, counted=bool(classic))
+    if newer:
+        if classic:
+            _reschedule_best(search, newer)
+        _round(search, newer, INCUMBENT_TRIES_NEW if classic else INCUMBENT_TRIES,
+               SEARCH_SHARE + NEW_SHARE if classic else SEARCH_SHARE)
+
+
+def _reschedule_best(search: SearchState, entries: list[tuple[float, Config, list[Group]]]) -> None:
+    """The best classic plan's split under the newer schedules of the same shape (same D, K,
+    M and chunks; recompute where their memory needs it): a strong first incumbent for them."""
+    if search.best is None:
+        return
+    best_cfg, best_split, _ = search.best
+    for cheap, cfg, groups in entries:
+        if cheap >= search.best_step or (cfg.data_parallel, cfg.pipeline_degree, cfg.num_microbatches) != (
+            best_cfg.data_parallel, best_cfg.pipeline_degree, best_cfg.num_microbatches
+        ):
             continue
-        entries.append((cheap_bound(search, cfg, groups), cfg, groups))
+        if cfg.num_stages != best_cfg.num_stages or 3 * cfg.num_microbatches * cfg.num_stages > SIM_ACTION_LIMIT:
+            continue
+        sm = search.stage_model(cfg)
+        split = with_recompute(search, sm, groups, best_split.ranges, tuple(best_split.groups[s] for s in range(cfg.num_stages)))
+        if split is not None and tuple(sm.owner) == tuple(range(cfg.pipeline_degree)) * cfg.virtual_stages:
+            consider(search, sm, groups, split)
+
+
+def _round(
+    search: SearchState, entries: list[tuple[float, Config, list[Group]]], tries: int, share: float
+) -> None:
+    """One round of :func:`_branch_and_bound` over ``entries`` (their cheap bounds), until
+    ``share`` of the work budget."""
     promising = sorted(entries, key=lambda e: (max(e[0], _promise(search, e[1], e[2])), e[1]))
     started: set[Config] = set()
     for cheap, cfg, groups in promising:
-        if search.best is not None and len(started) >= INCUMBENT_TRIES:
+        if search.best is not None and len(started) >= tries:
             break
-        if search.best is not None and _out_of_budget(search):
+        if search.best is not None and _out_of_budget(search, share):
             break
         started.add(cfg)
         if cheap >= search.best_step:
@@ -225,7 +310,7 @@ def _branch_and_bound(search: SearchState, configs: Sequence[Config]) -> None:
         if bound >= search.best_step:
             search.pruned += 1 + len(heap)
             return
-        if search.best is not None and _out_of_budget(search):
+        if search.best is not None and _out_of_budget(search, share):
             search.timed_out = True
             for bound_, _, cfg_, groups_ in [(bound, level, cfg, groups), *heap]:
                 if bound_ >= search.best_step:
@@ -246,10 +331,9 @@ def _advance(
     Returns its new (bound, level) while it needs more work, or None once it is settled:
     solved, pruned, proven not to fit, or left open (``search.open_configs``) at its bound.
     """
-    g = search.training.global_batch_size
     fixed = fixed_ranges(search.options) is not None
     too_big = 2 * cfg.num_microbatches * cfg.num_stages > SIM_ACTION_LIMIT
-    sm = StageModel(search.costs_at(cfg.microbatch_size(g)), cfg, search.training)
+    sm = search.stage_model(cfg)
     if level == 0:
         search.visited += 1
         if too_big:
@@ -292,17 +376,25 @@ def _advance(
     return None
 
 
-def _out_of_budget(search: SearchState) -> bool:
-    return search.work > SEARCH_SHARE * search.work_budget or time.perf_counter() > search.wall_stop
+def _out_of_budget(search: SearchState, share: float = SEARCH_SHARE) -> bool:
+    return search.work > share * search.work_budget or time.perf_counter() > search.wall_stop
+
+
+#: the textbook bubble of each schedule, in units of 1F1B's (K-1)/v micro-batches (the zero
+#: bubble paper: ZB-H1 about a third of it, ZB-H2 and the V schedules less), for ordering only
+BUBBLE_SHARE = {
+    "gpipe": 1.0, "1f1b": 1.0, "interleaved-1f1b": 1.0, "zb-h1": 0.4, "interleaved-zb": 0.4,
+    "zb-h2": 0.25, "zbv": 0.25, "dualpipev": 0.25, "planned": 0.3,
+}
 
 
 def _promise(search: SearchState, cfg: Config, groups: Sequence[Group]) -> float:
-    """Step time of a perfectly balanced split: W (M + (K-1)/v) / (K·speed)."""
+    """Step time of a perfectly balanced split: W (M + share·(K-1)/v) / (K·speed)."""
     costs = search.costs_at(cfg.microbatch_size(search.training.global_batch_size))
     w = work_total(costs)
     k, m, v = cfg.pipeline_degree, cfg.num_microbatches, cfg.virtual_stages
     speed = sum(g.speed for g in groups) / len(groups)
-    return w * (m + (k - 1) / v) / (k * speed)
+    return w * (m + BUBBLE_SHARE[cfg.schedule] * (k - 1) / v) / (k * speed)
 
 
 def static_fits(search: SearchState, cfg: Config, groups: Sequence[Group]) -> bool:

@@ -12,7 +12,6 @@ import math
 
 from planner.costmodel import LayerCosts
 from planner.schema import Cluster, PlanOptions, Profile, TrainingSetup
-from planner.search.model import StageModel
 from planner.search.space import Config, device_orders, fixed_ranges, make_groups
 from planner.search.state import SearchState
 from planner.splits.exhaustive import enumerable, fitting_splits
@@ -38,7 +37,7 @@ def config_fits(
         profile, cluster, training, options, deadline=math.inf, costs={costs.microbatch_size: costs}
     )
     groups = make_groups(cluster, training, cfg.data_parallel, cfg.pipeline_degree)
-    sm = StageModel(costs, cfg, training)
+    sm = search.stage_model(cfg)
     orders = device_orders(groups)
     fixed = fixed_ranges(options) is not None
     if not fixed and enumerable(sm.L, cfg.num_stages, len(orders), small_instances=False):

@@ -19,7 +19,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from planner.errors import InputError
+from planner.schedules import ScheduleError, check_schedule_shape
 from planner.schema import (
+    SCHEDULE_CHUNKS,
     SCHEDULES,
     Cluster,
     Interconnect,
@@ -38,7 +40,7 @@ MAX_EXTRAPOLATION = 2
 
 @dataclass(frozen=True, order=True)
 class Config:
-    """One point of the outer search: D, K, M, schedule, v."""
+    """One point of the outer search: D, K, M, schedule, v (stage placement: the schedule's)."""
 
     data_parallel: int
     pipeline_degree: int
@@ -132,11 +134,15 @@ def enumerate_configs(
         except ValueError as err:
             raise InputError(f"invalid --stages: {err}") from None
     v_opt = options.virtual_stages
-    if v_opt is not None and v_opt > 1 and options.schedule not in (None, "interleaved-1f1b"):
-        raise InputError(
-            f"virtual_stages={v_opt} needs schedule interleaved-1f1b, not {options.schedule!r}: "
-            "drop the virtual stages or choose interleaved-1f1b"
-        )
+    if v_opt is not None and options.schedule is not None:
+        chunks = SCHEDULE_CHUNKS[options.schedule]
+        if (chunks == "1" and v_opt != 1) or (chunks == "2" and v_opt != 2):
+            runs = "one stage" if chunks == "1" else "two stages"
+            raise InputError(
+                f"virtual_stages={v_opt} does not suit schedule {options.schedule!r}, which runs {runs} per "
+                "device: drop the virtual stages, or choose interleaved-1f1b or interleaved-zb (any number), "
+                "zbv or dualpipev (two)"
+            )
     if isinstance(options.stages, int):
         k = options.stages
         if k > n:
@@ -179,9 +185,12 @@ def enumerate_configs(
     # micro-batches larger than twice the largest measured size would be extrapolated far
     max_b = MAX_EXTRAPOLATION * profile.microbatch_sizes[-1]
     schedules: tuple[Schedule, ...] = (options.schedule,) if options.schedule else SCHEDULES
+    if options.schedules is not None and options.schedule is None:
+        schedules = tuple(x for x in SCHEDULES if x in options.schedules)
     if v_opt is not None and v_opt > 1:
-        schedules = ("interleaved-1f1b",)
+        schedules = tuple(x for x in schedules if SCHEDULE_CHUNKS[x] == "n" or (SCHEDULE_CHUNKS[x] == "2" and v_opt == 2))
     out: list[Config] = []
+    refused: str | None = None  # why a fixed schedule's shape cannot run, for the error
     for d in ([options.data_parallel] if options.data_parallel else _divisors(g)):
         if d > n:
             continue
@@ -195,14 +204,19 @@ def enumerate_configs(
                 for m in ms:
                     if g % (d * m):
                         continue
-                    if sched == "interleaved-1f1b" and (k < 2 or m % k):
+                    if SCHEDULE_CHUNKS[sched] == "n" and k < 2:
+                        continue  # interleaving needs K >= 2 ranks
+                    try:
+                        check_schedule_shape(sched, k, m, v)  # M >= K for 1F1B, M % K, M >= 2K, ...
+                    except ScheduleError as err:
+                        refused = refused or str(err)
                         continue
-                    if sched == "1f1b" and m < k:
-                        continue  # torch's Schedule1F1B needs M >= K (simulator.check_schedule_shape)
-                    if sched == "gpipe" and k == 1 and options.schedule is None:
-                        continue  # identical to 1f1b with one stage, which keeps less in flight
+                    if k == 1 and options.schedule is None and sched != "1f1b" and "1f1b" in schedules:
+                        continue  # one stage: no pipeline, 1f1b keeps the least in flight
                     out.append(Config(d, k, m, sched, v))
     if not out:
+        if options.schedule is not None and refused is not None:
+            raise InputError(f"schedule {options.schedule!r} cannot run with these options: {refused}")
         raise InputError(_no_config_message(options, n, num_layers, g))
     return sorted(set(out))
 
@@ -214,14 +228,18 @@ def _pipeline_shapes(
     v_opt = options.virtual_stages
     rc_len = len(options.recompute) if isinstance(options.recompute, list) else None
     shapes = []
-    if sched != "interleaved-1f1b":
+    chunks = SCHEDULE_CHUNKS[sched]
+    if chunks == "1":
         if v_opt not in (None, 1):
             return []
         if ranges is not None:
             return [(len(ranges), 1)]
         ks = [options.stages] if isinstance(options.stages, int) else range(1, min(max_k, num_layers) + 1)
         return [(k, 1) for k in ks if rc_len is None or rc_len == k]
-    vs = [v_opt] if v_opt else list(range(2, MAX_VIRTUAL_STAGES + 1))
+    if chunks == "2":
+        vs = [2] if v_opt in (None, 2) else []
+    else:
+        vs = [v_opt] if v_opt else list(range(2, MAX_VIRTUAL_STAGES + 1))
     for v in vs:
         if ranges is not None:
             if len(ranges) % v == 0:
@@ -242,10 +260,11 @@ def _divisors(x: int) -> list[int]:
 def _no_config_message(options: PlanOptions, n: int, num_layers: int, g: int) -> str:
     fixed = {k: v for k, v in options.model_dump().items() if v is not None and k != "time_limit_s"}
     hint = "relax one of them"
-    if options.schedule == "interleaved-1f1b":
+    if options.schedule is not None and SCHEDULE_CHUNKS[options.schedule] != "1":
         hint = (
-            "interleaved-1f1b needs K >= 2 devices per pipeline, at least 2 chunks of layers per "
-            "device and M a multiple of K: relax --microbatches or --stages, or choose 1f1b"
+            f"{options.schedule} needs K >= 2 devices per pipeline and at least "
+            f"{'2' if SCHEDULE_CHUNKS[options.schedule] == '2' else '2 (or --virtual-stages)'} chunks of "
+            "layers per device: relax --microbatches or --stages, or choose 1f1b"
         )
     return (
         f"no configuration satisfies the options {fixed} on {n} devices, {num_layers} layers and "

@@ -16,13 +16,32 @@ from typing import TypeVar
 
 from planner.bounds.split import TransferBounds, split_lower_bound
 from planner.costmodel import LayerCosts, layer_costs
+from planner.schedules import (
+    SPLIT_BACKWARD,
+    memory_points,
+    placement_of,
+    rank_stages,
+    schedule_actions,
+)
 from planner.schema import Cluster, PlanOptions, Profile, Schedule, TrainingSetup
-from planner.search.model import Split, StageModel, quick_step
+from planner.search.model import (
+    RankCounts,
+    RankPoints,
+    Split,
+    StageModel,
+    closed_counts,
+    conservative,
+    quick_step,
+    search_points,
+    walk_counts,
+)
 from planner.search.space import Config, Group
-from planner.simulator import CompiledSchedule
+from planner.simulator import CompiledSchedule, compile_schedule, compile_template
 
 #: work units per simulated action (the compiled program runs about 5 actions per unit)
 SIM_WORK = 0.2
+#: the memory bounds walk a schedule's actions (rather than use its closed forms) up to this many
+WALK_LIMIT = 2_000
 
 T = TypeVar("T")
 
@@ -46,11 +65,15 @@ class SearchState:
     best_split_of: dict[Config, Split] = field(default_factory=dict)
     best_step_of: dict[Config, float] = field(default_factory=dict)
     compiled: dict[tuple[Schedule, int, int, int], CompiledSchedule] = field(default_factory=dict)
+    #: memory points of each schedule shape's ranks (:func:`planner.schedules.memory_points`)
+    points: dict[tuple[Schedule, int, int, int], RankPoints] = field(default_factory=dict)
     visited: int = 0
     pruned: int = 0
     infeasible: int = 0
     timed_out: bool = False
     too_big: int = 0
+    #: configurations of the newer schedules the search left out of a large space
+    restricted: int = 0
     pruned_after_visit: int = 0
     infeasible_after_visit: int = 0
     #: work done so far, in units of about one simulated action (deterministic, unlike time)
@@ -70,6 +93,52 @@ class SearchState:
         if self._param_bytes < 0:
             self._param_bytes = sum(layer.param_bytes for layer in self.profile.layers)
         return self._param_bytes
+
+    def points_of(self, cfg: Config) -> RankPoints:
+        """The memory points of ``cfg``'s schedule, walked once per shape (about the cost of
+        compiling it, counted as work; both come from one listing of its actions).  GPipe and
+        1F1B have them in closed form; a long interleaved 1F1B schedule uses its closed-form
+        upper bound (the search then keeps to it; the plan's own memory is walked by
+        ``estimate`` and can only be lower)."""
+        if cfg.shape not in self.points:
+            if cfg.schedule in ("gpipe", "1f1b") or conservative(cfg, self.profile.num_layers):
+                self.points[cfg.shape] = search_points(cfg, self.profile.num_layers)
+            else:
+                self._template(cfg)
+        return self.points[cfg.shape]
+
+    def compiled_of(self, cfg: Config) -> CompiledSchedule:
+        """The compiled program of ``cfg``'s schedule, once per shape (counted as work)."""
+        if cfg.shape not in self.compiled:
+            if cfg.shape in self.points or (self.points_of(cfg) is not None and cfg.shape not in self.compiled):
+                self.work += (3 if cfg.schedule in SPLIT_BACKWARD else 2) * cfg.num_microbatches * cfg.num_stages
+                self.compiled[cfg.shape] = compile_schedule(*cfg.shape)
+        return self.compiled[cfg.shape]
+
+    def _template(self, cfg: Config) -> None:
+        """List ``cfg``'s template once and keep what the search needs of it: its compiled
+        program and its memory points (about two units of work an action)."""
+        actions = (3 if cfg.schedule in SPLIT_BACKWARD else 2) * cfg.num_microbatches * cfg.num_stages
+        self.work += 2 * actions
+        k, m, v = cfg.pipeline_degree, cfg.num_microbatches, cfg.virtual_stages
+        orders = schedule_actions(cfg.schedule, k, m, v)
+        if cfg.shape not in self.compiled:
+            self.compiled[cfg.shape] = compile_template(cfg.schedule, k, m, v, orders)
+        if cfg.shape not in self.points:
+            self.points[cfg.shape] = memory_points(orders, rank_stages(placement_of(cfg.schedule), k, v))
+
+    def memory_counts(self, cfg: Config) -> list[RankCounts]:
+        """What the memory bounds may assume of each rank's in-flight micro-batches: its
+        schedule's walk when small enough, else the closed forms (``planned``: always)."""
+        layers = self.profile.num_layers
+        if cfg.schedule == "planned" or conservative(cfg, layers) or 2 * cfg.num_microbatches * cfg.num_stages > WALK_LIMIT:
+            return closed_counts(cfg, layers)
+        return self.table(_WalkCounts, cfg.shape, lambda: _WalkCounts(walk_counts(self.points_of(cfg)))).counts
+
+    def stage_model(self, cfg: Config) -> StageModel:
+        """:class:`StageModel` of ``cfg`` at its micro-batch size, sharing this search's caches."""
+        b = cfg.microbatch_size(self.training.global_batch_size)
+        return StageModel(self.costs_at(b), cfg, self.training, points=lambda: self.points_of(cfg))
 
     def costs_at(self, b: int) -> LayerCosts:
         if b not in self.costs:
@@ -106,14 +175,21 @@ class SearchState:
             self.best = (cfg, split, groups)
 
 
+@dataclass(frozen=True)
+class _WalkCounts:
+    counts: list[RankCounts]
+
+
 def consider(search: SearchState, sm: StageModel, groups: list[Group], split: Split) -> float:
     """Simulate ``split`` unless its lower bound already loses; offer it; its step (or inf)."""
     if split_lower_bound(sm, search.cluster, groups, split) >= search.best_step:
         return math.inf
     cfg = sm.cfg
-    actions = 2 * cfg.num_microbatches * cfg.num_stages
-    if cfg.shape not in search.compiled:
-        search.work += actions  # compiling the schedule costs about 5 simulations
+    actions = (3 if sm.split_backward else 2) * cfg.num_microbatches * cfg.num_stages
+    if cfg.schedule == "planned":
+        search.work += 4 * actions  # list-scheduled and compiled for each split
+    else:
+        search.compiled_of(cfg)  # listed and compiled once per shape (counted there)
     step = quick_step(sm, search.cluster, groups, split, search.compiled)
     search.work += SIM_WORK * actions + 50
     search.offer(sm.cfg, split, groups, step)

@@ -17,7 +17,7 @@ import time
 
 from planner.bounds.chain_dp import MAX_CELLS, chain_cells, chain_split
 from planner.bounds.cpsat import MAX_MODEL_SIZE, PER_CONFIG_S, config_bound
-from planner.search.model import Split, StageModel, split_memory_ok
+from planner.search.model import Split, split_memory_ok
 from planner.search.space import Config, fixed_ranges
 from planner.search.state import SearchState, consider
 from planner.splits.recompute import with_recompute
@@ -44,7 +44,6 @@ def tighten_chains(search: SearchState) -> None:
     """
     if not search.cluster.homogeneous or fixed_ranges(search.options) is not None or not search.open_configs:
         return
-    g = search.training.global_batch_size
     stop = search.work + CHAIN_SHARE * search.work_budget
     reachable: dict[Config, float] = {}
     heap = [(bound, cfg) for cfg, (bound, _) in search.open_configs.items()]
@@ -60,11 +59,11 @@ def tighten_chains(search: SearchState) -> None:
             continue
         if cfg.virtual_stages != 1 or cfg in search.chain_done:
             return  # the smallest bound cannot rise here, so neither can the gap
-        if search.costs_at(cfg.microbatch_size(g)).activation_slack > 0:
+        if search.costs_at(cfg.microbatch_size(search.training.global_batch_size)).activation_slack > 0:
             return  # the table sums activations by prefix: not valid with negative kept inputs
         if search.work > stop or time.perf_counter() > search.wall_stop:
             return
-        sm = StageModel(search.costs_at(cfg.microbatch_size(g)), cfg, search.training)
+        sm = search.stage_model(cfg)
         hi = min(reachable.get(cfg, math.inf), search.best_step * (1 - 1e-9))
         t = hi if cfg not in reachable else (bound + hi) / 2
         cells = chain_cells(sm, groups, t)
@@ -97,7 +96,6 @@ def tighten_cpsat(search: SearchState, *, budget_s: float) -> None:
     of CP-SAT's deterministic time (about seconds)."""
     left = budget_s
 
-    g = search.training.global_batch_size
     open_items = sorted(search.open_configs.items(), key=lambda e: (e[1][0], e[0]))
 
     def can_model(cfg: Config) -> bool:
@@ -107,7 +105,7 @@ def tighten_cpsat(search: SearchState, *, budget_s: float) -> None:
         return (
             cfg.virtual_stages == 1
             and cfg not in search.chain_done
-            and search.costs_at(cfg.microbatch_size(g)).activation_slack == 0
+            and search.costs_at(cfg.microbatch_size(search.training.global_batch_size)).activation_slack == 0
             and cfg.num_stages * (search.profile.num_layers + 1) <= MAX_MODEL_SIZE
         )
 
@@ -124,7 +122,7 @@ def tighten_cpsat(search: SearchState, *, budget_s: float) -> None:
             break
         if not can_model(cfg):
             continue
-        sm = StageModel(search.costs_at(cfg.microbatch_size(g)), cfg, search.training)
+        sm = search.stage_model(cfg)
         hint = search.best_split_of.get(cfg)
         bound, ranges, _, _, used = config_bound(
             sm, groups, hint=hint, time_limit_s=min(PER_CONFIG_S, remaining),
@@ -132,8 +130,7 @@ def tighten_cpsat(search: SearchState, *, budget_s: float) -> None:
         )
         left -= used
         if ranges is not None:
-            k = cfg.pipeline_degree
-            split = with_recompute(search, sm, groups, ranges, tuple(s % k for s in range(len(ranges))))
+            split = with_recompute(search, sm, groups, ranges, tuple(sm.owner))
             if split is not None and split_memory_ok(sm, groups, split):
                 consider(search, sm, groups, split)
         if bound is None:

@@ -48,14 +48,30 @@ def fitting_splits(
     search: SearchState, sm: StageModel, groups: Sequence[Group], orders: Sequence[tuple[int, ...]]
 ) -> Iterator[Split]:
     """Every split of ``sm.cfg`` that fits memory (cheapest recompute), order by order."""
-    n, k = sm.cfg.num_stages, sm.cfg.pipeline_degree
+    n = sm.cfg.num_stages
     for order in orders:
         for cuts in itertools.combinations(range(1, sm.L), n - 1):
             bounds = (0, *cuts, sm.L)
             ranges = tuple((bounds[i], bounds[i + 1]) for i in range(n))
-            split = with_recompute(search, sm, groups, ranges, tuple(order[s % k] for s in range(n)))
+            split = with_recompute(search, sm, groups, ranges, tuple(order[sm.owner[s]] for s in range(n)))
             if split is not None:
                 yield split
+
+
+def all_recompute_splits(
+    search: SearchState, sm: StageModel, groups: Sequence[Group], orders: Sequence[tuple[int, ...]]
+) -> Iterator[Split]:
+    """Every split with every recompute choice that fits: for ``planned``, whose list
+    schedule adapts to memory, recompute may pay for itself (more micro-batches in flight),
+    so the cheapest choice is not always the fastest."""
+    n = sm.cfg.num_stages
+    for order in orders:
+        stage_groups = tuple(order[sm.owner[s]] for s in range(n))
+        for cuts in itertools.combinations(range(1, sm.L), n - 1):
+            bounds = (0, *cuts, sm.L)
+            ranges = tuple((bounds[i], bounds[i + 1]) for i in range(n))
+            variants = recompute_variants(search, sm, groups, ranges, stage_groups, every=True)
+            yield from variants or ()
 
 
 def enumerate_splits(search: SearchState, sm: StageModel, cfg: Config, groups: list[Group], lb: float) -> bool:
@@ -73,10 +89,12 @@ def enumerate_splits(search: SearchState, sm: StageModel, cfg: Config, groups: l
     if cfg.virtual_stages > 1:
         _enumerate_interleaved(search, sm, groups, orders, lb)
         return True
-    candidates = [
-        (split_lower_bound(sm, search.cluster, groups, split), split)
-        for split in fitting_splits(search, sm, groups, orders)
-    ]
+    splits = (
+        all_recompute_splits(search, sm, groups, orders)
+        if cfg.schedule == "planned"
+        else fitting_splits(search, sm, groups, orders)
+    )
+    candidates = [(split_lower_bound(sm, search.cluster, groups, split), split) for split in splits]
     if not candidates:
         search.infeasible += 1
         return True
@@ -96,11 +114,11 @@ def _enumerate_interleaved(
     Splits are taken in the order of their bound without recompute (the least any of their
     variants can take, as recompute only adds time), so the search stops at the first split
     whose every variant loses to the best plan."""
-    n, k = sm.cfg.num_stages, sm.cfg.pipeline_degree
+    n = sm.cfg.num_stages
     least = tuple(recompute_options(search.options, s)[0] for s in range(n))
     bases: list[tuple[float, Split]] = []
     for order in orders:
-        stage_groups = tuple(order[s % k] for s in range(n))
+        stage_groups = tuple(order[sm.owner[s]] for s in range(n))
         for ranges in _promising_ranges(sm, [groups[g].speed for g in stage_groups], least, search.best_step):
             base = Split(ranges, least, stage_groups)
             bases.append((split_lower_bound(sm, search.cluster, groups, base), base))
@@ -145,8 +163,8 @@ def _promising_ranges(
     bounds = [0] * (n + 1)
 
     def extend(s: int, a: int, fwd_before: float) -> Iterator[tuple[tuple[int, int], ...]]:
-        r = s % k
-        if s < k:
+        r = sm.owner[s]
+        if s == sm.rank_stages[r][0]:
             reach[r] = fwd_before
         stops = [num_layers] if s == n - 1 else range(a + 1, num_layers - (n - s - 1) + 1)
         for b in stops:

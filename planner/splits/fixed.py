@@ -15,8 +15,7 @@ def fixed_split(search: SearchState, sm: StageModel, groups: Sequence[Group], or
     """The user's ranges with the cheapest recompute flags that fit."""
     ranges = fixed_ranges(search.options)
     assert ranges is not None
-    k = sm.cfg.pipeline_degree
-    stage_groups = tuple(order[s % k] for s in range(len(ranges)))
+    stage_groups = tuple(order[sm.owner[s]] for s in range(len(ranges)))
     return with_recompute(search, sm, groups, tuple(ranges), stage_groups)
 
 

@@ -65,7 +65,7 @@ def greedy_split(
                 b: int, g: Group = g, rc: bool = rc, a: int = a, s: int = s, in_f: float = in_f, out_b: float = out_b
             ) -> float:
                 wait = idle_bound(sm, a, b, rc, s, g.speed, smax) if idle else 0.0
-                return in_f + m * sm.work_ms(a, b, rc, g.speed) + wait + max(out_b, sm.allreduce(a, b, g))
+                return sm.stage_value(in_f, out_b, a, b, rc, g.speed, sm.allreduce(a, b, g)) + wait
 
             def ok(
                 b: int, g: Group = g, rc: bool = rc, a: int = a, s: int = s, value: Callable[[int], float] = value,
@@ -84,7 +84,7 @@ def greedy_split(
         out_ranges.append((a, best_b))
         rcs.append(best_rc)
         f = (sm.F[best_b] - sm.F[a]) / g.speed
-        bw = (sm.B[best_b] - sm.B[a]) / g.speed + (f if best_rc else 0.0)
+        bw = (sm.gradient_prefix(best_b) - sm.gradient_prefix(a)) / g.speed + (f if best_rc else 0.0)
         x = 0.0
         if s < k - 1:
             nxt = groups[order[s + 1]]
@@ -107,7 +107,7 @@ def greedy_candidates(
     # plain test ignores the fill and drain, which the simulated step pays
     # and, for 1F1B, with the steady state's transfer cycles too (greedy_split's ``window``)
     variants = [(False, False)]
-    if cfg.schedule != "interleaved-1f1b" and cfg.pipeline_degree > 1:
+    if cfg.schedule in ("1f1b", "gpipe") and cfg.pipeline_degree > 1:
         variants.append((True, False))
         if cfg.schedule == "1f1b":
             variants.append((True, True))

@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from planner.costmodel import rank_memory_bytes
 from planner.search.model import (
     Split,
     StageModel,
@@ -61,8 +60,8 @@ def interleaved_split(
     take smaller chunks rather than recomputing.
     """
     cfg = sm.cfg
-    k, n = cfg.pipeline_degree, cfg.num_stages
-    speeds = [groups[order[s % k]].speed for s in range(n)]
+    n = cfg.num_stages
+    speeds = [groups[order[sm.owner[s]]].speed for s in range(n)]
 
     def cut(t: float) -> tuple[tuple[int, int], ...] | None:
         a = 0
@@ -89,7 +88,7 @@ def interleaved_split(
     ranges = cut(t)
     if ranges is None:  # pragma: no cover - bisect returns a feasible value
         return None
-    stage_groups = tuple(order[s % k] for s in range(n))
+    stage_groups = tuple(order[sm.owner[s]] for s in range(n))
     split = with_recompute(search, sm, groups, ranges, stage_groups)
     if split is not None and not (memory_aware and any(split.recompute)):
         return split
@@ -126,8 +125,8 @@ def interleaved_mixed_split(
     if search.options.recompute is not None:
         return None  # the user fixed recompute: the other splits follow it
     cfg = sm.cfg
-    k, n = cfg.pipeline_degree, cfg.num_stages
-    stage_groups = tuple(order[s % k] for s in range(n))
+    n = cfg.num_stages
+    stage_groups = tuple(order[sm.owner[s]] for s in range(n))
     speeds = [groups[g].speed for g in stage_groups]
     t0 = work_total(sm.costs) / (n * max(speeds))
     found: tuple[tuple[tuple[int, int], ...], tuple[bool, ...]] | None = None
@@ -168,7 +167,7 @@ def _mixed_cut(
     rcs: list[bool] = []
     a = 0
     for s in range(n):
-        r = s % k
+        r = sm.owner[s]
         g = groups[stage_groups[s]]
         lo_b, hi_b = (sm.L, sm.L) if s == n - 1 else (a + 1, sm.L - (n - s - 1))
         budget = (len(own[r]) + 1) * t - done[r]
@@ -180,10 +179,7 @@ def _mixed_cut(
             ) -> bool:
                 if sm.work_ms(a, b, rc, g.speed) > budget:
                     return False
-                mem = rank_memory_bytes(
-                    sm.costs, [*own[r], (a, b)], [*own_rc[r], rc], sm.training, inflight=sm.inflight[r]
-                )
-                return math.ceil(mem) <= g.limit_bytes
+                return math.ceil(sm.memory_upper(r, [*own[r], (a, b)], [*own_rc[r], rc])) <= g.limit_bytes
 
             b = farthest(fits, lo_b, hi_b)
             if b is not None and (best_b is None or b > best_b):
@@ -208,7 +204,7 @@ def _memory_aware_cut(
     out = []
     a = 0
     for s in range(n):
-        r = s % k
+        r = sm.owner[s]
         g = groups[stage_groups[s]]
         lo_b, hi_b = (sm.L, sm.L) if s == n - 1 else (a + 1, sm.L - (n - s - 1))
 
@@ -216,8 +212,7 @@ def _memory_aware_cut(
             if sm.work_ms(a, b, rc, g.speed) > t:
                 return False
             chunks = [*own[r], (a, b)]
-            mem = rank_memory_bytes(sm.costs, chunks, [rc] * len(chunks), sm.training, inflight=sm.inflight[r])
-            return math.ceil(mem) <= g.limit_bytes
+            return math.ceil(sm.memory_upper(r, chunks, [rc] * len(chunks))) <= g.limit_bytes
 
         b = farthest(fits, lo_b, hi_b)
         if b is None:
@@ -226,3 +221,4 @@ def _memory_aware_cut(
         out.append((a, b))
         a = b
     return tuple(out)
+

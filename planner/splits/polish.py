@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 
-from planner.search.model import StageModel
 from planner.search.space import fixed_ranges
 from planner.search.state import SearchState, consider
 from planner.splits.recompute import with_recompute
@@ -24,7 +23,7 @@ def polish(search: SearchState) -> None:
         return
     stop_work = search.work + POLISH_SHARE * search.work_budget
     cfg, split, groups = search.best
-    sm = StageModel(search.costs_at(cfg.microbatch_size(search.training.global_batch_size)), cfg, search.training)
+    sm = search.stage_model(cfg)
     if fixed_ranges(search.options) is not None:
         return
     improved = True

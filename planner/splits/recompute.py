@@ -20,8 +20,8 @@ import itertools
 import math
 from collections.abc import Sequence
 
-from planner.costmodel import rank_memory_bytes, rank_memory_from_terms, rank_memory_terms
-from planner.search.model import Split, StageModel, recompute_options
+from planner.costmodel import rank_memory_from_terms, rank_memory_terms
+from planner.search.model import Split, StageModel, planned_memory, recompute_options
 from planner.search.space import Group
 from planner.search.state import SearchState
 
@@ -30,12 +30,10 @@ def with_recompute(
     search: SearchState, sm: StageModel, groups: Sequence[Group], ranges: tuple[tuple[int, int], ...], stage_groups: tuple[int, ...]
 ) -> Split | None:
     """Recompute only where needed: per stage (v = 1) or per rank (all its chunks, v > 1)."""
-    k = sm.cfg.pipeline_degree
     n = len(ranges)
     search.work += n
     rcs = [False] * n
-    for r in range(k):
-        own = [s for s in range(n) if s % k == r]
+    for own in sm.rank_stages:
         choices = [tuple(recompute_options(search.options, s)) for s in own]
         found = False
         # try no recompute first, then everything the options allow, cheapest first
@@ -44,9 +42,7 @@ def with_recompute(
             key=lambda c: sum(sm.F[ranges[s][1]] - sm.F[ranges[s][0]] for s, x in zip(own, c, strict=True) if x),
         )
         for combo in combos[:16]:
-            mem = rank_memory_bytes(
-                sm.costs, [ranges[s] for s in own], list(combo), sm.training, inflight=sm.inflight[r]
-            )
+            mem = rank_peak(sm, [ranges[s] for s in own], combo, sm.owner[own[0]])
             if math.ceil(mem) <= groups[stage_groups[own[0]]].limit_bytes:
                 for s, x in zip(own, combo, strict=True):
                     rcs[s] = x
@@ -57,22 +53,30 @@ def with_recompute(
     return Split(ranges, tuple(rcs), stage_groups)
 
 
+def rank_peak(sm: StageModel, chunks: Sequence[tuple[int, int]], recompute: Sequence[bool], rank: int) -> float:
+    """Exact peak bytes of ``rank`` holding ``chunks`` with these recompute flags (its
+    schedule's memory walk; for ``planned``, the one micro-batch it needs and keeps to)."""
+    terms = rank_memory_terms(sm.costs, chunks, sm.training)
+    if sm.cfg.schedule == "planned":
+        return planned_memory(terms, recompute[0])
+    return rank_memory_from_terms(terms, recompute, sm.points[rank])
+
+
 #: most recompute variants of one split (product over ranks) before giving up on exactness
 VARIANT_LIMIT = 256
 
 
 def _minimal_fitting(
     sm: StageModel, groups: Sequence[Group], ranges: tuple[tuple[int, int], ...], own: list[int],
-    choices: list[tuple[bool, ...]], limit_bytes: int, rank: int,
+    choices: list[tuple[bool, ...]], limit_bytes: int, rank: int, *, every: bool = False,
 ) -> list[tuple[bool, ...]]:
     """The inclusion-minimal recompute sets of one rank's chunks that fit, smallest first
-    (supersets of a fitting set are never evaluated)."""
+    (supersets of a fitting set are never evaluated; with ``every``, all fitting sets)."""
 
-    static, acts, inputs = rank_memory_terms(sm.costs, [ranges[s] for s in own], sm.training)
-    inflight = sm.inflight[rank]
+    chunks = [ranges[s] for s in own]
 
     def fits(combo: tuple[bool, ...]) -> bool:
-        return math.ceil(rank_memory_from_terms(static, acts, inputs, combo, inflight=inflight)) <= limit_bytes
+        return math.ceil(rank_peak(sm, chunks, combo, rank)) <= limit_bytes
 
     least = tuple(c[0] for c in choices)  # recompute_options lists False first when allowed
     free = [j for j, c in enumerate(choices) if len(c) > 1]
@@ -80,7 +84,7 @@ def _minimal_fitting(
     for size in range(len(free) + 1):
         for subset in itertools.combinations(free, size):
             chosen = frozenset(subset)
-            if any(f <= chosen for f in found):
+            if not every and any(f <= chosen for f in found):
                 continue
             if fits(tuple(x or j in chosen for j, x in enumerate(least))):
                 found.append(chosen)
@@ -95,19 +99,21 @@ def recompute_variants(
     stage_groups: tuple[int, ...],
     *,
     cache: dict[tuple[int, int, tuple[tuple[int, int], ...]], list[tuple[bool, ...]]] | None = None,
+    every: bool = False,
 ) -> list[Split] | None:
     """Every split of these ranges that can be the fastest (see the module doc): one per
     combination of each rank's inclusion-minimal fitting recompute sets.  ``[]`` when some rank
     cannot fit; None when there are more than ``VARIANT_LIMIT`` (then not exact).
 
+    ``every``: every fitting set, not only the minimal ones (for ``planned``, whose order
+    depends on memory, so recompute can make it faster).
+
     ``cache`` keeps each rank's minimal sets by (rank, memory limit, its chunks' ranges) across
     the splits of one configuration, where the same chunks recur."""
-    k = sm.cfg.pipeline_degree
     n = len(ranges)
     per_rank: list[tuple[list[int], list[tuple[bool, ...]]]] = []
     count = 1
-    for r in range(k):
-        own = [s for s in range(n) if s % k == r]
+    for r, own in enumerate(sm.rank_stages):
         choices = [tuple(recompute_options(search.options, s)) for s in own]
         limit = groups[stage_groups[own[0]]].limit_bytes
         key = (r, limit, tuple(ranges[s] for s in own))
@@ -115,7 +121,7 @@ def recompute_variants(
             minimal = cache[key]
         else:
             search.work += n
-            minimal = _minimal_fitting(sm, groups, ranges, own, choices, limit, r)
+            minimal = _minimal_fitting(sm, groups, ranges, own, choices, limit, r, every=every)
             if cache is not None:
                 cache[key] = minimal
         if not minimal:

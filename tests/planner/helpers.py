@@ -12,13 +12,25 @@ from planner.schema import Cluster, LayerProfile, MeasuredOn, Plan, Profile, Sch
 MiB = 2**20
 
 
-def random_profile(seed: int, layers: int, *, sizes: tuple[int, ...] = (1, 2, 4)) -> Profile:
+def random_profile(
+    seed: int, layers: int, *, sizes: tuple[int, ...] = (1, 2, 4), split_backward: bool = False
+) -> Profile:
+    """``split_backward``: also measured input and weight gradients (any share of the
+    backward, summing to between 0.8 and 1.2 times it) and bytes held between them."""
     rng = random.Random(seed)
     out = []
     for i in range(layers):
         f = rng.uniform(0.5, 3.0)
         ratio = rng.uniform(1.5, 2.5)
         act = rng.randint(1, 8) * MiB
+        extra: dict[str, list[float] | list[int]] = {}
+        if split_backward:
+            share, total = rng.uniform(0.0, 1.0), rng.uniform(0.8, 1.2)
+            extra = {
+                "backward_input_ms": [f * ratio * b * share * total for b in sizes],
+                "backward_weight_ms": [f * ratio * b * (1 - share) * total for b in sizes],
+                "weight_grad_bytes": [int(act * rng.uniform(0.2, 1.3)) * b for b in sizes],
+            }
         out.append(
             LayerProfile(
                 name=f"l{i}",
@@ -27,6 +39,7 @@ def random_profile(seed: int, layers: int, *, sizes: tuple[int, ...] = (1, 2, 4)
                 backward_ms=[f * ratio * b for b in sizes],
                 activation_bytes=[act * b for b in sizes],
                 output_bytes=[rng.randint(1, 4) * MiB // 4 * b for b in sizes],
+                **extra,  # type: ignore[arg-type]
             )
         )
     return Profile(
@@ -94,9 +107,12 @@ def brute_force_all(profile: Profile, cl: Cluster, training: TrainingSetup) -> f
     degree D and pipeline degree K with D·K <= devices, each micro-batch count M, each schedule
     and chunk count v, each split into K·v stages and each recompute choice per stage.
 
-    Only the planner's documented limits of its space apply: at most MAX_VIRTUAL_STAGES
-    chunks per device, interleaving only across K >= 2 ranks, and micro-batches at most
-    MAX_EXTRAPOLATION times the largest profiled size.  Shapes the executor cannot run are refused by the cost model itself (InputError).
+    Every schedule is tried: the one-chunk ones (gpipe, 1f1b, zb-h1, zb-h2, planned), the
+    interleaved ones with 2..MAX_VIRTUAL_STAGES chunks and the V ones with two.  Only the
+    planner's documented limits of its space apply: at most MAX_VIRTUAL_STAGES chunks per
+    device, interleaving only across K >= 2 ranks, and micro-batches at most
+    MAX_EXTRAPOLATION times the largest profiled size.  Shapes the executor cannot run are
+    refused by the cost model itself (InputError).
     """
     from planner.errors import InputError
     from planner.search.space import MAX_EXTRAPOLATION, MAX_VIRTUAL_STAGES
@@ -110,9 +126,11 @@ def brute_force_all(profile: Profile, cl: Cluster, training: TrainingSetup) -> f
             for m in range(1, g // d + 1):
                 if (g // d) % m or g // (d * m) > MAX_EXTRAPOLATION * profile.microbatch_sizes[-1]:
                     continue
-                shapes: list[tuple[Schedule, int]] = [("gpipe", 1), ("1f1b", 1)]
+                shapes: list[tuple[Schedule, int]] = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("zb-h2", 1), ("planned", 1)]
                 if k >= 2:
                     shapes += [("interleaved-1f1b", v) for v in range(2, MAX_VIRTUAL_STAGES + 1)]
+                    shapes += [("interleaved-zb", v) for v in range(2, MAX_VIRTUAL_STAGES + 1)]
+                    shapes += [("zbv", 2), ("dualpipev", 2)]
                 for schedule, v in shapes:
                     stages = k * v
                     if stages > n:
@@ -134,3 +152,17 @@ def brute_force_all(profile: Profile, cl: Cluster, training: TrainingSetup) -> f
                             continue
                         break
     return best
+
+
+def runnable_m(schedule: Schedule, k: int, m: int, v: int) -> int:
+    """The smallest micro-batch count >= ``m`` the schedule runs with on K ranks of v chunks
+    (a multiple of K when it needs one)."""
+    from planner.schedules import ScheduleError, check_schedule_shape
+
+    for cand in [*range(m, 2 * k * m + 2 * k + 1)]:
+        try:
+            check_schedule_shape(schedule, k, cand, v)
+        except ScheduleError:
+            continue
+        return cand
+    raise AssertionError(f"no micro-batch count runs {schedule} with K={k} v={v}")

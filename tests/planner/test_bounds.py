@@ -17,10 +17,11 @@ from planner.bounds.chunk_memory import chunk_memory_bound
 from planner.bounds.memory import memory_work_bound, static_memory_bound
 from planner.bounds.work import cheap_bound
 from planner.costmodel import estimate, plan_fits
+from planner.schedules import placement_of, stage_rank
 from planner.schema import Cluster, PlanOptions, Profile, TrainingSetup
 from planner.search.space import Config, make_groups
 from planner.search.state import SearchState
-from tests.planner.helpers import brute_force, cluster, random_profile
+from tests.planner.helpers import brute_force, cluster, random_profile, runnable_m
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -45,8 +46,9 @@ def exhaustive_both(
     orders = sorted(set(itertools.permutations(range(k)))) if not cl.homogeneous else [tuple(range(k))]
     rc_choices = [(recompute,) * stages] if recompute is not None else list(itertools.product((False, True), repeat=stages))
     best = least_busy = math.inf
+    owner = [stage_rank(placement_of(cfg.schedule), s, k, v) for s in range(stages)]
     for order in orders:
-        devices = [list(groups[order[s % k]].devices) for s in range(stages)]
+        devices = [list(groups[order[owner[s]]].devices) for s in range(stages)]
         for cuts in itertools.combinations(range(1, n), stages - 1):
             bounds = (0, *cuts, n)
             ranges = [(bounds[i], bounds[i + 1]) for i in range(stages)]
@@ -59,7 +61,7 @@ def exhaustive_both(
                     best = min(best, plan.predicted.step_time_ms)
                     busy = [0.0] * k
                     for st_ in plan.stages:
-                        busy[st_.index % k] += st_.forward_ms + st_.backward_ms
+                        busy[owner[st_.index]] += st_.forward_ms + st_.backward_ms
                     least_busy = min(least_busy, cfg.num_microbatches * max(busy))
     return best, least_busy
 
@@ -67,6 +69,8 @@ def exhaustive_both(
 SHAPES = [
     (2, 1, "gpipe"), (3, 1, "gpipe"), (2, 1, "1f1b"), (3, 1, "1f1b"),
     (2, 2, "interleaved-1f1b"), (3, 2, "interleaved-1f1b"),
+    (2, 1, "zb-h1"), (3, 1, "zb-h1"), (2, 1, "zb-h2"), (3, 1, "zb-h2"), (2, 1, "planned"), (3, 1, "planned"),
+    (2, 2, "zbv"), (3, 2, "zbv"), (2, 2, "dualpipev"), (2, 2, "interleaved-zb"), (3, 2, "interleaved-zb"),
 ]
 
 
@@ -86,12 +90,9 @@ def test_cheap_bound_never_exceeds_the_exhaustive_optimum(
     """``d = 2`` runs two data-parallel replicas, so every rank all-reduces its gradients
     (what :func:`planner.bounds.work.rank_allreduce_bound` counts)."""
     k, v, schedule = shape
-    if schedule == "interleaved-1f1b" and m % k:
-        m = k * m
-    if schedule == "1f1b" and m < k:
-        m = k  # Schedule1F1B needs M >= K
+    m = runnable_m(schedule, k, m, v)  # type: ignore[arg-type]
     layers = 6 if k * v < 6 else 7
-    profile = random_profile(seed, layers)
+    profile = random_profile(seed, layers, split_backward=seed % 2 == 1)
     speeds = [1.0] + [0.5] * (k * d - 1) if slow else None
     cl = cluster(k * d, memory, speeds=speeds)
     training = TrainingSetup(global_batch_size=8 * m * d, optimizer="sgd")
@@ -147,10 +148,7 @@ def test_memory_bounds_never_exceed_the_optimum_when_memory_binds(
 ) -> None:
     """Memory between 5 % and 120 % of what keeping every activation would take."""
     k, v, schedule = shape
-    if schedule == "interleaved-1f1b" and m % k:
-        m = k * m
-    if schedule == "1f1b" and m < k:
-        m = k  # Schedule1F1B needs M >= K
+    m = runnable_m(schedule, k, m, v)  # type: ignore[arg-type]
     profile = activation_heavy_profile(seed, 6 if k * v < 6 else 7)
     training = TrainingSetup(global_batch_size=4 * m, optimizer="sgd")
     acts = sum(layer.activation_bytes[-1] for layer in profile.layers)  # at micro-batch size 4
@@ -316,7 +314,7 @@ def test_split_bound_is_tight_when_the_first_stage_is_the_bottleneck(k: int, ext
     seed=st.integers(0, 10_000),
     k=st.integers(2, 5),
     extra=st.integers(0, 5),
-    schedule=st.sampled_from(["1f1b", "gpipe"]),
+    schedule=st.sampled_from(["1f1b", "gpipe", "zb-h1", "zb-h2", "planned"]),
     rc=st.booleans(),
     speed=st.sampled_from([0.5, 1.0]),
     transfers=st.sampled_from([0.0, 0.3, 5.0]),
@@ -332,12 +330,15 @@ def test_relaxed_stage_test_is_monotone(
 
     m = k + extra
     layers = 9
-    profile = random_profile(seed, layers)
+    profile = random_profile(seed, layers, split_backward=seed % 2 == 1)
     training = TrainingSetup(global_batch_size=2 * m, optimizer="sgd")
     sm = StageModel(layer_costs(profile, 2), Config(1, k, m, schedule), training)  # type: ignore[arg-type]
     for s in range(k):
         for a in range(layers):
-            values = [m * sm.work_ms(a, b, rc, speed) + idle_bound(sm, a, b, rc, s, speed, 1.0, transfers=transfers)
+            # the whole stage test (split backwards: the weight gradients may trail)
+            out_b = sm.gradient_prefix(a) + 3.0
+            values = [sm.stage_value(1.0, out_b, a, b, rc, speed, 0.1 * b)
+                      + idle_bound(sm, a, b, rc, s, speed, 1.0, transfers=transfers)
                       for b in range(a + 1, layers + 1)]
             assert all(x <= y * (1 + 1e-12) for x, y in itertools.pairwise(values)), (s, a, values)
 
@@ -420,10 +421,10 @@ def test_chunk_memory_bound_is_stronger_where_chunks_must_recompute() -> None:
     chunk's share of its memory, which the whole-model bounds cannot see.  The chunk bound is
     clearly above them and still below the exhaustive optimum's busiest rank."""
     k, v, m = 2, 2, 4
-    profile = activation_heavy_profile(10, 6)
+    profile = activation_heavy_profile(11, 6)
     training = TrainingSetup(global_batch_size=4 * m, optimizer="sgd")
     acts = sum(layer.activation_bytes[-1] for layer in profile.layers)
-    cl = cluster(k, f"{int(acts * min(m, k * v + k) / k * 0.2 / 0.9)}B")
+    cl = cluster(k, f"{int(acts * min(m, k * v + k) / k * 0.3 / 0.9)}B")
     cfg = Config(1, k, m, "interleaved-1f1b", v)
     search = SearchState(profile, cl, training, PlanOptions(), deadline=math.inf)
     groups = make_groups(cl, training, 1, k)
@@ -481,13 +482,15 @@ def _blocks_and_head(memory: str) -> tuple[Profile, Cluster, TrainingSetup, Conf
     return profile, cluster(2, memory), TrainingSetup(global_batch_size=32, optimizer="sgd"), Config(1, 2, 4, "interleaved-1f1b", 2)
 
 
-@pytest.mark.parametrize("memory", ["1GiB", "2GiB"])
+@pytest.mark.parametrize("memory", ["512MiB", "768MiB"])
 def test_chunk_bound_counts_whole_layers_and_a_head_only_one_chunk_can_keep(
     memory: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """1 GiB: a kept chunk holds whole layers, so whole-layer runs beat the fractional
-    knapsack; 2 GiB: only one chunk can keep the head, so setting it apart beats runs that
-    let every rank claim it.  Each version stays below the exhaustive busiest rank."""
+    """512 MiB: a kept chunk holds whole layers, so whole-layer runs beat the fractional
+    knapsack; 768 MiB: only one chunk can keep the head, so setting it apart beats runs that
+    let every rank claim it.  Each version stays below the exhaustive busiest rank.  (The
+    memory walk lets a rank keep a large last chunk with few micro-batches in flight, so the
+    margins are a few per cent.)"""
     import planner.bounds.chunk_memory as chunk_memory
 
     profile, cl, training, cfg = _blocks_and_head(memory)
@@ -505,10 +508,10 @@ def test_chunk_bound_counts_whole_layers_and_a_head_only_one_chunk_can_keep(
     _, busiest = exhaustive_both(profile, cl, training, cfg)
     assert full <= busiest * (1 + 1e-9)
     assert knapsack_only <= runs_only <= full
-    if memory == "1GiB":
-        assert runs_only > 1.05 * knapsack_only
+    if memory == "512MiB":
+        assert runs_only > 1.03 * knapsack_only
     else:
-        assert full > 1.05 * runs_only
+        assert full > 1.015 * runs_only
 
 
 @SETTINGS
@@ -527,12 +530,9 @@ def test_pinned_ranks_with_their_allreduce_stay_below_the_optimum(
     from planner.bounds.work import rank_allreduce_bound
 
     k, v, schedule = shape
-    if schedule == "interleaved-1f1b" and m % k:
-        m = k * m
-    if schedule == "1f1b" and m < k:
-        m = k
+    m = runnable_m(schedule, k, m, v)  # type: ignore[arg-type]
     d = 2
-    profile = random_profile(seed, 6 if k * v < 6 else 7)
+    profile = random_profile(seed, 6 if k * v < 6 else 7, split_backward=seed % 2 == 1)
     cl = Cluster.model_validate({
         "devices": k * d, "memory": "1GiB", "devices_per_node": 2 * k,
         "intra_node": {"bandwidth_bytes_per_s": bandwidth, "latency_s": 1e-4},

@@ -61,7 +61,7 @@ def test_plan_is_valid_and_never_worse_than_baselines(
     layers=st.integers(3, 8),
     k=st.integers(2, 3),
     m=st.sampled_from([1, 2, 4, 8]),
-    schedule=st.sampled_from(["gpipe", "1f1b"]),
+    schedule=st.sampled_from(["gpipe", "1f1b", "zb-h1", "zb-h2", "planned"]),
     memory=st.sampled_from(["48MiB", "96MiB", "1GiB"]),
 )
 def test_optimal_against_brute_force(seed: int, layers: int, k: int, m: int, schedule: str, memory: str) -> None:
@@ -71,11 +71,11 @@ def test_optimal_against_brute_force(seed: int, layers: int, k: int, m: int, sch
     if 8 % m:
         return
     options = PlanOptions(stages=k, num_microbatches=m, schedule=schedule, data_parallel=1)  # type: ignore[arg-type]
-    if schedule == "1f1b" and m < k:
-        # the runtime's Schedule1F1B needs M >= K: no configuration, and the message says so
+    if schedule in ("1f1b", "zb-h1") and m < k:
+        # the runtime's Schedule1F1B needs M >= K: no configuration, and the message names the rule
         from planner.errors import InputError
 
-        with pytest.raises(InputError, match="no configuration"):
+        with pytest.raises(InputError, match=f"cannot run with these options: .*M={m} < K={k}"):
             solve(profile, cl, training, options)
         return
     oracle = brute_force(profile, cl, training, k=k, m=m, schedule=schedule)  # type: ignore[arg-type]
@@ -143,7 +143,9 @@ def test_fixed_options_are_respected() -> None:
         (PlanOptions(num_microbatches=5), "num_microbatches=5"),
         (PlanOptions(stages=2, recompute=[True, False, True]), "recompute lists 3 flags"),
         (PlanOptions(stages=[StageRange(start=0, stop=5), StageRange(start=6, stop=12)]), "leaves layers 5:6"),
-        (PlanOptions(schedule="1f1b", virtual_stages=2), "needs schedule interleaved-1f1b"),
+        (PlanOptions(schedule="1f1b", virtual_stages=2), "does not suit schedule '1f1b'.*choose interleaved-1f1b"),
+        (PlanOptions(schedule="zbv", virtual_stages=3), "does not suit schedule 'zbv', which runs two stages"),
+        (PlanOptions(schedule="dualpipev", num_microbatches=4, stages=3), r"dualpipev needs .* M >= 2K"),
     ],
 )
 def test_contradictory_options(options: PlanOptions, needle: str) -> None:
@@ -207,8 +209,11 @@ def test_1f1b_is_what_makes_it_fit() -> None:
     with pytest.raises(InfeasibleError):
         solve(profile, cl, training, gpipe)
     plan = solve(profile, cl, training, opts)
-    assert plan.schedule in ("1f1b", "interleaved-1f1b")
+    # fewer micro-batches in flight than GPipe: 1F1B, or a zero-bubble or planned schedule
+    assert plan.schedule != "gpipe"
     assert_valid(plan, profile)
+    one = solve(profile, cl, training, opts.model_copy(update={"schedule": "1f1b"}))
+    assert plan.predicted.step_time_ms <= one.predicted.step_time_ms * (1 + 1e-9)
 
 
 def test_1f1b_stages_beside_a_slow_link_take_less_work() -> None:

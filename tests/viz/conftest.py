@@ -12,6 +12,9 @@ CASES = {
     "gpipe": ("gpipe", [(0, 2), (2, 4), (4, 6), (6, 8)], [True, False, False, False], 1, 4),
     "1f1b": ("1f1b", [(0, 3), (3, 8)], [False, True], 2, 2),
     "interleaved-1f1b": ("interleaved-1f1b", [(i, i + 1) for i in range(8)], [False] * 8, 1, 4),
+    "zb-h1": ("zb-h1", [(0, 2), (2, 4), (4, 6), (6, 8)], [False, False, True, False], 1, 4),
+    "zbv": ("zbv", [(i, i + 1) for i in range(8)], [False] * 8, 1, 4),
+    "planned": ("planned", [(0, 3), (3, 8)], [False, True], 2, 2),
 }
 
 

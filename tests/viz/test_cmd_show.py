@@ -104,3 +104,29 @@ def test_show_bad_plan_files(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert main(["show", str(bad)]) == 1
     err = capsys.readouterr().err
     assert "invalid plan" in err and "stages" in err
+
+
+def test_show_writes_the_actions_as_torch_csv(tiny_profile: Profile, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """One row per rank, one action per cell: what the plan predicted (its own actions)."""
+    plan = make_plan(tiny_profile, "zbv")
+    path = tmp_path / "plan.json"
+    path.write_text(plan.model_dump_json())
+    out_csv = tmp_path / "actions.csv"
+    assert main(["show", str(path), "--actions", str(out_csv)]) == 0
+    assert f"actions of 4 ranks (zbv) written to {out_csv}" in capsys.readouterr().out
+    rows = out_csv.read_text().splitlines()
+    assert plan.actions is not None
+    assert [row.split(",") for row in rows] == [line.split() for line in plan.actions]
+    assert rows[0].startswith("0F0,") and "7I0" in rows[0].split(",")  # rank 0 holds stages 0 and 7 (V)
+    assert main(["show", str(path), "--actions", "-"]) == 0
+    assert capsys.readouterr().out.splitlines() == rows
+    assert main(["show", str(path), "--actions", str(tmp_path / "no" / "such.csv")]) == 1
+    assert "cannot write the actions" in capsys.readouterr().err
+
+
+def test_show_grid_draws_input_and_weight_gradients(tiny_profile: Profile) -> None:
+    grid = text_grid(make_plan(tiny_profile, "zb-h1"))
+    cells = {c for line in grid.splitlines() if line.startswith("rank") for c in line.split("|")[1].split()}
+    assert any(c.startswith("I") for c in cells) and any(c.startswith("W") for c in cells)
+    assert "I input gradient, W weight gradient" in grid.splitlines()[-1]
+    assert "(V placement)" in text_grid(make_plan(tiny_profile, "zbv")).splitlines()[0]
