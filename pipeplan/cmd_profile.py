@@ -89,7 +89,7 @@ def _profile(profile: Any, entry: Any, args: argparse.Namespace, sizes: list[int
         device=args.device,
         dtype=args.dtype,
         split_points=split_points,
-        loss_fn=entry.loss_fn,
+        loss_fn=entry.output_loss(),  # a loss(output, target) gets the first batch's targets
         warmup=args.warmup,
         repeats=args.repeats,
         num_threads=args.threads,
