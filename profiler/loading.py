@@ -354,7 +354,8 @@ def loss_takes_target(loss_fn: Callable[..., Any], *, spec: str = "the entry poi
     """Whether ``loss_fn`` is ``loss(output, target)``: two required positional parameters
     (``loss(output)``: one).  ``F.cross_entropy`` and ``nn.CrossEntropyLoss()`` take a target."""
     try:
-        params = list(inspect.signature(loss_fn).parameters.values())
+        target = loss_fn.forward if isinstance(loss_fn, nn.Module) else loss_fn  # a loss module's call is *args
+        params = list(inspect.signature(target).parameters.values())
     except (TypeError, ValueError):
         raise InputError(
             f"cannot read the parameters of the loss of {spec!r} ({_describe(loss_fn)}): wrap it in a "

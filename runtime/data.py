@@ -217,8 +217,8 @@ def judge(reports: Sequence[DataReport], *, step: int, per_replica: bool) -> tup
     failed = [r for r in reports if r.error is not None]
     if failed:
         first = failed[0]
-        others = f" (and on {len(failed) - 1} other rank(s))" if len(failed) > 1 else ""
-        return f"{first.error} [rank {first.rank}{others}]", None
+        others = f" and {len(failed) - 1} other rank(s)" if len(failed) > 1 else ""
+        return f"{first.error} (on rank {first.rank}{others})", None
     readers = [r for r in reports if r.fingerprint is not None]
     groups: dict[int, list[DataReport]] = {}
     for r in readers:

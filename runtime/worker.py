@@ -510,7 +510,7 @@ def _train(
             skip = bool(flag.item() > 0)
             scaler.update(skip)
         norm = None
-        if (opts.clip_grad_norm is not None or log is not None) and not skip:
+        if (opts.clip_grad_norm is not None or args.log_file) and not skip:  # every rank joins the reduction
             part = squared_norm(p.grad for p in params if p.grad is not None and id(p) not in not_mine_in_norm)
             total = part.to(device)
             dist.all_reduce(total, group=pp_group)  # replicas hold the same averaged gradient
@@ -658,7 +658,7 @@ def _finish(
             + (", the last stage's targets" if entry.takes_target else "")
             + "; no other rank reads data)"
         )
-    notes.extend(w for g in gathered for w in g["warnings"][:1])
+    notes.extend(f"warning: {w}" for w in gathered[0]["warnings"])  # every rank judged the same reports
     if any(isinstance(mod, torch.nn.Dropout) and mod.p > 0 for mod in entry.model.modules()):
         notes.append(
             "dropout: every layer draws from its own random stream, seeded by (seed, step, replica, "
