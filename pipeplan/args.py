@@ -62,6 +62,11 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-size", type=int, help="global batch size (default 32)")
     g.add_argument("--optimizer", help="sgd, sgd-momentum, adam, adamw, or a -mixed variant (default adam)")
     g.add_argument("--memory-margin", type=float, help="fraction of memory kept free (default 0.1)")
+    g.add_argument(
+        "--dtype",
+        help="compute dtype of the run: bf16, fp16 (autocast, fp32 master weights) or fp32; "
+        "activation and parameter bytes are rescaled from the profile's dtype (default: the profile's, unscaled)",
+    )
 
 
 def add_output_args(p: argparse.ArgumentParser) -> None:
@@ -176,8 +181,10 @@ def cluster_from_args(args: argparse.Namespace, profile: Profile | None) -> Clus
 
 def training_from_args(args: argparse.Namespace) -> TrainingSetup:
     if args.training:
-        if any(getattr(args, f) is not None for f in ("batch_size", "optimizer", "memory_margin")):
-            raise InputError("give either --training FILE or --batch-size/--optimizer/--memory-margin, not both")
+        if any(getattr(args, f) is not None for f in ("batch_size", "optimizer", "memory_margin", "dtype")):
+            raise InputError(
+                "give either --training FILE or --batch-size/--optimizer/--memory-margin/--dtype, not both"
+            )
         loaded: TrainingSetup = load_document("training", args.training)
         return loaded
     check_flag("--batch-size", args.batch_size, MAX_GLOBAL_BATCH, "samples per step")
@@ -188,6 +195,8 @@ def training_from_args(args: argparse.Namespace) -> TrainingSetup:
         data["optimizer"] = args.optimizer
     if args.memory_margin is not None:
         data["memory_margin"] = args.memory_margin
+    if args.dtype is not None:
+        data["dtype"] = args.dtype
     result: TrainingSetup = parse_document("training", data, source="(from the command line)")
     return result
 

@@ -11,8 +11,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "profile",
         help="measure a PyTorch model per layer (time, activation memory, cut bytes)",
         description="Measure a model's layers at several micro-batch sizes and write a profile. "
-        "The model comes from a function taking no arguments that returns (model, example_inputs) "
-        "or (model, example_inputs, loss_fn); the default loss is output.float().mean().",
+        "The model comes from a function taking no arguments that returns (model, example_inputs), "
+        "(model, example_inputs, loss_fn) or (model, example_inputs, loss_fn, data); the default loss is "
+        "output.float().mean(), and a loss_fn(output, target) gets the targets of the data's first batch.",
     )
     p.add_argument(
         "--model",
@@ -89,7 +90,7 @@ def _profile(profile: Any, entry: Any, args: argparse.Namespace, sizes: list[int
         device=args.device,
         dtype=args.dtype,
         split_points=split_points,
-        loss_fn=entry.loss_fn,
+        loss_fn=entry.output_loss(),  # a loss(output, target) gets the first batch's targets
         warmup=args.warmup,
         repeats=args.repeats,
         num_threads=args.threads,

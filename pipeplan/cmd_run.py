@@ -15,9 +15,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "run",
         help="run a plan on torch.distributed.pipelining and compare with the prediction",
         description="Launch the processes a plan needs (torchrun-compatible), train --steps steps on "
-        "the data function FUNC returns as its 4th element, data_fn(step, batch_size) -> the step's global "
-        "batch (else on synthetic data shaped like the example inputs), print measured against predicted "
-        "step and stage times, and with --check prove the pipelined run matches the unsplit model.",
+        "the data FUNC returns as its 4th element (data_fn(step, batch_size), an iterable of global batches "
+        "such as a DataLoader, or runtime.data.Loader; else synthetic data shaped like the example inputs), "
+        "with targets for a loss_fn(output, target), in fp32 or under bf16/fp16 autocast, print measured "
+        "against predicted step and stage times, and with --check prove the pipelined run matches the "
+        "unsplit model.",
     )
     p.add_argument("--plan", required=True, help="plan JSON file, or an http(s):// URL of the planning service")
     add_worker_args(p, for_launcher=True)
@@ -58,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from profiler.split import split_model
     from runtime.launch import Rendezvous, launch
     from runtime.plan_check import check_optimizer_supported, check_plan_matches
+    from runtime.worker import train_options
 
     if args.steps < 1:
         raise InputError(f"--steps {args.steps}: give at least 1")
@@ -68,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
     plan = _load_plan(args.plan)
     optimizer = args.optimizer or plan.training.optimizer
     check_optimizer_supported(optimizer)
+    opts = train_options(args, plan, optimizer)
     world = plan.world_size
     nproc = args.nproc_per_node or world // args.nnodes
     if nproc * args.nnodes != world:
@@ -89,7 +93,9 @@ def run(args: argparse.Namespace) -> int:
         sha256=split.sha256(),
         world_size=nproc * args.nnodes,
         optimizer=optimizer,
+        dtype=opts.dtype,
     )
+    _check_data(entry, plan, args.steps)
     del entry, split
     k = plan.pipeline_degree
     stage_of = {
@@ -108,11 +114,20 @@ def run(args: argparse.Namespace) -> int:
             "--steps", str(args.steps),
             "--optimizer", optimizer,
             "--lr", repr(args.lr),
+            "--lr-schedule", args.lr_schedule,
+            "--warmup-steps", str(args.warmup_steps),
+            "--min-lr", repr(args.min_lr),
+            "--dtype", opts.dtype,
             "--seed", str(args.seed),
             "--timeout", repr(args.timeout),
             "--backend", args.backend,
-            "--tolerance", repr(args.tolerance),
         ]  # fmt: skip
+        if args.tolerance is not None:
+            worker_args += ["--tolerance", repr(args.tolerance)]
+        if args.clip_grad_norm is not None:
+            worker_args += ["--clip-grad-norm", repr(args.clip_grad_norm)]
+        if args.log_file:
+            worker_args += ["--log-file", os.path.abspath(args.log_file)]
         if args.check:
             worker_args.append("--check")
         if args.report:
@@ -136,3 +151,18 @@ def run(args: argparse.Namespace) -> int:
             verbose=args.verbose,
         )
     return 0
+
+
+def _check_data(entry: Any, plan: Any, steps: int) -> None:
+    """Read the first batch of every replica's data here, so that data that does not fit the
+    model or the plan (wrong shapes, no targets for a loss that takes them, fewer batches than
+    --steps) is refused before any rank starts.  This process's own copy of the data is read:
+    the ranks call FUNC again."""
+    from runtime.data import DataSource
+
+    source = DataSource.of(entry, global_batch_size=plan.global_batch_size, steps=steps)
+    if source.kind == "synthetic":
+        return
+    d = plan.data_parallel_degree
+    for replica in range(d if source.kind == "per-replica" else 1):
+        source.open(replica, d if source.kind == "per-replica" else 1).next(0)

@@ -81,7 +81,8 @@ def summary_lines(plan: Plan, comparisons: Sequence[Comparison] = ()) -> list[st
         + f", pipeline degree K={plan.pipeline_degree}, data-parallel D={plan.data_parallel_degree}"
         + (f", {plan.idle_devices} device(s) idle" if plan.idle_devices else ""),
         f"micro-batches M={plan.num_microbatches} of {plan.microbatch_size} "
-        f"(global batch {plan.global_batch_size})",
+        f"(global batch {plan.global_batch_size})"
+        + (f", made for {plan.training.dtype}" if plan.training.dtype else ""),
         f"predicted step {p.step_time_ms:.2f} ms, {p.throughput_samples_per_s:.1f} samples/s, "
         f"bubble {p.bubble_fraction:.1%}, {_ratio(p.step_time_ms, p.lower_bound_ms)} the lower bound "
         f"{p.lower_bound_ms:.2f} ms" + (f", all-reduce {p.allreduce_ms:.2f} ms" if p.allreduce_ms else ""),

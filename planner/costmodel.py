@@ -216,6 +216,63 @@ def split_backward(sizes: Sequence[int], layer: LayerProfile, b: int, backward: 
     return i, w
 
 
+#: bytes per element of the dtypes a profile or a plan may name
+DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+#: metadata key of a profile rescaled by :func:`profile_in_dtype`: the original structure fingerprint
+_SHA_KEY = "rescaled_from_structure_sha256"
+
+
+def profile_in_dtype(profile: Profile, dtype: str | None) -> Profile:
+    """``profile`` with its memory in the bytes of a run in ``dtype`` (the memory-by-dtype hook).
+
+    A run in ``dtype`` computes under autocast with float32 master weights, gradients and
+    optimizer state.  So each layer's ``activation_bytes`` and ``kept_inputs`` are scaled by
+    ``bytes(dtype) / bytes(profile dtype)`` and its ``param_bytes`` by ``4 / bytes(profile
+    dtype)``.  What crosses a cut (``output_bytes``, ``cut_bytes``, ``input_bytes``) and the
+    times keep the profile's values.  ``dtype`` ``None``, a float32 profile for a float32 run,
+    or a profile this function made already: ``profile`` itself.  The element-size ratio is a simplification: autocast keeps
+    normalisation, softmax and residual streams in float32 and saves 16-bit copies of the
+    weights, so a float32 GPT profile run in bfloat16 keeps about 0.67 of its bytes, not 0.5
+    (see the README).  The result keeps the original's structure fingerprint (:func:`structure_sha`).
+    """
+    src = profile.measured_on.dtype
+    if dtype is None or src not in DTYPE_BYTES or _SHA_KEY in profile.metadata:
+        return profile  # nothing asked, an unknown dtype, or rescaled already
+    act = DTYPE_BYTES[dtype] / DTYPE_BYTES[src]
+    par = DTYPE_BYTES["float32"] / DTYPE_BYTES[src]
+    if act == 1 and par == 1:
+        return profile
+    layers = [
+        layer.model_copy(
+            update={
+                "param_bytes": round(layer.param_bytes * par),
+                "activation_bytes": [round(x * act) for x in layer.activation_bytes],
+                "weight_grad_bytes": None
+                if layer.weight_grad_bytes is None
+                else [round(x * act) for x in layer.weight_grad_bytes],
+                "kept_inputs": None
+                if layer.kept_inputs is None
+                else [k.model_copy(update={"bytes": [round(x * act) for x in k.bytes]}) for k in layer.kept_inputs],
+            }
+        )
+        for layer in profile.layers
+    ]
+    return profile.model_copy(
+        update={
+            "layers": layers,
+            "measured_on": profile.measured_on.model_copy(update={"dtype": dtype}),
+            "metadata": {**profile.metadata, _SHA_KEY: structure_sha(profile)},
+        }
+    )
+
+
+def structure_sha(profile: Profile) -> str:
+    """The structure fingerprint of the model ``profile`` measured (that of the original
+    profile when it was rescaled by :func:`profile_in_dtype`)."""
+    sha = profile.metadata.get(_SHA_KEY)
+    return sha if isinstance(sha, str) else profile.sha256()
+
+
 def _prefix(values: Sequence[float]) -> tuple[float, ...]:
     out = [0.0]
     for v in values:
@@ -430,6 +487,7 @@ def estimate(
     (default: :func:`default_devices`).  ``actions`` (one string per rank, as
     ``Plan.actions``) replaces the schedule's own order, e.g. to re-evaluate a plan.
     """
+    profile = profile_in_dtype(profile, training.dtype)
     ranges = [(s.start, s.stop) if isinstance(s, StageRange) else (int(s[0]), int(s[1])) for s in stages]
     try:
         check_coverage(ranges, profile.num_layers)
@@ -557,7 +615,7 @@ def estimate(
     ]
     return Plan(
         model=profile.model,
-        profile_sha256=profile.sha256(),
+        profile_sha256=structure_sha(profile),
         num_layers=profile.num_layers,
         schedule=schedule,
         placement=placement,

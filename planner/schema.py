@@ -365,8 +365,18 @@ class Cluster(_Model):
 # --------------------------------------------------------------------------- training
 
 
+#: compute dtypes a plan can be made for (``TrainingSetup.dtype``), and the short names the
+#: command line also accepts
+DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+DTYPE_ALIASES: Mapping[str, str] = MappingProxyType({"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"})
+
+
+def _dtype_name(value: Any) -> Any:
+    return DTYPE_ALIASES.get(value, value) if isinstance(value, str) else value
+
+
 class TrainingSetup(_Model):
-    """What one training step does: batch, optimizer state, memory margin."""
+    """What one training step does: batch, optimizer state, memory margin, compute dtype."""
 
     global_batch_size: Annotated[int, Field(ge=1, le=MAX_GLOBAL_BATCH)] = 32
     optimizer: str = Field(default="adam", description=f"one of {', '.join(OPTIMIZERS)}")
@@ -377,12 +387,31 @@ class TrainingSetup(_Model):
     memory_margin: Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)] = Field(
         default=0.10, description="fraction of each device's memory reserved for workspace"
     )
+    dtype: Annotated[Literal["float32", "bfloat16", "float16"] | None, BeforeValidator(_dtype_name)] = Field(
+        default=None,
+        description="compute dtype the plan is made for: bfloat16/float16 run the stages under autocast "
+        "with float32 master weights, gradients and optimizer state (bf16, fp16, fp32 are accepted too); "
+        "activation bytes are scaled from the profile's dtype to this one and parameter bytes to float32. "
+        "None: the profile's own dtype, unscaled (pipeplan run reads it as float32)",
+    )
 
     @model_validator(mode="after")
     def _check_optimizer(self) -> TrainingSetup:
         if self.optimizer_state_bytes_per_param_byte is None and self.optimizer not in OPTIMIZERS:
             raise unknown_preset("optimizer", self.optimizer, OPTIMIZERS)
+        if self.dtype is not None and self.optimizer.endswith("-mixed"):
+            raise ValueError(
+                f"optimizer {self.optimizer!r} with dtype {self.dtype!r}: with a dtype, parameters, "
+                "gradients and optimizer state are already counted in float32 (the master copy), which "
+                "is what a -mixed preset adds for a 16-bit profile; use optimizer "
+                f"{self.optimizer.removesuffix('-mixed')!r}"
+            )
         return self
+
+    @property
+    def run_dtype(self) -> str:
+        """The dtype ``pipeplan run`` trains this plan in (``dtype``, float32 when unset)."""
+        return self.dtype or "float32"
 
     @property
     def optimizer_state_factor(self) -> float:

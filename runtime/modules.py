@@ -33,17 +33,39 @@ class Recompute(nn.Module):
         return checkpoint(run, *args, use_reentrant=False)
 
 
+class Autocast(nn.Module):
+    """Runs ``inner`` under ``torch.autocast`` to a 16-bit ``dtype`` (float32 parameters stay
+    the master weights: autocast casts them per operation, and their gradients are float32)."""
+
+    def __init__(self, inner: nn.Module, device_type: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.inner = inner
+        self.device_type = device_type
+        self.dtype = dtype
+
+    def forward(self, *args: Any) -> Any:
+        with torch.autocast(self.device_type, dtype=self.dtype):
+            return self.inner(*args)
+
+
 def stage_examples(
-    split: Any, example_inputs: Sequence[Tensor], microbatch_size: int, device: torch.device
+    split: Any,
+    example_inputs: Sequence[Tensor],
+    microbatch_size: int,
+    device: torch.device,
+    *,
+    dtype: str = "float32",
 ) -> list[tuple[tuple[Tensor, ...], tuple[Tensor, ...]]]:
     """Per unit: (its inputs, its outputs) on one micro-batch of the example inputs.
 
     Real values, as a training step computes them (integer ids in their range, masks,
-    ``requires_grad`` as in training), for ``PipelineStage(input_args=..., output_args=...)``;
-    outputs contiguous, as a pipeline stage sends them.  The model's state (BatchNorm
-    statistics) and the RNG are left as they were.
+    ``requires_grad`` as in training, the dtypes autocast to ``dtype`` gives), for
+    ``PipelineStage(input_args=..., output_args=...)``; outputs contiguous, as a pipeline
+    stage sends them.  The model's state (BatchNorm statistics) and the RNG are left as they
+    were.
     """
     from profiler.measure import resize_batch
+    from runtime.training import autocast
 
     model = split.model
     state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -53,7 +75,8 @@ def stage_examples(
         with torch.random.fork_rng(devices=devices), torch.enable_grad():
             x: tuple[Any, ...] = tuple(t.to(device) for t in resize_batch(example_inputs, microbatch_size))
             for u, unit in enumerate(split.units):
-                y = unit(*x)
+                with autocast(device, dtype):
+                    y = unit(*x)
                 ins = x if u == 0 else tuple(t.contiguous() for t in x)  # received as sent: contiguous
                 out.append((_fresh(ins), _fresh(tuple(t.contiguous() for t in y))))
                 x = tuple(t.detach().requires_grad_(t.requires_grad) for t in y)

@@ -26,8 +26,12 @@ def plan_mismatches(
     sha256: str | None = None,
     world_size: int | None = None,
     optimizer: str | None = None,
+    dtype: str | None = None,
 ) -> list[str]:
-    """Every way ``plan`` does not fit the model (and, when given, the job); empty when it fits."""
+    """Every way ``plan`` does not fit the model (and, when given, the job); empty when it fits.
+
+    ``dtype``: the run's compute dtype (``float32``, ``bfloat16``, ``float16``); a plan made
+    without one is a float32 plan."""
     problems: list[str] = []
     names = list(layer_names)
     if plan.num_layers != len(names):
@@ -84,6 +88,13 @@ def plan_mismatches(
             f"{plan.training.optimizer!r} (memory was planned for it): pass --optimizer "
             f"{plan.training.optimizer} or make the plan with --optimizer {optimizer}"
         )
+    if dtype is not None and dtype != plan.training.run_dtype:
+        made = plan.training.dtype or "float32 (made without --dtype)"
+        problems.append(
+            f"--dtype {dtype} does not match the dtype the plan was made for, {made} (its memory "
+            f"counts activations of that size): pass --dtype {plan.training.run_dtype} or make the plan "
+            f"with --dtype {dtype}"
+        )
     return problems
 
 
@@ -95,6 +106,7 @@ def check_plan_matches(
     sha256: str | None = None,
     world_size: int | None = None,
     optimizer: str | None = None,
+    dtype: str | None = None,
 ) -> None:
     """Raise :class:`PlanMismatchError` listing every mismatch between ``plan`` and the model/job."""
     problems = plan_mismatches(
@@ -104,22 +116,24 @@ def check_plan_matches(
         sha256=sha256,
         world_size=world_size,
         optimizer=optimizer,
+        dtype=dtype,
     )
     if problems:
-        fix = "" if all("launch" in p or "--optimizer" in p for p in problems) else f"\n  fix: {_REMAKE}"
+        job_only = all("launch" in p or "--optimizer" in p or "--dtype" in p for p in problems)
+        fix = "" if job_only else f"\n  fix: {_REMAKE}"
         raise PlanMismatchError(
             f"plan for {plan.model!r} does not match the model:\n  - " + "\n  - ".join(problems) + fix
         )
 
 
 def check_optimizer_supported(name: str) -> None:
-    """The executor builds plain float32 SGD / SGD with momentum / Adam / AdamW."""
+    """The executor builds SGD / SGD with momentum / Adam / AdamW on float32 master weights."""
     if name not in SUPPORTED_OPTIMIZERS:
         hint = ""
         if name.endswith("-mixed"):
             hint = (
-                f" ({name!r} is mixed precision, which the executor does not emulate: plan and run "
-                f"with --optimizer {name.removesuffix('-mixed')})"
+                f" ({name!r} is the mixed precision of a 16-bit profile, counting its fp32 master copy; for a mixed-precision run "
+                f"plan and run with --optimizer {name.removesuffix('-mixed')} --dtype bf16)"
             )
         raise PlanMismatchError(
             f"optimizer {name!r} is not supported by pipeplan run: choose one of "

@@ -8,13 +8,16 @@ Each rank rebuilds the model from the entry point, splits it with the profiler's
 (the same code that produced the profile, so layer ``i`` of the plan is unit ``i``), checks
 the plan against it, builds its ``PipelineStage`` (s) and the schedule the plan names from
 ``torch.distributed.pipelining``, and trains ``--steps`` steps on the entry point's data
-function when FUNC returns one (every rank computes the same global batch of a step and
-keeps its replica's shard; the ranks check that they agree), else on synthetic batches.  With
+(:mod:`runtime.data`: the ranks that use it read it, and check at every step that they
+agree), else on synthetic batches.  Targets reach the last stage through the schedule's
+``target=``.  With ``--dtype bf16|fp16`` the stages and the loss run under autocast with
+float32 master weights (fp16: dynamic loss scaling, one decision for the whole job).  With
 ``D > 1`` the ranks form a ``DeviceMesh`` of shape ``(D, K)`` (rank = d * K + k); gradients
 are averaged over the data axis, and tied parameters whose copies sit on different pipeline
-ranks have their gradients summed between those ranks.  Rank 0 gathers the measurements,
-prints the report, writes it with ``--report``, and with ``--check`` trains the unsplit model
-in its own process on the same data and compares.
+ranks have their gradients summed between those ranks; ``--clip-grad-norm`` clips to the
+norm of that whole gradient (summed over the pipeline ranks).  Rank 0 writes the per-step
+``--log``, gathers the measurements, prints the report, writes it with ``--report``, and
+with ``--check`` trains the unsplit model in its own process on the same data and compares.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import logging
+import math
 import os
 import socket
 import sys
@@ -42,7 +46,10 @@ EXIT_CHECK_FAILED = 3
 EXIT_HUNG = 124
 
 DEFAULT_TIMEOUT_S = 120.0
+#: --check tolerance of a float32 run (16-bit runs: runtime.training.DEFAULT_TOLERANCES)
 DEFAULT_TOLERANCE = 1e-5
+#: --dtype choices (short and long names)
+DTYPE_CHOICES = ("fp32", "bf16", "fp16", "float32", "bfloat16", "float16")
 
 
 def add_worker_args(p: argparse.ArgumentParser, *, for_launcher: bool = False) -> None:
@@ -53,7 +60,9 @@ def add_worker_args(p: argparse.ArgumentParser, *, for_launcher: bool = False) -
         "--model",
         required=True,
         help="MODULE:FUNC or path/to/file.py:FUNC (the profiled model); FUNC returns (model, example_inputs"
-        "[, loss_fn[, data_fn]]), data_fn(step, batch_size) -> that step's global batch of model inputs",
+        "[, loss_fn[, data]]): loss_fn(output) or loss_fn(output, target); data: data_fn(step, batch_size), "
+        "an iterable of global batches (a DataLoader) or runtime.data.Loader(make[, per_replica=True]), "
+        "yielding (inputs, targets) when the loss takes a target",
     )
     p.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
     p.add_argument(
@@ -62,6 +71,32 @@ def add_worker_args(p: argparse.ArgumentParser, *, for_launcher: bool = False) -
         help="sgd, sgd-momentum, adam, adamw; must match the plan's training optimizer (default: the plan's)",
     )
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+    p.add_argument(
+        "--lr-schedule",
+        choices=("constant", "cosine"),
+        default="constant",
+        help="constant, or cosine decay to --min-lr at the last step (default constant)",
+    )
+    p.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up steps (default 0)")
+    p.add_argument("--min-lr", type=float, default=0.0, help="where the cosine schedule ends (default 0)")
+    p.add_argument(
+        "--clip-grad-norm",
+        type=float,
+        metavar="MAX",
+        help="clip the gradient to this L2 norm, the norm of the whole model's gradient over every "
+        "pipeline rank (after the data-parallel average)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        help="compute dtype: bf16/fp16 run the stages under autocast with fp32 master weights "
+        "(fp16 with loss scaling); must match the plan's (default: the plan's, fp32 for a plan without one)",
+    )
+    p.add_argument(
+        "--log-file",
+        metavar="FILE",
+        help="write loss, lr, step time, throughput and gradient norm per step: CSV for *.csv, else JSON lines",
+    )
     p.add_argument(
         "--seed",
         type=int,
@@ -77,12 +112,46 @@ def add_worker_args(p: argparse.ArgumentParser, *, for_launcher: bool = False) -
     p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto", help="default: nccl on CUDA, else gloo")
     p.add_argument("--check", action="store_true", help="compare losses and final parameters with the unsplit model")
     p.add_argument(
-        "--tolerance", type=float, default=DEFAULT_TOLERANCE, help=f"--check relative tolerance (default {DEFAULT_TOLERANCE:g})"
+        "--tolerance",
+        type=float,
+        help=f"--check relative tolerance (default {DEFAULT_TOLERANCE:g} for fp32, 1e-2 for bf16, 2e-3 for fp16)",
     )
     p.add_argument("--report", metavar="FILE", help="write the measured-vs-predicted report JSON here")
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
     # RANK:STEP:MODE (raise|exit|hang): make one rank fail mid-step, for fault tests
     p.add_argument("--inject-fault", help=argparse.SUPPRESS)
+
+
+def train_options(args: argparse.Namespace, plan: Any, optimizer: str) -> Any:
+    """The :class:`runtime.training.TrainOptions` of the flags, checked (``--dtype`` defaults
+    to the plan's)."""
+    from runtime.training import RUN_DTYPES, TrainOptions
+
+    if args.lr <= 0:
+        raise InputError(f"--lr {args.lr}: give a positive learning rate")
+    if args.warmup_steps < 0:
+        raise InputError(f"--warmup-steps {args.warmup_steps}: give 0 or more")
+    if not 0 <= args.min_lr <= args.lr:
+        raise InputError(f"--min-lr {args.min_lr}: give a value between 0 and --lr {args.lr}")
+    if args.clip_grad_norm is not None and not args.clip_grad_norm > 0:
+        raise InputError(f"--clip-grad-norm {args.clip_grad_norm}: give a positive norm")
+    return TrainOptions(
+        optimizer=optimizer,
+        lr=args.lr,
+        steps=args.steps,
+        lr_schedule=args.lr_schedule,
+        warmup_steps=args.warmup_steps,
+        min_lr=args.min_lr,
+        clip_grad_norm=args.clip_grad_norm,
+        dtype=RUN_DTYPES[args.dtype] if args.dtype else plan.training.run_dtype,
+    )
+
+
+def tolerance(args: argparse.Namespace, dtype: str) -> float:
+    """``--tolerance``, or the default for ``dtype``."""
+    from runtime.training import DEFAULT_TOLERANCES
+
+    return float(args.tolerance) if args.tolerance is not None else DEFAULT_TOLERANCES[dtype]
 
 
 @dataclass(frozen=True)
@@ -187,6 +256,7 @@ def _run(args: argparse.Namespace, rank: int, status: RankStatus, progress: Prog
     plan: Plan = load_document("plan", args.plan)
     optimizer = args.optimizer or plan.training.optimizer
     check_optimizer_supported(optimizer)
+    opts = train_options(args, plan, optimizer)
     fault = Fault.parse(args.inject_fault) if args.inject_fault else None
 
     k_deg, v = plan.pipeline_degree, plan.virtual_stages
@@ -226,13 +296,14 @@ def _run(args: argparse.Namespace, rank: int, status: RankStatus, progress: Prog
         sha256=split.sha256(),
         world_size=world,
         optimizer=optimizer,
+        dtype=opts.dtype,
     )
     status.phase = "joining the process group"
     write_status(args.run_dir, status)
     timeout = datetime.timedelta(seconds=args.timeout)
     dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
     try:
-        return _train(args, plan, entry, split, rank, world, pp_rank, replica, my_stages, device, backend, optimizer, fault, status, progress)
+        return _train(args, plan, entry, split, rank, world, pp_rank, replica, my_stages, device, backend, opts, fault, status, progress)
     finally:
         progress.done = True
         dist.destroy_process_group()
@@ -250,7 +321,7 @@ def _train(
     my_stages: list[int],
     device: Any,
     backend: str,
-    optimizer_name: str,
+    opts: Any,
     fault: Fault | None,
     status: RankStatus,
     progress: Progress,
@@ -265,12 +336,16 @@ def _train(
     )
 
     from profiler.split import RngStreams
-    from runtime.modules import Recompute, stage_examples
+    from runtime.data import DataReport, DataSource, judge, loads_data
+    from runtime.modules import Autocast, Recompute, stage_examples
+    from runtime.steplog import StepLog
     from runtime.training import (
-        batch_fingerprint,
-        global_batch,
+        LossScaler,
+        autocast,
+        clip_coefficient,
+        has_nonfinite,
         make_optimizer,
-        replica_shard,
+        squared_norm,
         unique_parameters,
     )
 
@@ -292,9 +367,11 @@ def _train(
         pp_group = mesh.get_group("pp")
         dp_group = mesh.get_group("dp")
 
-    # ---- tied parameters whose copies land on different pipeline ranks: one group per replica
+    # ---- tied parameters whose copies land on different pipeline ranks: one group per replica.
+    # The lowest pipeline rank holding a copy counts it in the gradient norm.
     stage_of_unit = {u: st.index for st in plan.stages for u in range(st.start, st.stop)}
     tied: list[tuple[Any, torch.nn.Parameter]] = []
+    not_mine_in_norm: set[int] = set()
     for group in split.shared_parameters():
         ranks_k = sorted({stage_of_unit[u] % k_deg for u, _ in group})
         if len(ranks_k) < 2:
@@ -303,16 +380,19 @@ def _train(
             pg = dist.new_group([d * k_deg + kk for kk in ranks_k])
             if d == replica and pp_rank in ranks_k:
                 u, name = next((u, n) for u, n in group if stage_of_unit[u] % k_deg == pp_rank)
-                tied.append((pg, split.units[u].get_parameter(name)))
+                param = split.units[u].get_parameter(name)
+                tied.append((pg, param))
+                if pp_rank != ranks_k[0]:
+                    not_mine_in_norm.add(id(param))
 
     # ---- stages, built from real example activations at the micro-batch size (their dtypes,
-    # integer ranges and requires_grad flags are the training run's)
+    # integer ranges and requires_grad flags are the training run's, autocast included)
     timings: dict[int, dict[str, list[list[float]]]] = {s: {"forward": [], "backward": []} for s in my_stages}
     step_box = [0]
     streams = RngStreams(seed=args.seed, replica=replica)
     stages: list[Any] = []
     modules = []
-    examples = stage_examples(split, entry.example_inputs, plan.microbatch_size, device)
+    examples = stage_examples(split, entry.example_inputs, plan.microbatch_size, device, dtype=opts.dtype)
     for s in my_stages:
         sp = plan.stages[s]
         mod: Any = split.stage_module(sp.start, sp.stop, pipeline=True)
@@ -320,6 +400,8 @@ def _train(
         modules.append(mod)
         if sp.recompute:
             mod = Recompute(mod)
+        if opts.mixed:
+            mod = Autocast(mod, device.type, opts.torch_dtype)
         stage = PipelineStage(
             mod,
             s,
@@ -333,8 +415,13 @@ def _train(
         stages.append(stage)
     del examples
 
+    scaler = LossScaler(opts.dtype == "float16")
+
     def loss_fn(output: Any, target: Any) -> Any:
-        return entry.loss(split.rebuild_output(output if isinstance(output, tuple) else (output,)))
+        out = split.rebuild_output(output if isinstance(output, tuple) else (output,))
+        with autocast(device, opts.dtype):
+            value = entry.loss(out, target) if entry.takes_target else entry.loss(out)
+        return value * scaler.scale if scaler.enabled else value
 
     # scale_grads=False: the schedules divide each stage's gradients by M, which would divide
     # a weight shared by two stages of this rank twice; we divide every parameter once below
@@ -345,43 +432,65 @@ def _train(
     else:
         schedule = ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn, scale_grads=False)
     params = unique_parameters(modules)
-    opt = make_optimizer(optimizer_name, params, lr=args.lr)
+    opt = make_optimizer(opts.optimizer, params, lr=opts.lr)
     has_first = 0 in my_stages
     has_last = (num_stages - 1) in my_stages
     b = plan.microbatch_size
-    target = torch.zeros(m * b, device=device)
+
+    # ---- data: only the ranks that use it read it (first stage: inputs; last: targets)
+    source = DataSource.of(entry, global_batch_size=plan.global_batch_size, steps=args.steps, seed=args.seed)
+    reads = loads_data(source.kind, has_first=has_first, has_last=has_last, takes_target=entry.takes_target)
+    reader = source.open(replica, d_deg) if reads else None
+    dummy_target = torch.zeros(m * b, device=device)  # a loss of the output alone ignores it
+    warnings: list[str] = []
+    log = StepLog(args.log_file) if args.log_file and rank == 0 else None
 
     step_ms: list[float] = []
     local_losses: list[float | None] = []
+    grad_norms: list[float | None] = []
+    skipped: list[bool] = []
     status.state = "running"
     for step in range(args.steps):
         status.step = step
-        status.phase = "training"
+        status.phase = "reading data"
         write_status(args.run_dir, status)
         progress.beat = time.monotonic()
         progress.training = True
         step_box[0] = step
         streams.step = step
-        batch = global_batch(
-            entry.example_inputs,
-            plan.global_batch_size,
-            seed=args.seed,
-            step=step,
-            data_fn=entry.data_fn,
-            spec=args.model,
-            keywords=entry.keywords,
-        )
-        if entry.data_fn is not None:
-            _check_same_batch(batch_fingerprint(batch), step, rank, world, device)
-        shard = [t.to(device) for t in replica_shard(batch, replica, d_deg)]
+        shard = None
+        if source.kind == "synthetic":
+            if reader is not None:
+                shard, _ = reader.next(step)
+        else:
+            report = DataReport(rank, replica, None)
+            if reader is not None:
+                try:
+                    shard, fingerprint = reader.next(step)
+                    report = DataReport(rank, replica, fingerprint)
+                except InputError as err:
+                    report = DataReport(rank, replica, None, str(err))
+            reports: list[Any] = [None] * world
+            dist.all_gather_object(reports, report)
+            error, warning = judge(reports, step=step, per_replica=source.kind == "per-replica")
+            if error:
+                raise InputError(error)
+            if warning and not warnings:
+                warnings.append(warning)
+        inputs = [t.to(device) for t in shard.inputs] if has_first and shard is not None else []
+        target = None
+        if has_last:
+            targets = shard.targets if entry.takes_target and shard is not None else None
+            target = targets.to(device) if targets is not None else dummy_target
+        status.phase = "training"
+        write_status(args.run_dir, status)
+        progress.beat = time.monotonic()
         dist.barrier()
         _sync(device)
         t0 = time.perf_counter()
         losses: list[Any] = []
-        if has_first:
-            schedule.step(*shard, target=target, losses=losses)
-        else:
-            schedule.step(target=target, losses=losses)
+        scale = scaler.scale
+        schedule.step(*inputs, target=target, losses=losses)
         for p in params:
             if p.grad is not None:
                 p.grad.div_(m)  # mean over micro-batches, once per tensor
@@ -391,11 +500,42 @@ def _train(
             if p.grad is None:  # every holder must join the all-reduce
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=pg)
-        opt.step()
+        grads = [p.grad for p in params if p.grad is not None]
+        skip = False
+        if scaler.enabled:  # one decision for the whole job: any rank's inf skips the step everywhere
+            for g in grads:
+                g.div_(scale)
+            flag = torch.tensor([1.0 if has_nonfinite(grads) else 0.0], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            skip = bool(flag.item() > 0)
+            scaler.update(skip)
+        norm = None
+        if (opts.clip_grad_norm is not None or args.log_file) and not skip:  # every rank joins the reduction
+            part = squared_norm(p.grad for p in params if p.grad is not None and id(p) not in not_mine_in_norm)
+            total = part.to(device)
+            dist.all_reduce(total, group=pp_group)  # replicas hold the same averaged gradient
+            norm = math.sqrt(float(total))
+            if opts.clip_grad_norm is not None:
+                coef = clip_coefficient(norm, opts.clip_grad_norm)
+                for g in grads:
+                    g.mul_(coef)
+        lr = opts.lr_at(step)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        if not skip:
+            opt.step()
         opt.zero_grad(set_to_none=True)
         _sync(device)
         step_ms.append((time.perf_counter() - t0) * 1e3)
-        local_losses.append(sum(float(x.detach()) for x in losses) / len(losses) if has_last and losses else None)
+        mean_loss = sum(float(x.detach()) for x in losses) / len(losses) / scale if has_last and losses else None
+        local_losses.append(mean_loss)
+        grad_norms.append(norm)
+        skipped.append(skip)
+        if args.log_file:
+            _log_step(log, step, mean_loss, step_ms[-1], lr, norm, scaler.scale if scaler.enabled else None, skip,
+                      plan.global_batch_size, world, device)  # fmt: skip
+    if log is not None:
+        log.close()
 
     # ---- gather to rank 0
     status.step = None
@@ -413,6 +553,11 @@ def _train(
         "peak": peak,
         "threads": torch.get_num_threads(),
         "params": None,
+        "reads": reads,
+        "batches_read": reader.read if reader is not None else 0,
+        "grad_norms": grad_norms,
+        "skipped": skipped,
+        "warnings": warnings,
     }
     if args.check and replica == 0:
         mine["params"] = {
@@ -428,7 +573,45 @@ def _train(
         return 0
     # the report and the single-process reference need no other rank: stop the watchdog
     progress.done = True
-    return _finish(args, plan, entry, split, gathered, backend, device, optimizer_name)
+    return _finish(args, plan, entry, split, gathered, backend, device, opts, source)
+
+
+def _log_step(
+    log: Any,
+    step: int,
+    loss: float | None,
+    ms: float,
+    lr: float,
+    norm: float | None,
+    loss_scale: float | None,
+    skipped: bool,
+    global_batch: int,
+    world: int,
+    device: Any,
+) -> None:
+    """Every rank sends (loss, has loss, step ms); rank 0 writes the step's line: the mean loss
+    of the replicas and the slowest rank's time."""
+    import torch
+    import torch.distributed as dist
+
+    mine = torch.tensor([loss or 0.0, 1.0 if loss is not None else 0.0, ms], dtype=torch.float64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    if log is None:
+        return
+    rows = [t.tolist() for t in every]
+    count = sum(r[1] for r in rows)
+    step_ms = max(r[2] for r in rows)
+    log.write(
+        step=step,
+        loss=sum(r[0] for r in rows) / count if count else None,
+        lr=lr,
+        step_ms=step_ms,
+        samples_per_s=global_batch / (step_ms / 1e3) if step_ms > 0 else None,
+        grad_norm=norm,
+        loss_scale=loss_scale,
+        skipped=skipped,
+    )
 
 
 def _finish(
@@ -439,7 +622,8 @@ def _finish(
     gathered: list[Any],
     backend: str,
     device: Any,
-    optimizer_name: str,
+    opts: Any,
+    source: Any,
 ) -> int:
     import torch
 
@@ -465,9 +649,16 @@ def _finish(
                 bwd.setdefault(s, [[] for _ in t["backward"]])[i].extend(per)
             if g["peak"] is not None:
                 peak[s] = max(peak.get(s) or 0, g["peak"])
-    notes = []
-    if entry.data_fn is not None:
-        notes.append(f"data: the data function of {args.model} (global batch {plan.global_batch_size} per step)")
+    notes = [_training_note(opts, gathered)]
+    if entry.has_data:
+        readers = [g["rank"] for g in gathered if g["reads"]]
+        notes.append(
+            f"{source.describe(plan.data_parallel_degree)}; read by rank(s) "
+            f"{', '.join(map(str, readers))} (the first stage's inputs"
+            + (", the last stage's targets" if entry.takes_target else "")
+            + "; no other rank reads data)"
+        )
+    notes.extend(f"warning: {w}" for w in gathered[0]["warnings"])  # every rank judged the same reports
     if any(isinstance(mod, torch.nn.Dropout) and mod.p > 0 for mod in entry.model.modules()):
         notes.append(
             "dropout: every layer draws from its own random stream, seeded by (seed, step, replica, "
@@ -483,7 +674,7 @@ def _finish(
         peak_memory=peak,
         backend=backend,
         device=str(device.type),
-        optimizer=optimizer_name,
+        optimizer=opts.optimizer,
         lr=args.lr,
         seed=args.seed,
         threads_per_rank=gathered[0]["threads"],
@@ -492,7 +683,9 @@ def _finish(
     failed = None
     if args.check:
         from profiler.loading import load_entrypoint
+        from runtime.data import DataSource
 
+        tol = tolerance(args, opts.dtype)
         torch.manual_seed(args.seed)
         ref_entry = load_entrypoint(args.model)
         reference = train_reference(
@@ -505,11 +698,12 @@ def _finish(
             global_batch_size=plan.global_batch_size,
             microbatch_size=plan.microbatch_size,
             replicas=plan.data_parallel_degree,
-            optimizer=optimizer_name,
-            lr=args.lr,
+            optimizer=opts.optimizer,
+            lr=opts.lr,
             seed=args.seed,
             device=device,
-            data_fn=ref_entry.data_fn,
+            source=DataSource.of(ref_entry, global_batch_size=plan.global_batch_size, steps=steps, seed=args.seed),
+            options=opts,
         )
         params: dict[str, Any] = {}
         for g in gathered:
@@ -517,10 +711,10 @@ def _finish(
                 params.update(g["params"])
         got_losses = [x if x is not None else float("nan") for x in losses]
         cmp = compare(got_losses, params, reference)
-        passed = cmp.max_loss_rel_diff <= args.tolerance and cmp.max_param_rel_diff <= args.tolerance
+        passed = cmp.max_loss_rel_diff <= tol and cmp.max_param_rel_diff <= tol
         report.check = CheckReport(
             passed=passed,
-            tolerance=args.tolerance,
+            tolerance=tol,
             max_loss_rel_diff=cmp.max_loss_rel_diff,
             max_param_rel_diff=cmp.max_param_rel_diff,
             worst_param=cmp.worst_param,
@@ -528,7 +722,12 @@ def _finish(
             losses_pipelined=got_losses,
             losses_reference=reference.losses,
         )
-        if not passed and optimizer_name in ("adam", "adamw") and cmp.max_loss_rel_diff <= args.tolerance:
+        if opts.mixed:
+            report.notes.append(
+                f"check in {opts.dtype}: the reference runs the unsplit model under the same autocast; "
+                f"tolerance {tol:g} (16-bit rounding of the same operations, grouped differently)"
+            )
+        if not passed and opts.optimizer in ("adam", "adamw") and cmp.max_loss_rel_diff <= tol:
             report.notes.append(
                 "Adam divides each update by the root of the squared-gradient average, so a parameter whose "
                 "true gradient is zero (e.g. attention key biases) moves by about lr on rounding noise alone; "
@@ -539,7 +738,7 @@ def _finish(
             failed = (
                 f"--check failed: the pipelined run differs from the unsplit model by {cmp.max_loss_rel_diff:.3g} "
                 f"(losses) and {cmp.max_param_rel_diff:.3g} (parameters, worst {cmp.worst_param}), more than the "
-                f"tolerance {args.tolerance:g}"
+                f"tolerance {tol:g}"
             )
     text = report.to_json()
     if args.report:
@@ -549,28 +748,37 @@ def _finish(
     print("\n".join(render_lines(report)), flush=True)
     if args.report:
         print(f"report written to {args.report}", flush=True)
+    if args.log_file:
+        print(f"per-step log written to {args.log_file}", flush=True)
     if failed:
         raise CheckFailedError(failed)
     return 0
 
 
-def _check_same_batch(fingerprint: int, step: int, rank: int, world: int, device: Any) -> None:
-    """Refuse to train when the data function gave the ranks different batches for a step."""
-    import torch
-    import torch.distributed as dist
-
-    mine = torch.tensor([fingerprint], dtype=torch.int64, device=device)
-    every = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine)
-    values = [int(t.item()) for t in every]
-    differ = [r for r, v in enumerate(values) if v != values[0]]
-    if differ:
-        raise InputError(
-            f"the data function gave rank {differ[0]} a different global batch than rank 0 at step {step} "
-            f"(rank {rank} sees {len(differ)} of {world} ranks differ): data_fn(step, batch_size) must be "
-            "deterministic in its arguments (seed a torch.Generator from step, do not use the global RNG "
-            "or the rank)"
+def _training_note(opts: Any, gathered: list[Any]) -> str:
+    """One line: dtype, learning-rate schedule, clipping (and how often it clipped), loss scaling."""
+    parts = [
+        "float32"
+        if not opts.mixed
+        else f"{opts.dtype} autocast with float32 master weights, gradients and optimizer state"
+        + (" and dynamic loss scaling" if opts.dtype == "float16" else "")
+    ]
+    lr = f"lr {opts.lr:g}"
+    if opts.warmup_steps:
+        lr += f" after {opts.warmup_steps} linear warm-up step(s)"
+    if opts.lr_schedule == "cosine":
+        lr += f", cosine decay to {opts.min_lr:g}"
+    parts.append(lr)
+    if opts.clip_grad_norm is not None:
+        norms = [n for n in gathered[0]["grad_norms"] if n is not None]
+        clipped = sum(1 for n in norms if n > opts.clip_grad_norm)
+        parts.append(
+            f"gradients clipped to global norm {opts.clip_grad_norm:g} (norm above it on {clipped} of {len(norms)} steps)"
         )
+    skipped = sum(gathered[0]["skipped"])
+    if skipped:
+        parts.append(f"{skipped} step(s) skipped for inf/NaN gradients")
+    return "training: " + ", ".join(parts)
 
 
 def _sync(device: Any) -> None:
@@ -582,16 +790,18 @@ def _sync(device: Any) -> None:
 
 def _allreduce_mean(grads: list[Any], group: Any, replicas: int) -> None:
     """Average gradients over the data-parallel group, in one flat buffer."""
+    import torch
     import torch.distributed as dist
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
     if not grads:
         return
-    flat = _flatten_dense_tensors(grads)  # type: ignore[no-untyped-call]
+    flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=group)
     flat /= replicas
-    for g, new in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):  # type: ignore[no-untyped-call]
-        g.copy_(new)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 def _time_stage(

@@ -82,7 +82,7 @@ from collections.abc import Sequence
 from planner.bounds.memory import memory_bounds
 from planner.bounds.relaxed import relaxed_bound, relaxed_memory_fits
 from planner.bounds.work import cheap_bound
-from planner.costmodel import estimate, static_bytes
+from planner.costmodel import estimate, profile_in_dtype, static_bytes
 from planner.infeasible import diagnose
 from planner.schema import Cluster, Plan, PlanOptions, Profile, SolverInfo, TrainingSetup
 from planner.search.model import work_total
@@ -145,6 +145,7 @@ def solve(
     """
     options = options or PlanOptions()
     start = time.perf_counter()
+    profile = profile_in_dtype(profile, training.dtype)  # memory in the bytes of the plan's dtype
     configs = enumerate_configs(profile, cluster, training, options)
     search = SearchState(profile, cluster, training, options, deadline=start + options.time_limit_s)
     # Budgets count work, not seconds, so that the same input gives the same plan on any

@@ -212,5 +212,5 @@ def f():
 
 def test_five_elements_are_refused(tmp_path: Path) -> None:
     path = _write(tmp_path, _DATA_MODEL + "\ndef f():\n    m, x = model_and_inputs()\n    return m, x, None, None, 1\n", name="five.py")
-    with pytest.raises(InputError, match="returned a 5-element tuple.*loss_fn, data_fn"):
+    with pytest.raises(InputError, match="returned a 5-element tuple.*loss_fn, data\\)"):
         load_entrypoint(f"{path}:f")

@@ -49,11 +49,13 @@ def make_plan(
     optimizer: str = "sgd",
     microbatch_size: int = 2,
     pipeline_degree: int | None = None,
+    dtype: str | None = None,
+    devices: int = 2,
 ) -> Plan:
-    cluster = parse_document("cluster", {"devices": 2, "device_type": "cpu", "intra_node": "loopback"})
+    cluster = parse_document("cluster", {"devices": devices, "device_type": "cpu", "intra_node": "loopback"})
     training = parse_document(
         "training",
-        {"global_batch_size": microbatch_size * microbatches * data_parallel, "optimizer": optimizer},
+        {"global_batch_size": microbatch_size * microbatches * data_parallel, "optimizer": optimizer, "dtype": dtype},
     )
     return estimate(
         profile,

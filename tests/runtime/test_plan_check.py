@@ -65,6 +65,17 @@ def test_world_size_and_optimizer(plan) -> None:  # type: ignore[no-untyped-def]
     assert any("--optimizer 'adam' does not match the plan's training optimizer 'sgd'" in p for p in problems)
 
 
+def test_dtype_must_match_the_plan(plan) -> None:  # type: ignore[no-untyped-def]
+    assert plan.training.dtype is None
+    assert not plan_mismatches(plan, layer_names=NAMES, param_bytes=PARAMS, dtype="float32")
+    (problem,) = plan_mismatches(plan, layer_names=NAMES, param_bytes=PARAMS, dtype="bfloat16")
+    assert "--dtype bfloat16 does not match the dtype the plan was made for, float32" in problem
+    assert "make the plan with --dtype bfloat16" in problem
+    bf16 = plan.model_copy(update={"training": plan.training.model_copy(update={"dtype": "bfloat16"})})
+    (problem,) = plan_mismatches(bf16, layer_names=NAMES, param_bytes=PARAMS, dtype="float32")
+    assert "made for, bfloat16" in problem and "pass --dtype bfloat16" in problem
+
+
 def test_unsupported_optimizer() -> None:
     with pytest.raises(PlanMismatchError, match="mixed precision.*--optimizer adam"):
         check_optimizer_supported("adam-mixed")

@@ -1,0 +1,69 @@
+"""The per-step training log of ``pipeplan run --log FILE``: CSV or JSON lines.
+
+One record per step: ``step``, ``loss`` (the mean over the step's micro-batches and
+replicas), ``lr``, ``step_ms`` (the slowest rank), ``samples_per_s`` (global batch / step
+time), ``grad_norm`` (the global gradient norm before clipping), ``loss_scale`` (float16
+only) and ``skipped`` (a float16 step skipped for inf/NaN gradients).  ``*.csv`` gets a
+header line and empty cells for missing values; anything else one JSON object per line
+(``null`` for missing values).  Rank 0 writes and flushes each line as its step ends, so a
+plotting tool can follow a running job.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+FIELDS = ("step", "loss", "lr", "step_ms", "samples_per_s", "grad_norm", "loss_scale", "skipped")
+
+
+class StepLog:
+    """Append one record per step to ``path`` (created or truncated)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.csv = self.path.suffix.lower() == ".csv"
+        self._file = self.path.open("w", encoding="utf-8", newline="")
+        self._writer = csv.DictWriter(self._file, fieldnames=FIELDS) if self.csv else None
+        if self._writer is not None:
+            self._writer.writeheader()
+            self._file.flush()
+
+    def write(self, **record: Any) -> None:
+        unknown = set(record) - set(FIELDS)
+        if unknown:
+            raise ValueError(f"unknown log fields {sorted(unknown)}")
+        row = {k: record.get(k) for k in FIELDS}
+        if self._writer is not None:
+            self._writer.writerow({k: "" if v is None else v for k, v in row.items()})
+        else:
+            self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_log(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a log written by :class:`StepLog` (numbers as numbers, missing as None)."""
+    p = Path(path)
+    text = p.read_text(encoding="utf-8")
+    if p.suffix.lower() != ".csv":
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+    out = []
+    for row in csv.DictReader(text.splitlines()):
+        rec: dict[str, Any] = {}
+        for k in FIELDS:
+            v = row.get(k, "")
+            if v == "" or v is None:
+                rec[k] = None
+            elif k == "skipped":
+                rec[k] = v == "True"
+            elif k == "step":
+                rec[k] = int(v)
+            else:
+                rec[k] = float(v)
+        out.append(rec)
+    return out
