@@ -307,7 +307,7 @@ def _train(
 
     # ---- stages, built from real example activations at the micro-batch size (their dtypes,
     # integer ranges and requires_grad flags are the training run's)
-    timings: dict[int, dict[str, list[list[float]]]] = {s: {"forward": [], "backward": []} for s in my_stages}
+    timings: dict[int, dict[str, list[list[Any]]]] = {s: {"forward": [], "backward": [], "events": []} for s in my_stages}
     step_box = [0]
     streams = RngStreams(seed=args.seed, replica=replica)
     stages: list[Any] = []
@@ -333,8 +333,15 @@ def _train(
         stages.append(stage)
     del examples
 
+    last_record = timings.get(num_stages - 1)
+
     def loss_fn(output: Any, target: Any) -> Any:
-        return entry.loss(split.rebuild_output(output if isinstance(output, tuple) else (output,)))
+        t0 = time.perf_counter()
+        value = entry.loss(split.rebuild_output(output if isinstance(output, tuple) else (output,)))
+        if last_record is not None:  # the profile counts the loss in the last layer's forward: so do we
+            _sync(device)
+            _fold_loss(last_record, step_box[0], t0, time.perf_counter())
+        return value
 
     # scale_grads=False: the schedules divide each stage's gradients by M, which would divide
     # a weight shared by two stages of this rank twice; we divide every parameter once below
@@ -352,6 +359,7 @@ def _train(
     target = torch.zeros(m * b, device=device)
 
     step_ms: list[float] = []
+    phases: list[list[float]] = []
     local_losses: list[float | None] = []
     status.state = "running"
     for step in range(args.steps):
@@ -382,19 +390,29 @@ def _train(
             schedule.step(*shard, target=target, losses=losses)
         else:
             schedule.step(target=target, losses=losses)
+        _sync(device)
+        t_schedule = time.perf_counter()
         for p in params:
             if p.grad is not None:
                 p.grad.div_(m)  # mean over micro-batches, once per tensor
         if dp_group is not None:
             _allreduce_mean([p.grad for p in params if p.grad is not None], dp_group, d_deg)
+        _sync(device)
+        t_allreduce = time.perf_counter()
         for pg, p in tied:
             if p.grad is None:  # every holder must join the all-reduce
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=pg)
+        _sync(device)
+        t_tied = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
         _sync(device)
-        step_ms.append((time.perf_counter() - t0) * 1e3)
+        t_end = time.perf_counter()
+        step_ms.append((t_end - t0) * 1e3)
+        # where the step went, for calibration (runtime/report.py): start on the host's clock,
+        # then schedule, data-parallel all-reduce, tied-weight all-reduce, optimizer (ms)
+        phases.append([t0, t_schedule - t0, t_allreduce - t_schedule, t_tied - t_allreduce, t_end - t_tied])
         local_losses.append(sum(float(x.detach()) for x in losses) / len(losses) if has_last and losses else None)
 
     # ---- gather to rank 0
@@ -410,6 +428,9 @@ def _train(
         "step_ms": step_ms,
         "losses": local_losses,
         "timings": timings,
+        "phases": phases,
+        "host": socket.gethostname(),
+        "allreduce_bytes": sum(p.numel() * p.element_size() for p in params) if dp_group is not None else 0,
         "peak": peak,
         "threads": torch.get_num_threads(),
         "params": None,
@@ -443,7 +464,7 @@ def _finish(
 ) -> int:
     import torch
 
-    from runtime.report import CheckReport, build_report, render_lines
+    from runtime.report import RankRecord, build_report, check_report, render_lines
     from runtime.training import compare, train_reference
 
     steps = args.steps
@@ -488,6 +509,18 @@ def _finish(
         seed=args.seed,
         threads_per_rank=gathered[0]["threads"],
         notes=notes,
+        ranks=[
+            RankRecord(
+                rank=g["rank"],
+                replica=g["replica"],
+                host=g["host"],
+                stages=g["stages"],
+                allreduce_bytes=g["allreduce_bytes"],
+                phases=g["phases"],
+                events={s: g["timings"][s]["events"] for s in g["stages"]},
+            )
+            for g in gathered
+        ],
     )
     failed = None
     if args.check:
@@ -518,7 +551,7 @@ def _finish(
         got_losses = [x if x is not None else float("nan") for x in losses]
         cmp = compare(got_losses, params, reference)
         passed = cmp.max_loss_rel_diff <= args.tolerance and cmp.max_param_rel_diff <= args.tolerance
-        report.check = CheckReport(
+        check = check_report(
             passed=passed,
             tolerance=args.tolerance,
             max_loss_rel_diff=cmp.max_loss_rel_diff,
@@ -528,6 +561,7 @@ def _finish(
             losses_pipelined=got_losses,
             losses_reference=reference.losses,
         )
+        report = report.model_copy(update={"check": check})
         if not passed and optimizer_name in ("adam", "adamw") and cmp.max_loss_rel_diff <= args.tolerance:
             report.notes.append(
                 "Adam divides each update by the root of the squared-gradient average, so a parameter whose "
@@ -596,7 +630,7 @@ def _allreduce_mean(grads: list[Any], group: Any, replicas: int) -> None:
 
 def _time_stage(
     stage: Any,
-    record: dict[str, list[list[float]]],
+    record: dict[str, list[list[Any]]],
     step_box: list[int],
     device: Any,
     fault: Fault | None,
@@ -604,11 +638,12 @@ def _time_stage(
     streams: Any = None,
 ) -> None:
     """Time this stage's forward/backward per micro-batch (and inject a fault when asked);
-    tell the RNG streams which micro-batch a forward runs."""
+    tell the RNG streams which micro-batch a forward runs.  ``record["events"][step]`` keeps
+    each action as ``(op, micro-batch, start, end)`` on ``time.perf_counter``'s clock."""
     forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
     calls = [0]
 
-    def _slot(kind: str) -> list[float]:
+    def _slot(kind: str) -> list[Any]:
         rows = record[kind]
         while len(rows) <= step_box[0]:
             rows.append([])
@@ -625,7 +660,9 @@ def _time_stage(
         t0 = time.perf_counter()
         out = forward(*a, **kw)
         _sync(device)
-        _slot("forward").append((time.perf_counter() - t0) * 1e3)
+        t1 = time.perf_counter()
+        _slot("forward").append((t1 - t0) * 1e3)
+        _slot("events").append(("F", int(a[0] if a else kw["fwd_chunk_id"]), t0, t1))
         return out
 
     def timed_backward(*a: Any, **kw: Any) -> Any:
@@ -633,11 +670,22 @@ def _time_stage(
         t0 = time.perf_counter()
         out = backward(*a, **kw)
         _sync(device)
-        _slot("backward").append((time.perf_counter() - t0) * 1e3)
+        t1 = time.perf_counter()
+        _slot("backward").append((t1 - t0) * 1e3)
+        _slot("events").append(("B", int(a[0] if a else kw["bwd_chunk_id"]), t0, t1))
         return out
 
     stage.forward_one_chunk = timed_forward
     stage.backward_one_chunk = timed_backward
+
+
+def _fold_loss(record: dict[str, list[list[Any]]], step: int, t0: float, t1: float) -> None:
+    """Count the loss, computed by the schedule right after the last stage's forward, in that
+    forward (duration and end), as the profile counts it in the last layer's."""
+    if step < len(record["events"]) and record["events"][step]:
+        op, mb, start, _ = record["events"][step][-1]
+        record["events"][step][-1] = (op, mb, start, t1)
+        record["forward"][step][-1] += (t1 - t0) * 1e3
 
 
 def _inject(fault: Fault, status: RankStatus) -> None:
