@@ -353,16 +353,28 @@ def _fit_layers(profile: Profile, reports: Sequence[RunReport]) -> tuple[list[fl
 
 
 def stage_means(report: RunReport) -> dict[int, tuple[float | None, float | None]]:
-    """Per stage: the mean forward and backward time per micro-batch over the timeline's steps
-    (the report's medians are robust, but a step is a sum of actions, and sums follow means)."""
-    acc: dict[int, tuple[list[float], list[float]]] = {}
+    """Per stage: its forward and backward time per micro-batch, as the timeline says.
+
+    Per step the mean over the step's micro-batches and replicas (a step is a sum of actions,
+    and sums follow means, not medians), then the median over the timed steps, as the report's
+    step time is the median step (a step that the machine slowed down counts in neither)."""
+    per_step: dict[tuple[int, int], tuple[list[float], list[float]]] = {}
     for row in report.timeline:
         if row.step < report.warmup_steps:
             continue
-        f, b = acc.setdefault(row.stage, ([], []))
+        f, b = per_step.setdefault((row.stage, row.step), ([], []))
         f.extend(row.forward_ms)
         b.extend(row.backward_ms)
-    return {s: (statistics.fmean(f) if f else None, statistics.fmean(b) if b else None) for s, (f, b) in acc.items()}
+    acc: dict[int, tuple[list[float], list[float]]] = {}
+    for (stage, _), (f, b) in per_step.items():
+        fs, bs = acc.setdefault(stage, ([], []))
+        if f:
+            fs.append(statistics.fmean(f))
+        if b:
+            bs.append(statistics.fmean(b))
+    return {
+        s: (statistics.median(f) if f else None, statistics.median(b) if b else None) for s, (f, b) in acc.items()
+    }
 
 
 def _gauss_newton(obs: _Observations, share: NDArray[np.float64], runs: int) -> NDArray[np.float64]:
@@ -510,7 +522,7 @@ def link_samples(profile: Profile, report: RunReport) -> list[LinkSample]:
                             actions.append((t.backward_start_ms[mb], t.backward_start_ms[mb] + t.backward_ms[mb], ("B", s, mb)))
                     actions.sort()
                     last = -math.inf
-                    for start, end, key in actions:
+                    for _, end, key in actions:
                         prev_end[key] = last
                         last = max(last, end)
                 for s in range(len(stages)):

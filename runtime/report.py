@@ -13,6 +13,7 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+
 from planner.limits import loads_strict
 from planner.schema import (
     REPORT_VERSION,

@@ -14,7 +14,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from planner.costmodel import allreduce_ms, estimate, reestimate, simulate_plan
-from planner.schema import Cluster, Interconnect, LayerProfile, MeasuredOn, Plan, Profile, RunReport, TrainingSetup
+from planner.schema import (
+    Cluster,
+    Interconnect,
+    LayerProfile,
+    MeasuredOn,
+    Plan,
+    Profile,
+    RunReport,
+    TrainingSetup,
+)
 from runtime.report import RankRecord, build_report
 
 MiB = 2**20
@@ -118,7 +127,7 @@ def synthetic_report(
     if level != 1.0:
         true_profile = Truth(tuple([level] * base.num_layers), tuple([level] * base.num_layers)).profile(true_profile)
     true_plan = reestimate(plan, true_profile, cluster=truth.cluster(plan.cluster))
-    k, d_deg, m = plan.pipeline_degree, plan.data_parallel_degree, plan.num_microbatches
+    k, d_deg = plan.pipeline_degree, plan.data_parallel_degree
     sim = simulate_plan(true_plan)
     step_ms = true_plan.predicted.step_time_ms + truth.overhead_ms
     fwd: dict[int, list[list[float]]] = {s.index: [] for s in plan.stages}
