@@ -48,6 +48,8 @@ MAX_REPORT_STEPS = 100_000
 MAX_REPORT_ROWS = 2**20
 #: run reports one calibration reads
 MAX_REPORTS = 64
+#: micro-batch cells (rows x micro-batches) of one run report's timeline (pipeplan run writes 2**18 at most)
+MAX_TIMELINE_CELLS = 2**20
 
 
 def _suggestion(value: int, limit: int) -> int | None:
@@ -409,7 +411,7 @@ def check_report_data(data: Any, *, loc: str = "") -> None:
     if m is None or not isinstance(timeline, list):
         return
     check_count(
-        "timeline cells (rows x micro-batches)", len(timeline) * m, MAX_SCHEDULE_CELLS * 4, loc=_join(loc, "timeline"),
+        "timeline cells (rows x micro-batches)", len(timeline) * m, MAX_TIMELINE_CELLS, loc=_join(loc, "timeline"),
         by="a run report holds",
     )
     for i, row in enumerate(timeline):

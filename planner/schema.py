@@ -30,6 +30,7 @@ from planner.limits import (
     MAX_DEVICES,
     MAX_FILE_BYTES,
     MAX_GLOBAL_BATCH,
+    MAX_LAYER_MS,
     MAX_LAYERS,
     MAX_MEMORY_BYTES,
     MAX_MICROBATCHES,
@@ -578,14 +579,18 @@ REPORT_VERSION: Literal[2] = 2
 READABLE_REPORT_VERSIONS = (2,)
 
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+#: a measured time, ms (at most MAX_LAYER_MS, about 30 years: every sum of them stays finite)
+Ms = Annotated[float, Field(ge=0, le=MAX_LAYER_MS, allow_inf_nan=False)]
+#: a time offset, ms
+OffsetMs = Annotated[float, Field(ge=-MAX_LAYER_MS, le=MAX_LAYER_MS, allow_inf_nan=False)]
 
 
 class StepReport(_Model):
     """One training step: measured (max over ranks) against predicted."""
 
     step: NonNegInt
-    measured_ms: NonNegFloat
-    predicted_ms: NonNegFloat
+    measured_ms: Ms
+    predicted_ms: Ms
     ratio: NonNegFloat | None = None
     loss: FiniteFloat | None = None
     warmup: bool = False
@@ -600,10 +605,10 @@ class StageReport(_Model):
     stop: PosInt
     layers: str = Field(description="'start:stop first..last', for people")
     recompute: bool
-    forward_ms: NonNegFloat | None
-    backward_ms: NonNegFloat | None = Field(description="recompute included")
-    predicted_forward_ms: NonNegFloat
-    predicted_backward_ms: NonNegFloat
+    forward_ms: Ms | None
+    backward_ms: Ms | None = Field(description="recompute included")
+    predicted_forward_ms: Ms
+    predicted_backward_ms: Ms
     forward_ratio: NonNegFloat | None = None
     backward_ratio: NonNegFloat | None = None
     microbatches_timed: NonNegInt = 0
@@ -640,11 +645,11 @@ class RankStep(_Model):
 
     rank: NonNegInt
     step: NonNegInt
-    start_ms: FiniteFloat = Field(description="this rank's start after the step's first start (shared clock)")
-    schedule_ms: NonNegFloat = Field(description="the pipeline schedule: every forward, backward and transfer")
-    allreduce_ms: NonNegFloat = Field(description="the data-parallel gradient all-reduce (0 when D = 1)")
-    tied_ms: NonNegFloat = Field(default=0.0, description="summing tied weights' gradients between pipeline ranks")
-    optimizer_ms: NonNegFloat
+    start_ms: OffsetMs = Field(description="this rank's start after the step's first start (shared clock)")
+    schedule_ms: Ms = Field(description="the pipeline schedule: every forward, backward and transfer")
+    allreduce_ms: Ms = Field(description="the data-parallel gradient all-reduce (0 when D = 1)")
+    tied_ms: Ms = Field(default=0.0, description="summing tied weights' gradients between pipeline ranks")
+    optimizer_ms: Ms
 
 
 class ActionTimes(_Model):
@@ -654,10 +659,10 @@ class ActionTimes(_Model):
     stage: NonNegInt
     replica: NonNegInt = 0
     step: NonNegInt
-    forward_start_ms: list[FiniteFloat]
-    forward_ms: list[NonNegFloat]
-    backward_start_ms: list[FiniteFloat]
-    backward_ms: list[NonNegFloat]
+    forward_start_ms: list[OffsetMs]
+    forward_ms: list[Ms]
+    backward_start_ms: list[OffsetMs]
+    backward_ms: list[Ms]
 
 
 class RunReport(_Model):
@@ -690,8 +695,8 @@ class RunReport(_Model):
     warmup_steps: NonNegInt = 1
     steps: list[StepReport]
     stages: list[StageReport]
-    measured_step_ms: NonNegFloat | None
-    predicted_step_ms: NonNegFloat
+    measured_step_ms: Ms | None
+    predicted_step_ms: Ms
     ratio: NonNegFloat | None
     #: per pipeline rank: median fraction of the step spent in forward/backward compute
     rank_busy_fraction: list[NonNegFloat | None] = Field(default_factory=list)
