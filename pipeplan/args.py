@@ -176,6 +176,12 @@ def cluster_from_args(args: argparse.Namespace, profile: Profile | None) -> Clus
     if args.inter_node is not None:
         data["inter_node"] = args.inter_node
     result: Cluster = parse_document("cluster", data, source="(from the command line)")
+    if profile is not None and profile.calibration is not None:
+        # links pipeplan calibrate measured, for devices of the kind the runs used, unless given
+        from planner.calibrate import calibrated_cluster
+
+        keep = [name for name, flag in (("intra_node", args.interconnect), ("inter_node", args.inter_node)) if flag is None]
+        result = calibrated_cluster(result, profile, links=keep)
     return result
 
 

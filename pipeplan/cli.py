@@ -18,6 +18,7 @@ COMMAND_MODULES = (
     "pipeplan.cmd_sweep",
     "pipeplan.cmd_serve",
     "pipeplan.cmd_run",
+    "pipeplan.cmd_calibrate",
     "pipeplan.cmd_show",
     "pipeplan.cmd_export",
     "pipeplan.cmd_schema",

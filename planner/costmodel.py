@@ -407,7 +407,8 @@ def lower_bound_ms(profile: Profile, cluster: Cluster, training: TrainingSetup) 
     """Total forward + backward work of a step spread perfectly over every device.
 
     Uses the cheapest per-sample cost over the measured sizes, 1 and the global batch (linear
-    pieces have their per-sample extremes at their ends), so no plan can beat it.
+    pieces have their per-sample extremes at their ends), so no plan can beat it.  A calibrated
+    profile's fixed step overhead is added (every plan pays it).
     """
     g = training.global_batch_size
     candidates = sorted({1, g, *(b for b in profile.microbatch_sizes if b <= g)})
@@ -415,7 +416,7 @@ def lower_bound_ms(profile: Profile, cluster: Cluster, training: TrainingSetup) 
     for b in candidates:
         c = layer_costs(profile, b)
         best = min(best, (c.prefix_forward[-1] + c.prefix_backward[-1]) / b)
-    return best * g / sum(d.speed for d in cluster.devices)
+    return best * g / sum(d.speed for d in cluster.devices) + profile.step_overhead_ms
 
 
 @dataclass(frozen=True)
@@ -592,7 +593,9 @@ def estimate(
         replicas = devs[own[0]]
         link = cluster.intra_node if all(cluster.same_node(replicas[0], d) for d in replicas) else cluster.inter_node
         ar_rank.append(allreduce_ms(grad_bytes, data_parallel, link.bandwidth_bytes_per_s, link.latency_s))
-    step = max(f + a for f, a in zip(finish, ar_rank, strict=True))
+    # the calibrated fixed cost of a step (optimizer, launch: planner/calibrate.py), 0 as profiled
+    overhead = profile.step_overhead_ms
+    step = max(f + a for f, a in zip(finish, ar_rank, strict=True)) + overhead
 
     stage_plans = [
         StagePlan(
@@ -632,11 +635,12 @@ def estimate(
             bubble_fraction=min(1.0, bubble),
             lower_bound_ms=lower_bound_ms(profile, cluster, training),
             allreduce_ms=max(ar_rank),
+            step_overhead_ms=overhead,
         ),
         solver=solver or SolverInfo(status="given", gap=0.0),
         cluster=cluster,
         training=training,
-        notes=[note] if (note := scaling.extrapolation_note(profile.microbatch_sizes, b)) else [],
+        notes=[n for n in (scaling.extrapolation_note(profile.microbatch_sizes, b), _calibration_note(profile)) if n],
         split_points=list(profile.split_points),
         actions=format_actions(orders),
     )
@@ -665,6 +669,16 @@ def busy_ms(orders: Sequence[Sequence[Action]], times: StageTimes) -> float:
     """Compute time of every action (what the ranks are busy with)."""
     per = {"F": times.forward, "B": times.backward, "I": times.input, "W": times.weight}
     return sum(per[a.kind][a.stage] for acts in orders for a in acts)
+
+
+def _calibration_note(profile: Profile) -> str | None:
+    cal = profile.calibration
+    if cal is None:
+        return None
+    return (
+        f"costs calibrated from {len(cal.runs)} run(s) (pipeplan calibrate): layer times scaled, "
+        f"step overhead {cal.step_overhead_ms:.2f} ms"
+    )
 
 
 def reestimate(

@@ -42,6 +42,14 @@ MAX_MEMORY_BYTES = 2**62
 MAX_FILE_BYTES = 512 * 2**20
 #: nesting of free-form JSON (a profile's metadata)
 MAX_JSON_DEPTH = 32
+#: training steps in one run report
+MAX_REPORT_STEPS = 100_000
+#: per-rank step rows and timeline rows (stage x replica x step) in one run report
+MAX_REPORT_ROWS = 2**20
+#: run reports one calibration reads
+MAX_REPORTS = 64
+#: micro-batch cells (rows x micro-batches) of one run report's timeline (pipeplan run writes 2**18 at most)
+MAX_TIMELINE_CELLS = 2**20
 
 
 def _suggestion(value: int, limit: int) -> int | None:
@@ -291,6 +299,12 @@ def check_profile_data(
             [{"loc": _join(loc, "metadata"), "msg": f"at most {MAX_JSON_DEPTH} levels", "input": None}],
         )
     _check_value(_largest(data.get("input_bytes")), MAX_MEMORY_BYTES, _join(loc, "input_bytes"), "bytes", "check the profile's units")
+    calibration = data.get("calibration")
+    if isinstance(calibration, dict):
+        for name, what, limit in (("layers", "calibrated layers", max_layers), ("runs", "calibration runs", MAX_REPORTS)):
+            values = calibration.get(name)
+            if isinstance(values, list):
+                check_count(what, len(values), limit, loc=_join(loc, f"calibration.{name}"), by=by)
     if not isinstance(layers, list):
         return
     for i, layer in enumerate(layers):
@@ -371,3 +385,43 @@ def check_sweep_data(data: Any, *, loc: str = "", max_points: int = 32) -> None:
         n = _int(value)
         if n is not None:
             check_count("devices", n, MAX_DEVICES, loc=f"{_join(loc, 'devices')}[{i}]", suggest=True)
+
+
+def check_report_data(data: Any, *, loc: str = "") -> None:
+    """Sizes of a run report as parsed JSON, before it is validated: its steps, stages, ranks,
+    per-rank steps and timeline rows (each row at most one entry per micro-batch), and its plan."""
+    if not isinstance(data, dict):
+        return
+    for name, what, limit in (
+        ("steps", "steps", MAX_REPORT_STEPS),
+        ("stages", "stages", MAX_LAYERS),
+        ("ranks", "ranks", MAX_DEVICES),
+        ("rank_busy_fraction", "ranks", MAX_DEVICES),
+        ("rank_steps", "per-rank step rows", MAX_REPORT_ROWS),
+        ("timeline", "timeline rows", MAX_REPORT_ROWS),
+        ("notes", "notes", MAX_REPORT_STEPS),
+    ):
+        values = data.get(name)
+        if isinstance(values, list):
+            check_count(what, len(values), limit, loc=_join(loc, name), by="a run report holds")
+    plan = data.get("plan")
+    check_plan_data(plan, loc=_join(loc, "plan"))
+    m = _int(plan.get("num_microbatches")) if isinstance(plan, dict) else None
+    timeline = data.get("timeline")
+    if m is None or not isinstance(timeline, list):
+        return
+    check_count(
+        "timeline cells (rows x micro-batches)", len(timeline) * m, MAX_TIMELINE_CELLS, loc=_join(loc, "timeline"),
+        by="a run report holds",
+    )
+    for i, row in enumerate(timeline):
+        if not isinstance(row, dict):
+            continue
+        for field in ("forward_start_ms", "forward_ms", "backward_start_ms", "backward_ms"):
+            values = row.get(field)
+            if isinstance(values, list) and len(values) > m:
+                raise InputError(
+                    f"{_join(loc, f'timeline[{i}].{field}')} has {len(values):,} entries but the plan has {m:,} "
+                    "micro-batches: give one per micro-batch",
+                    [{"loc": _join(loc, f"timeline[{i}].{field}"), "msg": f"at most {m} entries", "input": len(values)}],
+                )

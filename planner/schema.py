@@ -30,6 +30,7 @@ from planner.limits import (
     MAX_DEVICES,
     MAX_FILE_BYTES,
     MAX_GLOBAL_BATCH,
+    MAX_LAYER_MS,
     MAX_LAYERS,
     MAX_MEMORY_BYTES,
     MAX_MICROBATCHES,
@@ -37,6 +38,7 @@ from planner.limits import (
     check_cluster_data,
     check_plan_data,
     check_profile_data,
+    check_report_data,
     check_sweep_data,
     loads_strict,
     too_large,
@@ -182,6 +184,59 @@ _PARALLEL_FIELDS = (
 )
 
 
+# --------------------------------------------------------------------------- calibration
+
+
+class LayerCalibration(_Model):
+    """How ``pipeplan calibrate`` scaled one layer's times (``Calibration.layers``)."""
+
+    forward_scale: PosFloat = Field(description="calibrated / profiled forward time (1: the profiled figure)")
+    backward_scale: PosFloat = Field(description="calibrated / profiled backward time")
+    stages_seen: NonNegInt = Field(
+        default=0,
+        description="timed stages of the runs that held this layer (0: no run timed it, the profiled figure is kept)",
+    )
+
+
+class LinkCalibration(_Model):
+    """A link fitted to measured transfers and collectives: time = bytes / bandwidth + latency."""
+
+    bandwidth_bytes_per_s: PosFloat
+    latency_s: NonNegFloat
+    transfers: NonNegInt = Field(default=0, description="point-to-point transfers the fit used")
+    collectives: NonNegInt = Field(default=0, description="all-reduces the fit used")
+    source: str = Field(default="", description="what was fitted and what was kept from the cluster")
+
+
+class CalibrationRun(_Model):
+    """One run report a calibration learned from, predicted before and after."""
+
+    report: str = Field(description="the report file")
+    plan: str = Field(description="schedule, K, D, M and stages of the run")
+    measured_step_ms: NonNegFloat
+    predicted_before_ms: NonNegFloat = Field(description="the profile's prediction, before calibrating")
+    predicted_after_ms: NonNegFloat = Field(description="the calibrated profile's prediction")
+
+
+class Calibration(_Model):
+    """What ``pipeplan calibrate`` learned from run reports, and where each figure came from.
+
+    The profile's layer times are already scaled (``layers[i]`` says by how much: the profiled
+    figure is ``forward_ms / forward_scale``).  The cost model adds ``step_overhead_ms`` to
+    every step; a cluster built from command-line flags for ``device_type`` devices uses the
+    fitted ``intra_node`` / ``inter_node`` links unless a link is given.
+    """
+
+    device_type: str | None = Field(default=None, description="the device kind of the runs' clusters")
+    step_overhead_ms: NonNegFloat = Field(default=0.0, description="fixed cost of every step (optimizer, launch)")
+    step_overhead_source: str = ""
+    intra_node: LinkCalibration | None = None
+    inter_node: LinkCalibration | None = None
+    layers: list[LayerCalibration] = Field(description="one per profile layer, in order")
+    runs: list[CalibrationRun] = Field(min_length=1)
+    method: str = Field(default="", description="how the factors were fitted")
+
+
 class Profile(_Model):
     """A traced model: per-layer costs at several micro-batch sizes."""
 
@@ -198,6 +253,9 @@ class Profile(_Model):
         description="module names the model was cut before (pipeplan profile --split-points); empty: every block",
     )
     metadata: dict[str, Any] = Field(default_factory=dict)
+    calibration: Calibration | None = Field(
+        default=None, description="what pipeplan calibrate learned from runs (absent: as profiled)"
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -236,7 +294,17 @@ class Profile(_Model):
                     raise ValueError(
                         f"layers[{i}].kept_inputs[{j}].offset {kept.offset} points past the last layer"
                     )
+        if self.calibration is not None and len(self.calibration.layers) != len(self.layers):
+            raise ValueError(
+                f"calibration.layers has {len(self.calibration.layers)} entries but the profile has "
+                f"{len(self.layers)} layers: give one per layer"
+            )
         return self
+
+    @property
+    def step_overhead_ms(self) -> float:
+        """The fixed cost of every step that calibration found (0 for a profile as measured)."""
+        return self.calibration.step_overhead_ms if self.calibration is not None else 0.0
 
     @property
     def num_layers(self) -> int:
@@ -492,6 +560,9 @@ class Predicted(_Model):
     bubble_fraction: Annotated[float, Field(ge=0, le=1)]
     lower_bound_ms: NonNegFloat
     allreduce_ms: NonNegFloat = 0.0
+    step_overhead_ms: NonNegFloat = Field(
+        default=0.0, description="fixed cost of every step a calibrated profile adds (in step_time_ms)"
+    )
 
 
 class SolverInfo(_Model):
@@ -605,6 +676,181 @@ def check_coverage(ranges: Sequence[tuple[int, int]], num_layers: int) -> None:
         )
 
 
+# --------------------------------------------------------------------------- run report
+
+#: version of the run report (``pipeplan run --report``); 1 was written before it had a schema
+REPORT_VERSION: Literal[2] = 2
+#: the report versions a reader accepts
+READABLE_REPORT_VERSIONS = (2,)
+
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+#: a measured time, ms (at most MAX_LAYER_MS, about 30 years: every sum of them stays finite)
+Ms = Annotated[float, Field(ge=0, le=MAX_LAYER_MS, allow_inf_nan=False)]
+#: a time offset, ms
+OffsetMs = Annotated[float, Field(ge=-MAX_LAYER_MS, le=MAX_LAYER_MS, allow_inf_nan=False)]
+
+
+class StepReport(_Model):
+    """One training step: measured (max over ranks) against predicted."""
+
+    step: NonNegInt
+    measured_ms: Ms
+    predicted_ms: Ms
+    ratio: NonNegFloat | None = None
+    loss: FiniteFloat | None = None
+    warmup: bool = False
+
+
+class StageReport(_Model):
+    """One stage: measured forward and backward per micro-batch (median after the warm-up)."""
+
+    index: NonNegInt
+    pipeline_rank: NonNegInt
+    start: NonNegInt
+    stop: PosInt
+    layers: str = Field(description="'start:stop first..last', for people")
+    recompute: bool
+    forward_ms: Ms | None
+    backward_ms: Ms | None = Field(description="recompute included")
+    predicted_forward_ms: Ms
+    predicted_backward_ms: Ms
+    forward_ratio: NonNegFloat | None = None
+    backward_ratio: NonNegFloat | None = None
+    microbatches_timed: NonNegInt = 0
+    peak_memory_bytes: NonNegInt | None = None
+    predicted_memory_bytes: NonNegInt = 0
+
+
+class CheckReport(_Model):
+    """``--check``: the pipelined run against the unsplit model (``None``: not comparable)."""
+
+    passed: bool
+    tolerance: NonNegFloat
+    max_loss_rel_diff: NonNegFloat | None
+    max_param_rel_diff: NonNegFloat | None
+    worst_param: str
+    params_compared: NonNegInt
+    losses_pipelined: list[FiniteFloat | None]
+    losses_reference: list[FiniteFloat | None]
+
+
+class RankInfo(_Model):
+    """One rank of the run."""
+
+    rank: NonNegInt
+    replica: NonNegInt
+    pipeline_rank: NonNegInt
+    host: str = ""
+    stages: list[NonNegInt]
+    allreduce_bytes: NonNegInt = Field(default=0, description="gradient bytes of its data-parallel all-reduce")
+
+
+class RankStep(_Model):
+    """Where one rank's step went (ms)."""
+
+    rank: NonNegInt
+    step: NonNegInt
+    start_ms: OffsetMs = Field(description="this rank's start after the step's first start (shared clock)")
+    schedule_ms: Ms = Field(description="the pipeline schedule: every forward, backward and transfer")
+    allreduce_ms: Ms = Field(description="the data-parallel gradient all-reduce (0 when D = 1)")
+    tied_ms: Ms = Field(default=0.0, description="summing tied weights' gradients between pipeline ranks")
+    optimizer_ms: Ms
+
+
+class ActionTimes(_Model):
+    """One stage's forward and backward actions in one step on one replica, indexed by
+    micro-batch: start (ms after the step's first start) and duration."""
+
+    stage: NonNegInt
+    replica: NonNegInt = 0
+    step: NonNegInt
+    forward_start_ms: list[OffsetMs]
+    forward_ms: list[Ms]
+    backward_start_ms: list[OffsetMs]
+    backward_ms: list[Ms]
+
+
+class RunReport(_Model):
+    """What ``pipeplan run --report`` measured against the plan it ran (input of ``pipeplan calibrate``).
+
+    ``steps``, ``stages``, the ratios and the check are the printed report.  ``plan`` is the
+    plan that ran.  ``ranks``, ``rank_steps`` and ``timeline`` say where the time went: per
+    rank and step, the schedule, the all-reduces and the optimizer; per stage, replica and step,
+    when each micro-batch's forward and backward started and how long it took.  Start times
+    compare across ranks when ``shared_clock`` is true (every rank on one host).
+    """
+
+    schema_version: Literal[2] = REPORT_VERSION
+    model: str
+    plan_model: str
+    schedule: Schedule
+    pipeline_degree: PosInt
+    data_parallel_degree: PosInt
+    virtual_stages: PosInt
+    num_microbatches: PosInt
+    microbatch_size: PosInt
+    global_batch_size: PosInt
+    world_size: PosInt
+    backend: str
+    device: str
+    optimizer: str
+    lr: FiniteFloat
+    seed: int
+    threads_per_rank: PosInt | None = None
+    warmup_steps: NonNegInt = 1
+    steps: list[StepReport]
+    stages: list[StageReport]
+    measured_step_ms: Ms | None
+    predicted_step_ms: Ms
+    ratio: NonNegFloat | None
+    #: per pipeline rank: median fraction of the step spent in forward/backward compute
+    rank_busy_fraction: list[NonNegFloat | None] = Field(default_factory=list)
+    check: CheckReport | None = None
+    notes: list[str] = Field(default_factory=list)
+    plan: Plan
+    shared_clock: bool = False
+    ranks: list[RankInfo] = Field(default_factory=list)
+    rank_steps: list[RankStep] = Field(default_factory=list)
+    timeline: list[ActionTimes] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RunReport:
+        p = self.plan
+        for name in (
+            "schedule", "pipeline_degree", "data_parallel_degree", "virtual_stages", "num_microbatches",
+            "microbatch_size", "global_batch_size",
+        ):
+            if getattr(self, name) != getattr(p, name):
+                raise ValueError(f"{name} is {getattr(self, name)!r} but the plan's is {getattr(p, name)!r}")
+        if [(s.index, s.start, s.stop) for s in self.stages] != [(s.index, s.start, s.stop) for s in p.stages]:
+            raise ValueError("stages do not match the plan's stages (index, start, stop)")
+        m, k, d = p.num_microbatches, p.pipeline_degree, p.data_parallel_degree
+        for i, row in enumerate(self.timeline):
+            if row.stage >= len(p.stages) or row.replica >= d or row.step >= len(self.steps):
+                raise ValueError(
+                    f"timeline[{i}] names stage {row.stage}, replica {row.replica}, step {row.step}: the run has "
+                    f"{len(p.stages)} stages, {d} replicas and {len(self.steps)} steps"
+                )
+            for field in ("forward_start_ms", "forward_ms", "backward_start_ms", "backward_ms"):
+                if len(getattr(row, field)) != m:
+                    raise ValueError(
+                        f"timeline[{i}].{field} has {len(getattr(row, field))} entries: give one per micro-batch ({m})"
+                    )
+        for i, r in enumerate(self.rank_steps):
+            if r.rank >= k * d or r.step >= len(self.steps):
+                raise ValueError(
+                    f"rank_steps[{i}] names rank {r.rank}, step {r.step}: the run has {k * d} ranks and "
+                    f"{len(self.steps)} steps"
+                )
+        for i, info in enumerate(self.ranks):
+            if info.rank >= k * d:
+                raise ValueError(f"ranks[{i}] names rank {info.rank}: the run has {k * d} ranks")
+        return self
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2)
+
+
 # --------------------------------------------------------------------------- sweep
 
 #: most points one sweep may ask for (device counts times device kinds)
@@ -690,6 +936,7 @@ DOCUMENTS: Mapping[str, type[BaseModel]] = MappingProxyType({
     "plan": Plan,
     "options": PlanOptions,
     "sweep": SweepSpec,
+    "report": RunReport,
 })
 
 
@@ -732,15 +979,17 @@ def format_validation_error(err: ValidationError, what: str) -> InputError:
 
 
 def parse_document(kind: str, data: Any, *, source: str = "") -> Any:
-    """Validate ``data`` as a ``kind`` document ('profile', 'cluster', 'training', 'plan', 'options')."""
+    """Validate ``data`` as a ``kind`` document ('profile', 'cluster', 'training', 'plan', 'options',
+    'sweep', 'report')."""
     cls = DOCUMENTS[kind]
     what = f"{kind} {source}".strip()
     if isinstance(data, dict) and "schema_version" in data and "schema_version" in cls.model_fields:
         version = data["schema_version"]
-        if version not in READABLE_VERSIONS:
+        readable = _READABLE.get(kind, READABLE_VERSIONS)
+        if version not in readable:
             raise InputError(
                 f"invalid {what}: schema_version {version!r} is not supported; this pipeplan "
-                f"reads versions {', '.join(map(str, READABLE_VERSIONS))} (regenerate the file with this version)",
+                f"reads versions {', '.join(map(str, readable))} (regenerate the file with this version)",
                 [{"loc": "schema_version", "msg": "unsupported version", "input": version}],
             )
     try:
@@ -759,6 +1008,21 @@ def _no_precheck(data: Any) -> None:
     pass
 
 
+#: versions each document kind accepts, where not :data:`READABLE_VERSIONS`
+_READABLE: Mapping[str, tuple[int, ...]] = MappingProxyType({"report": READABLE_REPORT_VERSIONS})
+
+
+def _check_report(data: Any) -> None:
+    if isinstance(data, dict) and "schema_version" not in data and data.get("version") == 1:
+        raise InputError(
+            "this is a version-1 run report (written before reports had a schema): it lacks the plan "
+            "and the timings that calibration needs; run the plan again with this pipeplan "
+            "(pipeplan run --plan PLAN --model SPEC --report FILE)",
+            [{"loc": "version", "msg": "unsupported version", "input": 1}],
+        )
+    check_report_data(data)
+
+
 #: sizes checked on the parsed JSON, before validation builds anything proportional to them
 _PRECHECKS: Mapping[str, Callable[[Any], None]] = MappingProxyType({
     "profile": check_profile_data,
@@ -767,6 +1031,7 @@ _PRECHECKS: Mapping[str, Callable[[Any], None]] = MappingProxyType({
     "training": _no_precheck,
     "options": _no_precheck,
     "sweep": lambda data: check_sweep_data(data, max_points=MAX_SWEEP_POINTS),
+    "report": _check_report,
 })
 
 

@@ -2,9 +2,13 @@
 
 What is measured, per unit of :func:`profiler.split.split_model` and per micro-batch size:
 
-* **time** of forward and backward: ``warmup`` training steps excluded, then ``repeats``
-  steps run unit by unit (forward in order, backward in reverse, each unit timed apart);
-  per unit the median is recorded, and the interquartile range as the spread.
+* **time** of forward and backward: ``warmup`` training steps excluded, then timed steps
+  run unit by unit (forward in order, backward in reverse, each unit timed apart); per unit
+  the median is recorded, and the interquartile range as the spread.  How many timed steps:
+  ``repeats`` when given, else adaptively (:mod:`profiler.sampling`): at least 5, then more
+  until every unit's median is known within ``target_error`` or ``time_budget_s`` is spent;
+  units that missed the target, and units faster than the timer's useful resolution, are
+  listed in ``metadata.profiler`` (and flagged in the summary table).
   ``time.perf_counter`` on CPU (or the thread's CPU time, ``clock="cpu"``), CUDA events
   with synchronization on CUDA.  Each unit's backward is fed the *real* upstream gradient
   of that step (what the next unit's backward produced from the loss), so sparse or
@@ -32,6 +36,7 @@ and the torch thread count are restored afterwards.  The copy runs in training m
 from __future__ import annotations
 
 import copy
+import math
 import platform
 import statistics
 import time
@@ -46,6 +51,14 @@ from torch import Tensor, nn
 from planner.errors import InputError
 from planner.schema import LayerProfile, MeasuredOn, Profile
 from profiler.loading import call_model, check_example_inputs, default_loss, model_inputs
+from profiler.sampling import (
+    TARGET_ERROR,
+    TIME_BUDGET_S,
+    Sampling,
+    sample_steps,
+    timer_floor,
+    useful_resolution,
+)
 from profiler.split import SplitModel, frozen_state, split_model, tensor_bytes
 from profiler.summary import print_summary
 
@@ -108,6 +121,12 @@ class _Timer:
     def __init__(self, device: torch.device, clock: str = "wall") -> None:
         self.cuda = device.type == "cuda"
         self.now = time.thread_time if clock == "cpu" and not self.cuda else time.perf_counter
+
+    def floor(self) -> tuple[float, float]:
+        """(what this timer measures for an empty call, its clock's tick), ms."""
+        if self.cuda:
+            return timer_floor(time.perf_counter, lambda: self.time(lambda: None)[0], samples=50)
+        return timer_floor(self.now, lambda: self.time(lambda: None)[0])
 
     def time(self, fn: Callable[[], Any]) -> tuple[float, Any]:
         if self.cuda:
@@ -258,12 +277,14 @@ def profile(
     split_points: Sequence[str] | None = None,
     loss_fn: Callable[[Any], Tensor] | None = None,
     warmup: int = 2,
-    repeats: int = 7,
+    repeats: int | None = None,
     num_threads: int | None = None,
     progress: bool = True,
     name: str | None = None,
     clock: str = "wall",
     keywords: Sequence[str] | None = None,
+    time_budget_s: float = TIME_BUDGET_S,
+    target_error: float = TARGET_ERROR,
 ) -> Profile:
     """Measure ``model`` per layer at each micro-batch size and return a :class:`Profile`.
 
@@ -272,7 +293,9 @@ def profile(
     keyword arguments); they are re-sliced or repeated to every size in ``microbatch_sizes``.  ``loss_fn(output)``
     defaults to ``output.float().mean()``.  ``num_threads`` fixes torch's intra-op threads
     (default: the current setting); it is recorded in ``measured_on.num_threads``.
-    ``split_points``: module names to cut before (default: every block).
+    ``split_points``: module names to cut before (default: every block).  ``repeats``: timed
+    steps per size; ``None`` (default) repeats adaptively until every layer's median is known
+    within ``target_error`` (relative) or ``time_budget_s`` seconds (over all sizes) are spent.
 
     ``clock`` (CPU only): ``"wall"`` times with ``time.perf_counter``; ``"cpu"`` counts the
     CPU time of the measuring thread (``time.thread_time``), which other processes on a
@@ -287,8 +310,12 @@ def profile(
     sizes = sorted({int(b) for b in microbatch_sizes})
     if not sizes or sizes[0] < 1:
         raise InputError(f"microbatch sizes must be positive integers, got {list(microbatch_sizes)}")
-    if warmup < 0 or repeats < 1:
+    if warmup < 0 or (repeats is not None and repeats < 1):
         raise InputError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup} repeats={repeats}")
+    if not (math.isfinite(time_budget_s) and time_budget_s > 0):
+        raise InputError(f"time budget {time_budget_s!r} s: give a positive number of seconds, e.g. 30")
+    if not (math.isfinite(target_error) and 0 < target_error < 1):
+        raise InputError(f"target error {target_error!r}: give a fraction between 0 and 1, e.g. 0.02 for 2 %")
     dev = _parse_device(device)
     torch_dtype = parse_dtype(dtype)
     if num_threads is not None and num_threads < 1:
@@ -319,6 +346,8 @@ def profile(
             progress=progress,
             clock=clock,
             name=name or type(model).__name__,
+            time_budget_s=time_budget_s,
+            target_error=target_error,
         )
     if progress:
         print_summary(result)
@@ -332,10 +361,12 @@ def measure_split(
     microbatch_sizes: Sequence[int],
     loss_fn: Callable[[Any], Tensor] | None = None,
     warmup: int = 2,
-    repeats: int = 7,
+    repeats: int | None = None,
     progress: bool = False,
     clock: str = "wall",
     name: str | None = None,
+    time_budget_s: float = TIME_BUDGET_S,
+    target_error: float = TARGET_ERROR,
 ) -> Profile:
     """The profile of the units of ``split`` (already on its device and dtype), measured at
     each micro-batch size on ``inputs`` (flat, as ``split`` takes them) with the current
@@ -344,6 +375,7 @@ def measure_split(
     inputs = tuple(inputs)
     dev = inputs[0].device
     loss = loss_fn or default_loss
+    timing: dict[str, Any] = {}
     layers = _measure(
         split,
         inputs,
@@ -354,6 +386,9 @@ def measure_split(
         repeats=repeats,
         progress=progress,
         clock=clock,
+        time_budget_s=time_budget_s,
+        target_error=target_error,
+        record=timing,
     )
     input_bytes = [tensor_bytes(resize_batch(inputs, b)) for b in sizes]
     param_bytes = split.param_bytes()
@@ -378,7 +413,7 @@ def measure_split(
         metadata={
             "profiler": {
                 "warmup": warmup,
-                "repeats": repeats,
+                **timing,
                 "clock": "cuda-events" if dev.type == "cuda" else clock,
                 "loss": "custom" if loss_fn is not None else "output.float().mean()",
                 "capture": split.method,
@@ -416,20 +451,28 @@ def _measure(
     loss: Callable[[Any], Tensor],
     device: torch.device,
     warmup: int,
-    repeats: int,
+    repeats: int | None,
     progress: bool,
     clock: str = "wall",
+    time_budget_s: float = TIME_BUDGET_S,
+    target_error: float = TARGET_ERROR,
+    record: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
+    """Per unit, its profile fields.  ``record`` receives how the timing went (repeats per size,
+    why it stopped, unstable and below-resolution units, the timer's resolution)."""
     n = len(split)
     cuda = device.type == "cuda"
     fields = ["forward_ms", "backward_ms", "activation_bytes", "output_bytes", "cut_bytes"]
     fields += ["forward_ms_spread", "backward_ms_spread", "flops"] + (["peak_memory_bytes"] if cuda else [])
     out: list[dict[str, Any]] = [{f: [] for f in fields} for _ in range(n)]
     timer = _Timer(device, clock)
+    floor_ms, tick_ms = timer.floor()
+    useful_ms = useful_resolution(floor_ms, tick_ms)
     model_storages = state_storages(split)
-    bar = _progress(progress, n * len(sizes))
+    bar = _progress(progress, len(sizes))
+    samplings: dict[int, Sampling] = {}
     try:
-        for b in sizes:
+        for k, b in enumerate(sizes):
             batch = resize_batch(inputs, b)
             try:
                 with frozen_state(split.model, train=True):  # the model itself, as users train it
@@ -462,16 +505,25 @@ def _measure(
             ]
             del unit_outputs, unit_inputs, ref  # free the reference pass's activations
             # --- timing: whole training steps, each unit's forward and backward timed apart
-            fwd: list[list[float]] = [[] for _ in range(n)]
-            bwd: list[list[float]] = [[] for _ in range(n)]
-            for r in range(warmup + repeats):
-                t_f, t_b = _timed_step(split, frozen_inputs[0], loss, timer)
-                if bar is not None:  # the bar counts layers x sizes
-                    bar[0].advance(bar[1], n / (warmup + repeats))
-                if r >= warmup:
-                    for i in range(n):
-                        fwd[i].append(t_f[i])
-                        bwd[i].append(t_b[i])
+            def on_step(fraction: float, k: int = k) -> None:
+                if bar is not None:  # the bar counts sizes
+                    bar[0].update(bar[1], completed=k + fraction)
+
+            def one_step(first: tuple[Any, ...] = frozen_inputs[0]) -> tuple[list[float], list[float]]:
+                return _timed_step(split, first, loss, timer)
+
+            sampling = sample_steps(
+                one_step,
+                n,
+                warmup=warmup,
+                repeats=repeats,
+                budget_s=time_budget_s / len(sizes),
+                target=target_error,
+                useful_ms=useful_ms,
+                on_step=on_step,
+            )
+            samplings[b] = sampling
+            fwd, bwd = sampling.forward, sampling.backward
             for i, unit in enumerate(split.units):
                 out[i]["forward_ms"].append(statistics.median(fwd[i]))
                 out[i]["backward_ms"].append(statistics.median(bwd[i]))
@@ -487,6 +539,21 @@ def _measure(
     finally:
         if bar is not None:
             bar[0].stop()
+    if record is not None:
+        names = split.names
+        record.update(
+            repeats=[samplings[b].repeats for b in sizes],
+            adaptive=None
+            if repeats is not None
+            else {"target_error": target_error, "time_budget_s": time_budget_s,
+                  "stopped": [samplings[b].stopped for b in sizes]},
+            timer={"floor_ms": floor_ms, "tick_ms": tick_ms, "useful_ms": useful_ms},
+            unstable={str(b): [names[i] for i in samplings[b].unstable] for b in sizes if samplings[b].unstable},
+            below_resolution={
+                str(b): [names[i] for i in samplings[b].below_resolution] for b in sizes if samplings[b].below_resolution
+            },
+            median_error={str(b): [round(e, 6) if math.isfinite(e) else None for e in samplings[b].error] for b in sizes},
+        )
     if not any(out[i]["flops"] and any(out[i]["flops"]) for i in range(n)):
         for d in out:
             d["flops"] = None
@@ -618,7 +685,7 @@ def _progress(enabled: bool, total: int) -> tuple[Any, Any] | None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     bar = Progress(
-        TextColumn("profiling layers x sizes"),
+        TextColumn("profiling micro-batch sizes"),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),

@@ -151,12 +151,15 @@ def launch(
         return
     report_file = Path(run_dir, "report.json")
     if report_file.exists():
-        check = load_report(report_file.read_text(encoding="utf-8")).get("check")
-        if check is not None and not check["passed"]:
+        check = load_report(report_file.read_bytes(), source=str(report_file)).check
+        if check is not None and not check.passed:
+            loss_diff, param_diff = (
+                "n/a" if x is None else f"{x:.3g}" for x in (check.max_loss_rel_diff, check.max_param_rel_diff)
+            )
             raise CheckFailedError(
                 f"--check failed: the pipelined run differs from the unsplit model by "
-                f"{check['max_loss_rel_diff']:.3g} (losses) and {check['max_param_rel_diff']:.3g} "
-                f"(parameters, worst {check['worst_param']}), more than the tolerance {check['tolerance']:g}"
+                f"{loss_diff} (losses) and {param_diff} "
+                f"(parameters, worst {check.worst_param}), more than the tolerance {check.tolerance:g}"
             )
     statuses = read_statuses(run_dir, world_size)
     message, culprits = diagnose(statuses, exit_codes, world_size=world_size, timeout_s=timeout_s, stage_of=stage_of)

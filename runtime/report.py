@@ -1,99 +1,81 @@
 """The run report: measured against predicted, per step and per stage (torch-free).
 
 Built by rank 0 of the job from what every rank measured, printed as a table and written as
-JSON with ``--report``.  It is the input of the cost-model accuracy figure.
+JSON with ``--report``.  The document is :class:`planner.schema.RunReport` (versioned, read
+strictly with ``load_document("report", path)``); besides the printed figures it holds the
+plan that ran and where each rank's time went (schedule, all-reduces, optimizer, and when each
+forward and backward ran), which ``pipeplan calibrate`` fits the cost model to.
 """
 
 from __future__ import annotations
 
-import json
+import math
 import statistics
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
-from planner.schema import Plan
+from planner.limits import loads_strict
+from planner.schema import (
+    REPORT_VERSION,
+    ActionTimes,
+    CheckReport,
+    Plan,
+    RankInfo,
+    RankStep,
+    RunReport,
+    StageReport,
+    StepReport,
+    parse_document,
+)
 from planner.units import format_bytes
 
-REPORT_VERSION = 1
+__all__ = [
+    "RANK_STEP_ROWS",
+    "REPORT_VERSION",
+    "TIMELINE_CELLS",
+    "CheckReport",
+    "RankRecord",
+    "RunReport",
+    "build_report",
+    "load_report",
+    "render_lines",
+]
+
+#: the timeline keeps the first timed steps up to this many micro-batch cells (stage rows x M)
+TIMELINE_CELLS = 2**18
+#: ``rank_steps`` keeps the first steps up to this many rows (ranks x steps)
+RANK_STEP_ROWS = 2**16
+
+#: one action as a rank records it: (op "F" or "B", micro-batch, start, end), seconds on the host clock
+Event = tuple[str, int, float, float]
 
 
 @dataclass
-class StepReport:
-    step: int
-    measured_ms: float
-    predicted_ms: float
-    ratio: float
-    loss: float | None
-    warmup: bool = False
+class RankRecord:
+    """What one rank measured beyond its stage durations (all times on its host's clock, seconds).
 
+    ``phases[step]`` is ``[start, schedule, all-reduce, tied all-reduce, optimizer]`` (start
+    as ``time.perf_counter()``, the rest durations); ``events[stage][step]`` lists that stage's
+    actions in the step.
+    """
 
-@dataclass
-class StageReport:
-    index: int
-    pipeline_rank: int
-    layers: str
-    recompute: bool
-    forward_ms: float | None
-    backward_ms: float | None
-    predicted_forward_ms: float
-    predicted_backward_ms: float
-    forward_ratio: float | None
-    backward_ratio: float | None
-    microbatches_timed: int
-    peak_memory_bytes: int | None
-    predicted_memory_bytes: int
-
-
-@dataclass
-class CheckReport:
-    passed: bool
-    tolerance: float
-    max_loss_rel_diff: float
-    max_param_rel_diff: float
-    worst_param: str
-    params_compared: int
-    losses_pipelined: list[float]
-    losses_reference: list[float]
-
-
-@dataclass
-class RunReport:
-    model: str
-    plan_model: str
-    schedule: str
-    pipeline_degree: int
-    data_parallel_degree: int
-    virtual_stages: int
-    num_microbatches: int
-    microbatch_size: int
-    global_batch_size: int
-    world_size: int
-    backend: str
-    device: str
-    optimizer: str
-    lr: float
-    seed: int
-    threads_per_rank: int | None
-    steps: list[StepReport]
-    stages: list[StageReport]
-    measured_step_ms: float
-    predicted_step_ms: float
-    ratio: float
-    #: per pipeline rank: median fraction of the step spent in forward/backward compute
-    rank_busy_fraction: list[float | None] = field(default_factory=list)
-    check: CheckReport | None = None
-    notes: list[str] = field(default_factory=list)
-    version: int = REPORT_VERSION
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2)
+    rank: int
+    replica: int
+    host: str = ""
+    stages: list[int] = field(default_factory=list)
+    allreduce_bytes: int = 0
+    phases: list[list[float]] = field(default_factory=list)
+    events: Mapping[int, Sequence[Sequence[Event]]] = field(default_factory=dict)
 
 
 def _ratio(measured: float | None, predicted: float) -> float | None:
-    if measured is None or predicted <= 0:
+    if measured is None or predicted <= 0 or not math.isfinite(measured):
         return None
     return measured / predicted
+
+
+def _finite(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
 
 
 def build_report(
@@ -102,9 +84,9 @@ def build_report(
     model: str,
     step_ms: Sequence[float],
     losses: Sequence[float | None],
-    stage_forward_ms: dict[int, list[list[float]]],
-    stage_backward_ms: dict[int, list[list[float]]],
-    peak_memory: dict[int, int | None],
+    stage_forward_ms: Mapping[int, list[list[float]]],
+    stage_backward_ms: Mapping[int, list[list[float]]],
+    peak_memory: Mapping[int, int | None],
     backend: str,
     device: str,
     optimizer: str,
@@ -113,31 +95,35 @@ def build_report(
     threads_per_rank: int | None,
     warmup_steps: int = 1,
     notes: Sequence[str] = (),
+    ranks: Sequence[RankRecord] = (),
 ) -> RunReport:
     """Assemble the report.  ``stage_*_ms[s][step]`` are per-micro-batch times of stage ``s``.
 
     Step and stage summaries are medians over the steps after ``warmup_steps`` (all steps
-    when there are no others).
+    when there are no others).  ``ranks``: each rank's phases and actions, for the report's
+    ``rank_steps`` (the first steps, up to :data:`RANK_STEP_ROWS` rows) and ``timeline`` (the
+    first timed steps, up to :data:`TIMELINE_CELLS` cells).
     """
     predicted = plan.predicted.step_time_ms
+    warm = warmup_steps if len(step_ms) > warmup_steps else 0
     steps = [
         StepReport(
             step=i,
             measured_ms=ms,
             predicted_ms=predicted,
-            ratio=ms / predicted if predicted > 0 else float("nan"),
-            loss=losses[i] if i < len(losses) else None,
-            warmup=i < warmup_steps and len(step_ms) > warmup_steps,
+            ratio=_ratio(ms, predicted),
+            loss=_finite(losses[i]) if i < len(losses) else None,
+            warmup=i < warm,
         )
         for i, ms in enumerate(step_ms)
     ]
-    timed = [s.measured_ms for s in steps if not s.warmup] or [s.measured_ms for s in steps]
-    measured = statistics.median(timed) if timed else float("nan")
+    timed = [s.measured_ms for s in steps if not s.warmup]
+    measured = statistics.median(timed) if timed else None
 
     def per_mb(values: list[list[float]] | None) -> tuple[float | None, int]:
         if not values:
             return None, 0
-        kept = values[warmup_steps:] if len(values) > warmup_steps else values
+        kept = values[warm:] if len(values) > warm else values
         flat = [x for step in kept for x in step]
         return (statistics.median(flat), len(flat)) if flat else (None, 0)
 
@@ -150,6 +136,8 @@ def build_report(
             StageReport(
                 index=st.index,
                 pipeline_rank=st.index % plan.pipeline_degree,
+                start=st.start,
+                stop=st.stop,
                 layers=f"{st.start}:{st.stop} " + (names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"),
                 recompute=st.recompute,
                 forward_ms=fwd,
@@ -178,6 +166,7 @@ def build_report(
             if step_ms[i] > 0:
                 fractions.append(total / plan.data_parallel_degree / step_ms[i])
         busy.append(statistics.median(fractions) if fractions else None)
+    shared, infos, rank_steps, timeline = _where_time_went(plan, ranks, num_steps=len(steps), first_timed=warm)
     return RunReport(
         model=model,
         plan_model=plan.model,
@@ -195,13 +184,125 @@ def build_report(
         lr=lr,
         seed=seed,
         threads_per_rank=threads_per_rank,
+        warmup_steps=warm,
         steps=steps,
         stages=stages,
         measured_step_ms=measured,
         predicted_step_ms=predicted,
-        ratio=measured / predicted if predicted > 0 else float("nan"),
+        ratio=_ratio(measured, predicted),
         rank_busy_fraction=busy,
         notes=list(notes),
+        plan=plan,
+        shared_clock=shared,
+        ranks=infos,
+        rank_steps=rank_steps,
+        timeline=timeline,
+    )
+
+
+def _where_time_went(
+    plan: Plan, ranks: Sequence[RankRecord], *, num_steps: int, first_timed: int
+) -> tuple[bool, list[RankInfo], list[RankStep], list[ActionTimes]]:
+    """The report's ``shared_clock``, ``ranks``, ``rank_steps`` and ``timeline``.
+
+    Times become milliseconds after the step's first start over all ranks when every rank
+    ran on one host (one clock), else after each rank's own start."""
+    k = plan.pipeline_degree
+    hosts = {r.host for r in ranks}
+    shared = bool(ranks) and len(hosts) == 1 and "" not in hosts
+    origin: list[float | None] = []
+    for step in range(num_steps):
+        starts = [r.phases[step][0] for r in ranks if step < len(r.phases)]
+        origin.append(min(starts) if starts else None)
+    infos = [
+        RankInfo(
+            rank=r.rank,
+            replica=r.replica,
+            pipeline_rank=r.rank % k,
+            host=r.host,
+            stages=list(r.stages),
+            allreduce_bytes=r.allreduce_bytes,
+        )
+        for r in ranks
+    ]
+    rank_steps = []
+    rows = min(num_steps, max(first_timed + 1, RANK_STEP_ROWS // max(1, len(ranks))))
+    for r in ranks:
+        for step, ph in enumerate(r.phases[:rows]):
+            base = origin[step] if shared else ph[0]
+            rank_steps.append(
+                RankStep(
+                    rank=r.rank,
+                    step=step,
+                    start_ms=(ph[0] - (base if base is not None else ph[0])) * 1e3,
+                    schedule_ms=max(0.0, ph[1] * 1e3),
+                    allreduce_ms=max(0.0, ph[2] * 1e3),
+                    tied_ms=max(0.0, ph[3] * 1e3),
+                    optimizer_ms=max(0.0, ph[4] * 1e3),
+                )
+            )
+    m = plan.num_microbatches
+    rows_per_step = max(1, sum(len(r.events) for r in ranks))
+    keep = max(1, TIMELINE_CELLS // (rows_per_step * m))
+    timeline = []
+    for step in range(first_timed, min(num_steps, first_timed + keep)):
+        for r in ranks:
+            if step >= len(r.phases):
+                continue
+            base = origin[step] if shared else r.phases[step][0]
+            if base is None:
+                continue
+            for stage in sorted(r.events):
+                per_step = r.events[stage]
+                if step >= len(per_step):
+                    continue
+                row = _action_row(per_step[step], m, base)
+                if row is not None:
+                    timeline.append(ActionTimes(stage=stage, replica=r.replica, step=step, **row))
+    return shared, infos, rank_steps, timeline
+
+
+def _action_row(events: Sequence[Event], m: int, base: float) -> dict[str, list[float]] | None:
+    """One stage's actions in one step as lists indexed by micro-batch (``None`` when some
+    micro-batch has no forward or no backward)."""
+    out: dict[str, list[float | None]] = {
+        "forward_start_ms": [None] * m,
+        "forward_ms": [None] * m,
+        "backward_start_ms": [None] * m,
+        "backward_ms": [None] * m,
+    }
+    for op, mb, start, end in events:
+        if not 0 <= mb < m:
+            return None
+        kind = "forward" if op == "F" else "backward"
+        out[f"{kind}_start_ms"][mb] = (start - base) * 1e3
+        out[f"{kind}_ms"][mb] = max(0.0, (end - start) * 1e3)
+    if any(x is None for values in out.values() for x in values):
+        return None
+    return {key: [float(x) for x in values if x is not None] for key, values in out.items()}
+
+
+def check_report(
+    *,
+    passed: bool,
+    tolerance: float,
+    max_loss_rel_diff: float,
+    max_param_rel_diff: float,
+    worst_param: str,
+    params_compared: int,
+    losses_pipelined: Sequence[float | None],
+    losses_reference: Sequence[float | None],
+) -> CheckReport:
+    """The ``--check`` verdict as the report holds it (non-finite figures become ``None``)."""
+    return CheckReport(
+        passed=passed,
+        tolerance=tolerance,
+        max_loss_rel_diff=_finite(max_loss_rel_diff),
+        max_param_rel_diff=_finite(max_param_rel_diff),
+        worst_param=worst_param,
+        params_compared=params_compared,
+        losses_pipelined=[_finite(x) for x in losses_pipelined],
+        losses_reference=[_finite(x) for x in losses_reference],
     )
 
 
@@ -224,7 +325,7 @@ def render_lines(report: RunReport) -> list[str]:
         loss = "-" if s.loss is None else f"{s.loss:.6g}"
         mark = " (warm-up)" if s.warmup else ""
         out.append(
-            f"{s.step:>4}  {s.measured_ms:>12.2f}  {s.predicted_ms:>12.2f}  {s.ratio:>6.2f}  {loss:>12}{mark}"
+            f"{s.step:>4}  {s.measured_ms:>12.2f}  {s.predicted_ms:>12.2f}  {_fmt(s.ratio):>6}  {loss:>12}{mark}"
         )
     mem = any(st.peak_memory_bytes is not None for st in report.stages)
     out += [
@@ -244,8 +345,8 @@ def render_lines(report: RunReport) -> list[str]:
         out.append(line)
     out += [
         "",
-        f"step time: measured {report.measured_step_ms:.2f} ms (median after warm-up), predicted "
-        f"{report.predicted_step_ms:.2f} ms, measured/predicted {report.ratio:.2f}",
+        f"step time: measured {_fmt(report.measured_step_ms)} ms (median after warm-up), predicted "
+        f"{report.predicted_step_ms:.2f} ms, measured/predicted {_fmt(report.ratio)}",
     ]
     if any(b is not None for b in report.rank_busy_fraction):
         out.append(
@@ -260,13 +361,15 @@ def render_lines(report: RunReport) -> list[str]:
         verdict = "PASSED" if c.passed else "FAILED"
         out.append(
             f"check {verdict}: vs the unsplit model in one process, max relative difference "
-            f"{c.max_loss_rel_diff:.2e} in losses, {c.max_param_rel_diff:.2e} in {c.params_compared} "
-            f"parameter tensors (worst {c.worst_param}; tolerance {c.tolerance:g})"
+            f"{_fmt(c.max_loss_rel_diff, '.2e')} in losses, {_fmt(c.max_param_rel_diff, '.2e')} in "
+            f"{c.params_compared} parameter tensors (worst {c.worst_param}; tolerance {c.tolerance:g})"
         )
     out.extend(f"note: {n}" for n in report.notes)
     return out
 
 
-def load_report(text: str) -> dict[str, Any]:
-    data: dict[str, Any] = json.loads(text)
-    return data
+def load_report(text: str | bytes, *, source: str = "") -> RunReport:
+    """Read a report strictly (no NaN or Infinity) and validate it against the schema."""
+    report: RunReport = parse_document("report", loads_strict(text, what=f"report {source}".strip()), source=source)
+    return report
+

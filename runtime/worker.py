@@ -387,7 +387,7 @@ def _train(
 
     # ---- stages, built from real example activations at the micro-batch size (their dtypes,
     # integer ranges and requires_grad flags are the training run's, autocast included)
-    timings: dict[int, dict[str, list[list[float]]]] = {s: {"forward": [], "backward": []} for s in my_stages}
+    timings: dict[int, dict[str, list[list[Any]]]] = {s: {"forward": [], "backward": [], "events": []} for s in my_stages}
     step_box = [0]
     streams = RngStreams(seed=args.seed, replica=replica)
     stages: list[Any] = []
@@ -416,11 +416,16 @@ def _train(
     del examples
 
     scaler = LossScaler(opts.dtype == "float16")
+    last_record = timings.get(num_stages - 1)
 
     def loss_fn(output: Any, target: Any) -> Any:
+        t0 = time.perf_counter()
         out = split.rebuild_output(output if isinstance(output, tuple) else (output,))
         with autocast(device, opts.dtype):
             value = entry.loss(out, target) if entry.takes_target else entry.loss(out)
+        if last_record is not None:  # the profile counts the loss in the last layer's forward: so do we
+            _sync(device)
+            _fold_loss(last_record, step_box[0], t0, time.perf_counter())
         return value * scaler.scale if scaler.enabled else value
 
     # scale_grads=False: the schedules divide each stage's gradients by M, which would divide
@@ -446,6 +451,7 @@ def _train(
     log = StepLog(args.log_file) if args.log_file and rank == 0 else None
 
     step_ms: list[float] = []
+    phases: list[list[float]] = []
     local_losses: list[float | None] = []
     grad_norms: list[float | None] = []
     skipped: list[bool] = []
@@ -491,15 +497,21 @@ def _train(
         losses: list[Any] = []
         scale = scaler.scale
         schedule.step(*inputs, target=target, losses=losses)
+        _sync(device)
+        t_schedule = time.perf_counter()
         for p in params:
             if p.grad is not None:
                 p.grad.div_(m)  # mean over micro-batches, once per tensor
         if dp_group is not None:
             _allreduce_mean([p.grad for p in params if p.grad is not None], dp_group, d_deg)
+        _sync(device)
+        t_allreduce = time.perf_counter()
         for pg, p in tied:
             if p.grad is None:  # every holder must join the all-reduce
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=pg)
+        _sync(device)
+        t_tied = time.perf_counter()
         grads = [p.grad for p in params if p.grad is not None]
         skip = False
         if scaler.enabled:  # one decision for the whole job: any rank's inf skips the step everywhere
@@ -526,7 +538,11 @@ def _train(
             opt.step()
         opt.zero_grad(set_to_none=True)
         _sync(device)
-        step_ms.append((time.perf_counter() - t0) * 1e3)
+        t_end = time.perf_counter()
+        step_ms.append((t_end - t0) * 1e3)
+        # where the step went, for calibration (runtime/report.py): start on the host's clock,
+        # then schedule, data-parallel all-reduce, tied-weight all-reduce, optimizer (ms)
+        phases.append([t0, t_schedule - t0, t_allreduce - t_schedule, t_tied - t_allreduce, t_end - t_tied])
         mean_loss = sum(float(x.detach()) for x in losses) / len(losses) / scale if has_last and losses else None
         local_losses.append(mean_loss)
         grad_norms.append(norm)
@@ -550,6 +566,9 @@ def _train(
         "step_ms": step_ms,
         "losses": local_losses,
         "timings": timings,
+        "phases": phases,
+        "host": socket.gethostname(),
+        "allreduce_bytes": sum(p.numel() * p.element_size() for p in params) if dp_group is not None else 0,
         "peak": peak,
         "threads": torch.get_num_threads(),
         "params": None,
@@ -627,7 +646,7 @@ def _finish(
 ) -> int:
     import torch
 
-    from runtime.report import CheckReport, build_report, render_lines
+    from runtime.report import RankRecord, build_report, check_report, render_lines
     from runtime.training import compare, train_reference
 
     steps = args.steps
@@ -679,6 +698,18 @@ def _finish(
         seed=args.seed,
         threads_per_rank=gathered[0]["threads"],
         notes=notes,
+        ranks=[
+            RankRecord(
+                rank=g["rank"],
+                replica=g["replica"],
+                host=g["host"],
+                stages=g["stages"],
+                allreduce_bytes=g["allreduce_bytes"],
+                phases=g["phases"],
+                events={s: g["timings"][s]["events"] for s in g["stages"]},
+            )
+            for g in gathered
+        ],
     )
     failed = None
     if args.check:
@@ -712,7 +743,7 @@ def _finish(
         got_losses = [x if x is not None else float("nan") for x in losses]
         cmp = compare(got_losses, params, reference)
         passed = cmp.max_loss_rel_diff <= tol and cmp.max_param_rel_diff <= tol
-        report.check = CheckReport(
+        check = check_report(
             passed=passed,
             tolerance=tol,
             max_loss_rel_diff=cmp.max_loss_rel_diff,
@@ -722,6 +753,7 @@ def _finish(
             losses_pipelined=got_losses,
             losses_reference=reference.losses,
         )
+        report = report.model_copy(update={"check": check})
         if opts.mixed:
             report.notes.append(
                 f"check in {opts.dtype}: the reference runs the unsplit model under the same autocast; "
@@ -806,7 +838,7 @@ def _allreduce_mean(grads: list[Any], group: Any, replicas: int) -> None:
 
 def _time_stage(
     stage: Any,
-    record: dict[str, list[list[float]]],
+    record: dict[str, list[list[Any]]],
     step_box: list[int],
     device: Any,
     fault: Fault | None,
@@ -814,11 +846,12 @@ def _time_stage(
     streams: Any = None,
 ) -> None:
     """Time this stage's forward/backward per micro-batch (and inject a fault when asked);
-    tell the RNG streams which micro-batch a forward runs."""
+    tell the RNG streams which micro-batch a forward runs.  ``record["events"][step]`` keeps
+    each action as ``(op, micro-batch, start, end)`` on ``time.perf_counter``'s clock."""
     forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
     calls = [0]
 
-    def _slot(kind: str) -> list[float]:
+    def _slot(kind: str) -> list[Any]:
         rows = record[kind]
         while len(rows) <= step_box[0]:
             rows.append([])
@@ -835,7 +868,9 @@ def _time_stage(
         t0 = time.perf_counter()
         out = forward(*a, **kw)
         _sync(device)
-        _slot("forward").append((time.perf_counter() - t0) * 1e3)
+        t1 = time.perf_counter()
+        _slot("forward").append((t1 - t0) * 1e3)
+        _slot("events").append(("F", int(a[0] if a else kw["fwd_chunk_id"]), t0, t1))
         return out
 
     def timed_backward(*a: Any, **kw: Any) -> Any:
@@ -843,11 +878,22 @@ def _time_stage(
         t0 = time.perf_counter()
         out = backward(*a, **kw)
         _sync(device)
-        _slot("backward").append((time.perf_counter() - t0) * 1e3)
+        t1 = time.perf_counter()
+        _slot("backward").append((t1 - t0) * 1e3)
+        _slot("events").append(("B", int(a[0] if a else kw["bwd_chunk_id"]), t0, t1))
         return out
 
     stage.forward_one_chunk = timed_forward
     stage.backward_one_chunk = timed_backward
+
+
+def _fold_loss(record: dict[str, list[list[Any]]], step: int, t0: float, t1: float) -> None:
+    """Count the loss, computed by the schedule right after the last stage's forward, in that
+    forward (duration and end), as the profile counts it in the last layer's."""
+    if step < len(record["events"]) and record["events"][step]:
+        op, mb, start, _ = record["events"][step][-1]
+        record["events"][step][-1] = (op, mb, start, t1)
+        record["forward"][step][-1] += (t1 - t0) * 1e3
 
 
 def _inject(fault: Fault, status: RankStatus) -> None:

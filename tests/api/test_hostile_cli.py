@@ -3,7 +3,8 @@ code 1 within a second (2 for infeasible, after the planner's search), never a t
 
 The files are the service suite's generated documents (:mod:`hostile_inputs`): profiles,
 plans, clusters and training setups with NaN/Infinity, extreme integers, wrong types, deep
-nesting and sizes past the limits.  (No command reads run reports; ``pipeplan run`` writes them.)
+nesting and sizes past the limits; and run reports (``pipeplan run --report``) as ``pipeplan
+calibrate`` reads them.
 """
 
 from __future__ import annotations
@@ -100,6 +101,95 @@ PLAN_PATHS = (
     ("predicted", "step_time_ms"),
     ("stages", 0, "forward_ms"),
 )
+
+
+def _report() -> dict[str, Any]:
+    """A valid run report of a plan of the synthetic calibration profile."""
+    from tests.planner.calib_helpers import Truth, base_profile, make_plan, synthetic_report
+
+    base = base_profile(8)
+    plan = make_plan(base, [(0, 4), (4, 8)], microbatches=4)
+    report = synthetic_report(plan, base, Truth(forward=(1.5,) * 8, backward=(1.5,) * 8), steps=3)
+    data: dict[str, Any] = report.model_dump(mode="json")
+    return data
+
+
+def _calib_profile(tmp_path: Path) -> str:
+    from tests.planner.calib_helpers import base_profile
+
+    path = tmp_path / "calib-profile.json"
+    path.write_text(base_profile(8).model_dump_json())
+    return str(path)
+
+
+REPORT_PATHS = (
+    *document_paths(_report(), limit=60),
+    ("steps",),
+    ("steps", 1, "measured_ms"),
+    ("stages", 0, "forward_ms"),
+    ("stages", 1, "start"),
+    ("timeline",),
+    ("timeline", 0, "forward_ms"),
+    ("timeline", 1, "backward_start_ms", 0),
+    ("timeline", 0, "stage"),
+    ("rank_steps", 0, "allreduce_ms"),
+    ("ranks", 0, "allreduce_bytes"),
+    ("plan", "num_microbatches"),
+    ("plan", "stages"),
+    ("plan", "cluster", "devices"),
+    ("plan", "profile_sha256"),
+    ("schema_version",),
+    ("shared_clock",),
+)
+
+
+@pytest.mark.slow
+def test_generated_report_files(tmp_path: Path) -> None:
+    """Hostile run reports fed to ``pipeplan calibrate``: refused clearly, or calibrated."""
+    profile = _calib_profile(tmp_path)
+    path = tmp_path / "report.json"
+    out = str(tmp_path / "calibrated.json")
+
+    @_settings(60)
+    @given(raw=hostile_document(_report(), REPORT_PATHS))
+    def check(raw: bytes) -> None:
+        path.write_bytes(raw)
+        check_clear(["calibrate", profile, str(path), "-o", out])
+
+    check()
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda r: r.update(steps=r["steps"] * 40_000), "120,000 steps is beyond what a run report holds (at most 100,000)"),
+        (lambda r: r["timeline"][0].update(forward_ms=[1.0] * 1_000_000),
+         "timeline[0].forward_ms has 1,000,000 entries but the plan has 4 micro-batches"),
+        (lambda r: r["plan"].update(num_microbatches=10**9, global_batch_size=2 * 10**9), "micro-batches is beyond"),
+        (lambda r: r["plan"]["cluster"].update(devices=10**9), "devices is beyond"),
+        (lambda r: r.update(schema_version=3), "schema_version 3 is not supported; this pipeplan reads versions 2"),
+        (lambda r: r["timeline"][0].update(stage=7), "timeline[0] names stage 7"),
+    ],
+    ids=["steps", "timeline-row", "microbatches", "devices", "version", "stage"],
+)
+def test_report_sizes_are_checked_before_validation(tmp_path: Path, edit: Any, message: str) -> None:
+    report = _report()
+    edit(report)
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    # some of these files are large (120,000 steps: 17 MB): reading them takes most of the time
+    code, err, elapsed = run_cli(["calibrate", _calib_profile(tmp_path), str(path), "-o", str(tmp_path / "out.json")])
+    assert code == 1 and err.startswith("error: ") and "Traceback" not in err, err
+    assert message in err, err
+    assert elapsed < 10 * REJECT_S
+
+
+def test_nan_in_a_report_names_the_field(tmp_path: Path) -> None:
+    path = tmp_path / "nan.json"
+    path.write_text(json.dumps(_report()).replace('"forward_ms": [', '"forward_ms": [NaN, ', 1))
+    code, err = check_clear(["calibrate", _calib_profile(tmp_path), str(path), "-o", str(tmp_path / "out.json")])
+    assert code == 1
+    assert err.startswith(f"error: report file '{path}' holds NaN at timeline[0].forward_ms[0]"), err
 
 
 @pytest.mark.slow

@@ -267,3 +267,38 @@ def test_a_size_the_model_cannot_train_at_is_a_clear_error() -> None:
 def test_inputs_that_do_not_fit_the_model_are_a_clear_error() -> None:
     with pytest.raises(InputError, match=r"example inputs \(\(2, 5\) float32\) failed"):
         profiler.profile(_mlp(), torch.randn(2, 5), **FAST)
+
+
+def test_adaptive_repeats_record_how_the_timing_went(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without ``repeats`` the profiler repeats adaptively within the budget and records the
+    repeats, why it stopped, each median's error and the flagged layers."""
+    model = _mlp()
+    p = profiler.profile(model, torch.randn(4, 16), microbatch_sizes=(1, 2), warmup=1, progress=False, num_threads=1,
+                         time_budget_s=2.0, target_error=0.05)
+    meta = p.metadata["profiler"]
+    assert len(meta["repeats"]) == 2 and all(r >= 5 for r in meta["repeats"])
+    assert meta["adaptive"]["stopped"] and set(meta["adaptive"]["stopped"]) <= {"stable", "budget", "max"}
+    assert meta["adaptive"]["target_error"] == 0.05 and meta["timer"]["useful_ms"] > 0
+    assert set(meta["median_error"]) == {"1", "2"} and len(meta["median_error"]["2"]) == 3
+    for size, stopped in zip(("1", "2"), meta["adaptive"]["stopped"], strict=True):
+        unstable = set(meta["unstable"].get(size, []))
+        errors = dict(zip(p.layer_names(), meta["median_error"][size], strict=True))
+        tiny = set(meta["below_resolution"].get(size, []))
+        # every layer is stable, flagged as too fast for the timer, or listed as unstable
+        assert all(n in unstable or n in tiny or (e is not None and e <= 0.05) for n, e in errors.items()), meta
+        assert stopped != "stable" or not unstable
+    # fixed repeats: exactly that many, nothing adaptive
+    fixed = profiler.profile(model, torch.randn(4, 16), microbatch_sizes=(2,), **FAST)
+    assert fixed.metadata["profiler"]["repeats"] == [3] and fixed.metadata["profiler"]["adaptive"] is None
+    # a timer too coarse for every layer: all flagged, none waited for (5 steps, the minimum)
+    monkeypatch.setattr("profiler.measure.useful_resolution", lambda floor, tick: 1e9)
+    coarse = profiler.profile(model, torch.randn(4, 16), microbatch_sizes=(2,), warmup=0, progress=False, num_threads=1)
+    meta = coarse.metadata["profiler"]
+    assert meta["below_resolution"] == {"2": coarse.layer_names()} and meta["repeats"] == [5]
+    assert meta["adaptive"]["stopped"] == ["stable"] and meta["unstable"] == {}
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [({"time_budget_s": 0.0}, "time budget"), ({"target_error": 1.5}, "target error")])
+def test_adaptive_settings_are_checked(kwargs: dict[str, float], message: str) -> None:
+    with pytest.raises(InputError, match=message):
+        profiler.profile(_mlp(), torch.randn(2, 16), progress=False, **kwargs)  # type: ignore[arg-type]

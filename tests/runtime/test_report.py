@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from runtime.report import build_report, render_lines
 from tests.runtime.helpers import make_plan
 from tests.runtime.test_plan_check import NAMES, PARAMS, _profile
@@ -40,3 +42,59 @@ def test_report_medians_ratios_and_json() -> None:
     assert report.rank_busy_fraction[0] == expected
     text = "\n".join(render_lines(report))
     assert "measured/predicted 2.00" in text and "(warm-up)" in text
+
+
+def _ranks(hosts: tuple[str, str], *, drop: bool = False) -> list:  # type: ignore[type-arg]
+    from runtime.report import RankRecord
+
+    out = []
+    for r, host in enumerate(hosts):
+        phases, events = [], []
+        for step in range(3):
+            t0 = 100.0 * step + 0.0005 * r  # rank 1 starts each step 0.5 ms after rank 0
+            phases.append([t0, 0.010, 0.001, 0.0, 0.002])
+            acts = [("F", 0, t0 + 0.001, t0 + 0.002), ("F", 1, t0 + 0.002, t0 + 0.003),
+                    ("B", 0, t0 + 0.004, t0 + 0.006), ("B", 1, t0 + 0.006, t0 + 0.008)]
+            events.append(acts[:-1] if drop and r == 1 and step == 2 else acts)
+        out.append(RankRecord(rank=r, replica=0, host=host, stages=[r], allreduce_bytes=0, phases=phases,
+                              events={r: events}))
+    return out
+
+
+def test_report_timeline_and_phases_on_one_clock() -> None:
+    from runtime.report import load_report
+
+    plan = make_plan(_profile(NAMES, PARAMS), [(0, 2), (2, 5)], microbatches=2)
+    kw = dict(
+        model="m:f", step_ms=[12.0, 12.0, 12.0], losses=[1.0, float("nan"), 0.5], stage_forward_ms={}, stage_backward_ms={},
+        peak_memory={}, backend="gloo", device="cpu", optimizer="sgd", lr=0.1, seed=0, threads_per_rank=1,
+    )
+    report = build_report(plan, **kw, ranks=_ranks(("h", "h")))  # type: ignore[arg-type]
+    assert report.shared_clock and report.plan == plan and report.warmup_steps == 1
+    assert report.steps[1].loss is None  # NaN is not JSON: the report says "no value"
+    assert len(report.rank_steps) == 6 and len(report.ranks) == 2
+    r1 = [r for r in report.rank_steps if r.rank == 1]
+    assert all(r.start_ms == pytest.approx(0.5) and r.schedule_ms == pytest.approx(10.0) for r in r1)
+    assert all(r.optimizer_ms == pytest.approx(2.0) and r.allreduce_ms == pytest.approx(1.0) for r in r1)
+    # the timed steps (1 and 2), one row per stage, times after the step's first start
+    assert [(t.stage, t.step) for t in report.timeline] == [(0, 1), (1, 1), (0, 2), (1, 2)]
+    row = report.timeline[1]
+    assert row.forward_start_ms == pytest.approx([1.5, 2.5]) and row.backward_ms == pytest.approx([2.0, 2.0])
+    assert report.timeline[0].forward_start_ms == pytest.approx([1.0, 2.0])
+    # the JSON is the schema's document, read back strictly
+    again = load_report(report.to_json(), source="r.json")
+    assert again == report
+    # ranks on two hosts: each on its own clock; a step missing a micro-batch has no row
+    apart = build_report(plan, **kw, ranks=_ranks(("h", "g"), drop=True))  # type: ignore[arg-type]
+    assert not apart.shared_clock and all(r.start_ms == 0.0 for r in apart.rank_steps)
+    assert apart.timeline[1].forward_start_ms == pytest.approx([1.0, 2.0])
+    assert [(t.stage, t.step) for t in apart.timeline] == [(0, 1), (1, 1), (0, 2)]
+
+
+def test_fold_loss_counts_it_in_the_last_forward() -> None:
+    from runtime.worker import _fold_loss
+
+    record: dict = {"forward": [[1.0, 2.0]], "backward": [[]], "events": [[("F", 0, 0.0, 0.001), ("F", 1, 0.002, 0.004)]]}  # type: ignore[type-arg]
+    _fold_loss(record, 0, 0.0041, 0.0051)
+    assert record["forward"][0] == pytest.approx([1.0, 3.0])
+    assert record["events"][0][-1] == ("F", 1, 0.002, 0.0051)

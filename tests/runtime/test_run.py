@@ -100,6 +100,18 @@ def test_pipelined_training_matches_the_unsplit_model(case: str, profiles, tmp_p
     assert all(s["forward_ms"] and s["backward_ms"] for s in report["stages"])
     assert report["schedule"] == plan.schedule and report["data_parallel_degree"] == plan.data_parallel_degree
     assert "check PASSED" in proc.stdout
+    # the report is the schema's document, with where the time went (what calibrate reads)
+    from planner.schema import load_document
+
+    doc = load_document("report", str(report_file))
+    assert doc.plan == plan and doc.shared_clock
+    assert len(doc.rank_steps) == 2 * 3 and all(r.schedule_ms > 0 for r in doc.rank_steps)
+    timed = {(t.stage, t.replica, t.step) for t in doc.timeline}
+    replicas = plan.data_parallel_degree
+    assert timed == {(s, d, step) for s in range(len(stages)) for d in range(replicas) for step in (1, 2)}
+    for row in doc.timeline:  # each action starts after the step began and they do not overlap on a stage
+        assert all(x >= 0 for x in row.forward_start_ms) and all(x > 0 for x in row.forward_ms)
+        assert all(b >= f for f, b in zip(row.forward_start_ms, row.backward_start_ms, strict=True))
 
 
 def test_split_points_travel_with_the_plan(tmp_path: Path) -> None:
