@@ -586,6 +586,17 @@ class Plan(_Model):
     )
     pipeline_degree: PosInt
     data_parallel_degree: PosInt = 1
+    tensor_parallel_degree: PosInt = Field(
+        default=1, description="devices each stage's tensor-parallel layers are sharded over (T, inside a node)"
+    )
+    zero_stage: Literal[0, 1, 2, 3] = Field(
+        default=0,
+        description="ZeRO sharding over the data-parallel replicas of each stage: 0 none, 1 optimizer "
+        "state, 2 also gradients, 3 also parameters",
+    )
+    sequence_parallel: bool = Field(
+        default=False, description="Megatron sequence parallelism inside the tensor-parallel group"
+    )
     virtual_stages: PosInt = Field(default=1, description="chunks (stages) per device")
     num_microbatches: PosInt
     microbatch_size: PosInt
