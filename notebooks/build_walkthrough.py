@@ -380,7 +380,7 @@ measured step and stage times beside the cost model's prediction.""",
         "code",
         """\
 cluster2 = Cluster.model_validate({"devices": 2, "device_type": "cpu"})
-run_plan = solve(prof, cluster2, TrainingSetup(global_batch_size=16), PlanOptions(stages=2, data_parallel=1, time_limit_s=2.0))
+run_plan = solve(prof, cluster2, TrainingSetup(global_batch_size=16), PlanOptions(stages=2, data_parallel=1, schedule="1f1b", time_limit_s=2.0))
 plan2_path = WORK / "plan-2ranks.json"
 plan2_path.write_text(run_plan.model_dump_json(indent=1))
 print(text_grid(run_plan, max_columns=60))

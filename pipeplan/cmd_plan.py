@@ -44,6 +44,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="pipeline schedule (default auto)",
     )
     g.add_argument(
+        "--schedules",
+        metavar="LIST",
+        help="with --schedule auto: the schedules the solver may choose among, e.g. 1f1b,interleaved-1f1b "
+        "(those your runtime supports; default all)",
+    )
+    g.add_argument(
         "--virtual-stages", type=int, help="chunks per device (interleaved-1f1b, interleaved-zb; zbv and dualpipev use 2)"
     )
     g.add_argument("--no-recompute", action="store_true", help="never recompute activations")
@@ -94,6 +100,16 @@ def options_from_args(args: argparse.Namespace) -> PlanOptions:
         data["num_microbatches"] = args.microbatches
     if args.schedule != "auto":
         data["schedule"] = args.schedule
+    if args.schedules:
+        allowed = cli_args.schedule_choices()
+        names = [x.strip() for x in args.schedules.split(",") if x.strip()]
+        unknown = [x for x in names if x not in allowed]
+        if unknown or not names:
+            raise InputError(
+                f"--schedules {args.schedules!r}: unknown schedule(s) {', '.join(unknown) or '(none given)'}; "
+                f"choose among {', '.join(allowed)}"
+            )
+        data["schedules"] = names
     if args.virtual_stages is not None:
         data["virtual_stages"] = args.virtual_stages
     if args.no_recompute and args.recompute is not None:

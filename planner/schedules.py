@@ -56,6 +56,7 @@ from functools import cached_property
 from operator import mul
 from typing import Any, Literal
 
+from planner.errors import InputError
 from planner.schema import SCHEDULE_CHUNKS, SCHEDULE_PLACEMENT, Placement, Schedule
 
 ActionKind = Literal["F", "B", "I", "W"]
@@ -76,8 +77,9 @@ SPLIT_BACKWARD: frozenset[Schedule] = frozenset({"zb-h1", "zb-h2", "zbv", "dualp
 _ACTION_RE = re.compile(r"^(\d+)([FBIW])(\d+)$")
 
 
-class ScheduleError(ValueError):
-    """A schedule that is malformed, does not suit its shape, or cannot run (it deadlocks)."""
+class ScheduleError(InputError):
+    """A schedule that is malformed, does not suit its shape, or cannot run (it deadlocks); an
+    :class:`~planner.errors.InputError`, so a plan file with a bad action list gets a clear error."""
 
 
 @dataclass(frozen=True, order=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from planner.costmodel import estimate, layer_costs, rank_memory_bytes
+from planner.schedules import memory_points, schedule_actions
 from planner.schema import (
     KeptInput,
     LayerProfile,
@@ -40,7 +41,8 @@ def test_a_stage_keeps_its_inputs_once_it_reaches_the_layer_that_saves_them() ->
     assert costs.stage_activation_bytes(3, 4) == 200 - 60
     assert layer_costs(_profile(kept), 3).stage_activation_bytes(1, 3) == pytest.approx(600 + 30 + 15)  # extrapolated
     training = TrainingSetup(global_batch_size=4)
-    assert rank_memory_bytes(costs, [(1, 3)], [False], training, inflight=2) == 2 * 430
+    gpipe_two = memory_points(schedule_actions("gpipe", 1, 2), [[0]])[0]  # both micro-batches held at once
+    assert rank_memory_bytes(costs, [(1, 3)], [False], training, points=gpipe_two) == 2 * 430
 
 
 def test_plans_count_the_kept_inputs() -> None:

@@ -82,7 +82,7 @@ def export_plan(
         return result, None
     near = nearest(plan, check, profile=profile)
     if not use_nearest or near is None:
-        raise ExportRefused(target, found, near, plan)
+        raise ExportRefused(target, found, near, plan, replan_base=getattr(module, "REPLAN_SCHEDULES", ""))
     near_info = PlanInfo.from_plan(near.plan) if near.plan is not None else PlanInfo.from_plan(plan, priced=False)
     result = module.render(near.decisions, near_info, output=out)
     return result, near

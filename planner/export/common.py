@@ -16,11 +16,36 @@ from dataclasses import dataclass
 from planner.costmodel import estimate, plan_fits
 from planner.errors import InputError, PipeplanError
 from planner.export.mapping import DecoderStack
+from planner.schedules import (
+    ScheduleError,
+    format_actions,
+    placement_of,
+    rank_stages,
+    schedule_actions,
+)
 from planner.schema import Plan, Profile, Schedule
 from planner.units import format_bytes
 
 #: how many rounds of fixes :func:`nearest` applies before it gives up
 MAX_FIX_ROUNDS = 6
+
+
+def own_actions(plan: Plan) -> tuple[tuple[str, ...], ...] | None:
+    """The plan's per-rank action list when it is its own: a ``planned`` schedule's, or one
+    that differs from the template of its named schedule (:mod:`planner.schedules`); ``None``
+    when the plan carries none or the template itself (which the target's named schedule runs)."""
+    lines = getattr(plan, "actions", None)
+    if not lines:
+        return None
+    ranks = tuple(tuple(line.split()) for line in lines)
+    if plan.schedule != "planned":
+        try:
+            template = schedule_actions(plan.schedule, plan.pipeline_degree, plan.num_microbatches, plan.virtual_stages)
+        except ScheduleError:
+            return ranks
+        if tuple(tuple(line.split()) for line in format_actions(template)) == ranks:
+            return None
+    return ranks
 
 
 @dataclass(frozen=True)
@@ -30,7 +55,8 @@ class Decisions:
     ``tensor_parallel``, ``zero_stage`` and ``sequence_parallel`` are read from the plan when
     its schema carries them (``tensor_parallel_degree``, ``zero_stage``, ``sequence_parallel``)
     and default to 1, 0, False.  ``actions`` is the plan's own per-rank action list
-    (``"0F3"``, ``"1B2"``, ...) when it carries one (attribute ``actions``), else ``None``.
+    (``"0F3"``, ``"1B2"``, ...) when it carries one that is not its named schedule's template
+    (:func:`own_actions`), else ``None``.
     """
 
     stages: tuple[tuple[int, int], ...]
@@ -47,7 +73,6 @@ class Decisions:
 
     @classmethod
     def from_plan(cls, plan: Plan) -> Decisions:
-        actions = getattr(plan, "actions", None)
         return cls(
             stages=tuple((s.start, s.stop) for s in plan.stages),
             recompute=tuple(s.recompute for s in plan.stages),
@@ -59,11 +84,24 @@ class Decisions:
             tensor_parallel=int(getattr(plan, "tensor_parallel_degree", 1) or 1),
             zero_stage=int(getattr(plan, "zero_stage", 0) or 0),
             sequence_parallel=bool(getattr(plan, "sequence_parallel", False)),
-            actions=tuple(tuple(str(a) for a in rank) for rank in actions) if actions else None,
+            actions=own_actions(plan),
         )
 
     def replace(self, **changes: object) -> Decisions:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    def action_lines(self) -> tuple[tuple[str, ...], ...]:
+        """Each rank's actions: the plan's own list, or its named schedule's template
+        (:func:`planner.schedules.schedule_actions`, the one definition of every order)."""
+        if self.actions is not None:
+            return self.actions
+        orders = schedule_actions(self.schedule, self.pipeline_degree, self.num_microbatches, self.virtual_stages)
+        return tuple(tuple(line.split()) for line in format_actions(orders))
+
+    def stages_of_rank(self) -> dict[int, list[int]]:
+        """Pipeline rank -> the stages it holds, by the schedule's placement (loop or V)."""
+        ranks = rank_stages(placement_of(self.schedule), self.pipeline_degree, self.virtual_stages)
+        return dict(enumerate(ranks))
 
     @property
     def virtual_stages(self) -> int:
@@ -151,6 +189,21 @@ def merge_chunks(d: Decisions) -> list[tuple[str, Decisions]]:
 
 def to_1f1b(d: Decisions) -> list[tuple[str, Decisions]]:
     return _with_schedule(d, "1f1b", "")
+
+
+#: the schedules most pipeline runtimes name (GPipe, 1F1B, interleaved 1F1B)
+CLASSIC_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+
+
+def to_classic(d: Decisions) -> list[tuple[str, Decisions]]:
+    """A zero-bubble, V-shaped or planned schedule -> 1F1B on the same stages (one chunk per
+    rank), or interleaved 1F1B on them (several; M a multiple of K), or the chunks merged."""
+    if d.virtual_stages == 1:
+        return _with_schedule(d, "1f1b", "")
+    out = merge_chunks(d)
+    if d.pipeline_degree > 1 and d.num_microbatches % d.pipeline_degree == 0:
+        out += [("schedule interleaved-1f1b", d.replace(schedule="interleaved-1f1b", actions=None))]
+    return out
 
 
 def _with_schedule(d: Decisions, schedule: Schedule, what: str) -> list[tuple[str, Decisions]]:
@@ -342,7 +395,7 @@ class ExportRefused(InputError):
     the target can express (priced when a profile was given), or ``None`` when none is."""
 
     def __init__(
-        self, target: str, found: Sequence[Problem], nearest_plan: Nearest | None, plan: Plan
+        self, target: str, found: Sequence[Problem], nearest_plan: Nearest | None, plan: Plan, *, replan_base: str = ""
     ) -> None:
         reasons = [p.reason for p in found]
         lines = [f"{target} cannot express this plan:"]
@@ -353,7 +406,7 @@ class ExportRefused(InputError):
             lines.append(f"nearest plan {target} can express: {nearest_plan.decisions.summary()}")
             lines.append(nearest_plan.describe(plan))
             lines.append(f"  export it instead with --nearest (pipeplan export PLAN --to {target} --nearest)")
-        flags = " ".join(dict.fromkeys(p.replan for p in found if p.replan))
+        flags = " ".join(dict.fromkeys([*(p.replan for p in found if p.replan), *([replan_base] if replan_base else [])]))
         if flags and nearest_plan is not None:
             lines.append(f"or make a new plan within {target}'s rules: pipeplan plan PROFILE ... {flags}")
         super().__init__("\n".join(lines))

@@ -21,6 +21,7 @@ import json
 from collections.abc import Sequence
 
 from planner.export.common import (
+    CLASSIC_SCHEDULES,
     Decisions,
     Export,
     ExportFile,
@@ -28,6 +29,7 @@ from planner.export.common import (
     Problem,
     merge_chunks,
     to_1f1b,
+    to_classic,
 )
 
 TARGET = "deepspeed"
@@ -37,7 +39,15 @@ EXAMPLE = "examples/deepspeed_pipeline.py"
 
 def problems(d: Decisions, names: Sequence[str]) -> list[Problem]:
     out: list[Problem] = []
-    if d.virtual_stages > 1:
+    if d.schedule not in CLASSIC_SCHEDULES:
+        out.append(
+            Problem(
+                f"schedule {d.schedule!r}: DeepSpeed's pipeline engine runs only its 1F1B TrainSchedule",
+                lambda x: [(c, y) for c, y in to_classic(x) if y.virtual_stages == 1],
+                "--schedule 1f1b",
+            )
+        )
+    elif d.virtual_stages > 1:
         out.append(
             Problem(
                 f"interleaved-1f1b with {d.virtual_stages} chunks per rank: DeepSpeed's pipeline engine runs "
@@ -57,7 +67,7 @@ def problems(d: Decisions, names: Sequence[str]) -> list[Problem]:
                 lambda x: [("ZeRO stage 1", x.replace(zero_stage=1))],
             )
         )
-    if d.actions is not None:
+    if d.actions is not None and d.schedule in CLASSIC_SCHEDULES:
         out.append(
             Problem(
                 "the plan carries its own action list: DeepSpeed runs only its TrainSchedule",

@@ -30,6 +30,7 @@ import shlex
 from collections.abc import Sequence
 
 from planner.export.common import (
+    CLASSIC_SCHEDULES,
     Decisions,
     Export,
     ExportFile,
@@ -39,6 +40,7 @@ from planner.export.common import (
     merge_chunks,
     recompute_problems,
     to_1f1b,
+    to_classic,
 )
 from planner.export.mapping import DecoderStack, NotAStack, decoder_stack
 
@@ -46,6 +48,8 @@ TARGET = "megatron"
 DEFAULT_FILE = "megatron_args.sh"
 LAYER_CHARS = {"embedding": "E", "decoder": "t", "head": "L"}
 ARRAY = "PIPEPLAN_MEGATRON_ARGS"
+#: what a new plan needs to stay within Megatron's schedules (added to every replan hint)
+REPLAN_SCHEDULES = "--schedules 1f1b,interleaved-1f1b"
 
 
 def problems(d: Decisions, names: Sequence[str]) -> list[Problem]:
@@ -73,7 +77,15 @@ def problems(d: Decisions, names: Sequence[str]) -> list[Problem]:
             )
         )
     out += recompute_problems(d, stack, "Megatron's --recompute-* flags apply to the decoder layers of every stage alike")
-    if d.actions is not None:
+    if d.schedule not in CLASSIC_SCHEDULES:
+        out.append(
+            Problem(
+                f"schedule {d.schedule!r}: Megatron-LM's flags name 1F1B and interleaved 1F1B only",
+                to_classic,
+                REPLAN_SCHEDULES,
+            )
+        )
+    elif d.actions is not None:
         out.append(
             Problem(
                 "the plan carries its own action list: Megatron runs only its named schedules",
@@ -108,10 +120,10 @@ def encode_layout(stages: Sequence[str]) -> str:
             j += 1
         run, last = j - i + 1, j == len(short) - 1
         s = short[i]
-        if run >= 2 and last:
-            pieces.append(f"({s}|)*{run - 1}{s}" if run > 2 else f"{s}|{s}")
-        elif run >= 2:
-            pieces.append(f"({s}|)*{run}")
+        if run >= 2:
+            plain = "|".join([s] * run) + ("" if last else "|")
+            repeat = f"({s}|)*{run - 1}{s}" if last else f"({s}|)*{run}"
+            pieces.append(repeat if len(repeat) <= len(plain) else plain)
         else:
             pieces.append(s if last else f"{s}|")
         i = j + 1

@@ -32,7 +32,19 @@ from planner.export.mapping import split_point_ok
 
 TARGET = "torch"
 DEFAULT_FILE = "split_plan.py"
-SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}
+#: pipeplan schedule -> torch's class running the same order (tests/test_schedules_torch.py compares
+#: them action for action); zb-h2 and planned have none and run their action list
+SCHEDULE_CLASSES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved-1f1b": "ScheduleInterleaved1F1B",
+    "zb-h1": "ScheduleInterleavedZeroBubble",
+    "interleaved-zb": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
+#: the classes that take one stage (the others take a list of a rank's stages)
+SINGLE_STAGE_CLASSES = ("ScheduleGPipe", "Schedule1F1B")
 RUNTIME_CLASS = "_PipelineScheduleRuntime"
 
 
@@ -57,8 +69,9 @@ def split_spec(d: Decisions, names: Sequence[str]) -> dict[str, str]:
 def render(d: Decisions, info: PlanInfo, *, output: str = DEFAULT_FILE) -> Export:
     k = d.pipeline_degree
     spec = split_spec(d, info.layer_names)
-    schedule = SCHEDULE_CLASSES[d.schedule] if d.actions is None else RUNTIME_CLASS
-    single = d.virtual_stages == 1 and d.actions is None
+    runs_list = d.actions is not None or d.schedule not in SCHEDULE_CLASSES
+    schedule = RUNTIME_CLASS if runs_list else SCHEDULE_CLASSES[d.schedule]
+    single = schedule in SINGLE_STAGE_CLASSES
     first_arg = "stages[0]" if single else "stages"
     lines = ['"""' + info.header(TARGET, d)[0], info.header(TARGET, d)[1], ""]
     lines += [
@@ -68,7 +81,7 @@ def render(d: Decisions, info: PlanInfo, *, output: str = DEFAULT_FILE) -> Expor
         "    stages = [pipe.build_stage(s, device, group=pp_group) for s in STAGES_OF_RANK[pp_rank]]",
         f"    schedule = SCHEDULE_CLASS({first_arg}, loss_fn=loss_fn, **SCHEDULE_KWARGS)",
     ]
-    if d.actions is not None:
+    if runs_list:
         lines.append('    schedule._load_csv(SCHEDULE_CSV, format="compute_only")')
     lines += [
         "",
@@ -94,11 +107,11 @@ def render(d: Decisions, info: PlanInfo, *, output: str = DEFAULT_FILE) -> Expor
         f"RECOMPUTE_STAGES = {[s for s, r in enumerate(d.recompute) if r]}",
     ]
     files: list[ExportFile] = []
-    if d.actions is not None:
+    if runs_list:
         lines.append(f"SCHEDULE_CSV = {json.dumps(output + SCHEDULE_CSV_SUFFIX)}")
-        files.append(ExportFile(actions_csv(d.actions), SCHEDULE_CSV_SUFFIX))
+        files.append(ExportFile(actions_csv(d.action_lines()), SCHEDULE_CSV_SUFFIX))
     return Export(TARGET, (ExportFile("\n".join(lines) + "\n"), *files))
 
 
 def _stages_of_rank(d: Decisions) -> dict[int, list[int]]:
-    return {r: [s for s in range(len(d.stages)) if s % d.pipeline_degree == r] for r in range(d.pipeline_degree)}
+    return d.stages_of_rank()

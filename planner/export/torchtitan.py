@@ -43,7 +43,15 @@ from planner.export.mapping import DecoderStack, NotAStack, Unit, decoder_stack
 TARGET = "torchtitan"
 DEFAULT_FILE = "torchtitan_parallelism.toml"
 #: pipeplan schedule -> torch.distributed.pipelining schedule name, as torchtitan takes it
-SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B"}
+SCHEDULES = {
+    "gpipe": "GPipe",
+    "1f1b": "1F1B",
+    "interleaved-1f1b": "Interleaved1F1B",
+    "zb-h1": "InterleavedZeroBubble",
+    "interleaved-zb": "InterleavedZeroBubble",
+    "zbv": "ZBVZeroBubble",
+    "dualpipev": "DualPipeV",
+}
 #: the schedule names torchtitan takes with a per-rank action list read from CSV (by chunks per rank)
 CSV_SCHEDULES = ("PipelineScheduleSingle", "PipelineScheduleMulti")
 HEAD_FQNS = ("norm", "lm_head")
@@ -77,7 +85,8 @@ def settings(
     """The TOML tables as a dict: ``parallelism``, ``training``, ``activation_checkpoint``
     (``csv_path``: where the plan's action list is written, when it has one)."""
     stack = decoder_stack(names)
-    schedule = SCHEDULES[d.schedule] if d.actions is None else CSV_SCHEDULES[d.virtual_stages > 1]
+    runs_list = d.actions is not None or d.schedule not in SCHEDULES
+    schedule = CSV_SCHEDULES[d.virtual_stages > 1] if runs_list else SCHEDULES[d.schedule]
     par: dict[str, object] = {
         "pipeline_parallel_degree": d.pipeline_degree,
         "pipeline_parallel_schedule": schedule,
@@ -91,7 +100,7 @@ def settings(
         par["enable_sequence_parallel"] = d.sequence_parallel
     if d.zero_stage in (1, 2):
         par["fsdp_reshard_after_forward"] = "never"
-    if d.actions is not None:
+    if runs_list:
         par["pipeline_parallel_schedule_csv"] = csv_path
     return {
         "parallelism": par,
@@ -144,8 +153,8 @@ def to_toml(tables: dict[str, dict[str, object]]) -> str:
 def render(d: Decisions, info: PlanInfo, *, output: str = DEFAULT_FILE, head_fqns: Sequence[str] = HEAD_FQNS) -> Export:
     tables = settings(d, info.layer_names, head_fqns=head_fqns, csv_path=output + SCHEDULE_CSV_SUFFIX)
     files: list[ExportFile] = []
-    if d.actions is not None:
-        files.append(ExportFile(actions_csv(d.actions), SCHEDULE_CSV_SUFFIX))
+    if d.actions is not None or d.schedule not in SCHEDULES:
+        files.append(ExportFile(actions_csv(d.action_lines()), SCHEDULE_CSV_SUFFIX))
     overrides = " ".join(cli_overrides(tables))
     head = [f"# {line}" for line in info.header(TARGET, d)]
     head += [

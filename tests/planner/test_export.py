@@ -23,6 +23,7 @@ from planner.export import ExportRefused, export_plan, problems
 from planner.export import megatron as mg
 from planner.export.common import Decisions, PlanInfo
 from planner.export.mapping import NotAStack, Unit, decoder_stack
+from planner.schedules import placement_of, rank_stages
 from planner.schema import (
     Cluster,
     Plan,
@@ -178,7 +179,10 @@ def check_round_trip(plan: Plan) -> None:
             stages_of_rank = consts["STAGES_OF_RANK"]
             assert isinstance(stages_of_rank, dict)
             assert sorted(s for ss in stages_of_rank.values() for s in ss) == list(range(len(plan.stages)))
-            assert all(s % k == r for r, ss in stages_of_rank.items() for s in ss)
+            placement = placement_of(plan.schedule)
+            assert stages_of_rank == dict(enumerate(rank_stages(placement, k, len(plan.stages) // k)))
+            if placement == "loop":
+                assert all(s % k == r for r, ss in stages_of_rank.items() for s in ss)
             assert consts["NUM_MICROBATCHES"] == m and consts["MICROBATCH_SIZE"] == b
             assert consts["RECOMPUTE_STAGES"] == [s.index for s in plan.stages if s.recompute]
 
@@ -252,7 +256,8 @@ def test_layout_encoding_expands_to_the_stages(middle: list[str], e_alone: bool,
 
 def test_layout_examples() -> None:
     assert mg.encode_layout(["Ettt", "ttt", "ttt", "tttL"]) == "Et*3|(t*3|)*2t*3L"
-    assert mg.encode_layout(["Et", "tt", "tt", "ttL"]) == "Et|(tt|)*2ttL"
+    assert mg.encode_layout(["Et", "tt", "tt", "ttL"]) == "Et|tt|tt|ttL"  # a repeat only where not longer
+    assert mg.encode_layout(["Et", "tt", "tt", "tt", "ttL"]) == "Et|(tt|)*3ttL"
     assert mg.encode_layout(["E", "tttt", "tttt", "tttt", "L"]) == "E|(t*4|)*3L"
     assert mg.expand_layout("Et*3|(tt|)*29,m|L")[1:3] == ["tt", "tt"]
     assert mg.is_even_split(["Ettt", "ttt", "tttL"], 9) and not mg.is_even_split(["Ett", "tttt", "tttL"], 9)
@@ -554,7 +559,8 @@ def test_the_replan_hint_gives_plans_the_target_can_express() -> None:
     mixed = solve(profile, Cluster.model_validate({"devices": 8, "device_type": "a100-40g"}), training, PlanOptions(time_limit_s=1))
     for plan, target, flag, options in (
         (interleaved, "deepspeed", "--schedule 1f1b", PlanOptions(schedule="1f1b", time_limit_s=1)),
-        (mixed, "megatron", "--no-recompute", PlanOptions(recompute=False, time_limit_s=1)),
+        (mixed, "megatron", "--no-recompute --schedules 1f1b,interleaved-1f1b",
+         PlanOptions(recompute=False, schedules=["1f1b", "interleaved-1f1b"], time_limit_s=1)),
     ):
         with pytest.raises(ExportRefused) as err:
             export_plan(plan, target, profile=profile)

@@ -90,7 +90,7 @@ def test_gpt2_through_the_command_line(tmp_path: Path) -> None:
     names = [layer["name"] for layer in json.loads(prof.read_text())["layers"]]
     assert [n for n in names if n.startswith("transformer.h.")] == [f"transformer.h.{i}" for i in range(4)]
     for flags, stages in ((["--schedule", "interleaved-1f1b", "--stages", "4", "--virtual-stages", "2"], 4),
-                          (["--stages", "2"], 2)):  # fmt: skip
+                          (["--stages", "2", "--schedules", "gpipe,1f1b,interleaved-1f1b"], 2)):  # fmt: skip
         plan_file = tmp_path / "plan.json"
         proc, _ = run_cli(["plan", str(prof), "--devices", "2", "--device-type", "cpu", "--batch-size", "8",
                            "--optimizer", "sgd", "--data-parallel", "1", "--microbatches", "4", *flags,
