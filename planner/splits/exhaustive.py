@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections.abc import Iterator, Sequence
 
 from planner.bounds.split import split_lower_bound
@@ -94,16 +95,34 @@ def enumerate_splits(search: SearchState, sm: StageModel, cfg: Config, groups: l
         if cfg.schedule == "planned"
         else fitting_splits(search, sm, groups, orders)
     )
-    candidates = [(split_lower_bound(sm, search.cluster, groups, split), split) for split in splits]
+    candidates = []
+    for i, split in enumerate(splits):
+        if i % CLOCK_EVERY == 0 and _past_time_limit(search):
+            search.open_bounds.append(lb)  # cut short by the time limit: the bound stays open
+            return True
+        candidates.append((split_lower_bound(sm, search.cluster, groups, split), split))
     if not candidates:
         search.infeasible += 1
         return True
     candidates.sort(key=lambda c: (c[0], c[1].ranges, c[1].groups))
-    for lb_split, split in candidates:
+    for i, (lb_split, split) in enumerate(candidates):
         if lb_split >= search.best_step:
             break
+        if i % CLOCK_EVERY == 0 and _past_time_limit(search):
+            search.open_bounds.append(lb_split)
+            return True
         consider(search, sm, groups, split)
     return True
+
+
+#: how many splits an enumeration takes between two looks at the clock
+CLOCK_EVERY = 64
+
+
+def _past_time_limit(search: SearchState) -> bool:
+    """Whether the solve's wall-clock limit has passed (an enumeration then stops and leaves
+    its configuration's bound open, so the status says feasible, never optimal)."""
+    return time.perf_counter() > search.wall_stop
 
 
 def _enumerate_interleaved(
@@ -120,6 +139,9 @@ def _enumerate_interleaved(
     for order in orders:
         stage_groups = tuple(order[sm.owner[s]] for s in range(n))
         for ranges in _promising_ranges(sm, [groups[g].speed for g in stage_groups], least, search.best_step):
+            if len(bases) % CLOCK_EVERY == 0 and _past_time_limit(search):
+                search.open_bounds.append(lb)
+                return
             base = Split(ranges, least, stage_groups)
             bases.append((split_lower_bound(sm, search.cluster, groups, base), base))
     search.work += len(bases) * n
@@ -130,8 +152,11 @@ def _enumerate_interleaved(
     bases.sort(key=lambda c: (c[0], c[1].ranges, c[1].groups))
     fits_any = False
     cache: dict[tuple[int, int, tuple[tuple[int, int], ...]], list[tuple[bool, ...]]] = {}
-    for lb_base, base in bases:
+    for i, (lb_base, base) in enumerate(bases):
         if lb_base >= search.best_step:
+            return
+        if i % CLOCK_EVERY == 0 and _past_time_limit(search):
+            search.open_bounds.append(lb_base)
             return
         variants = recompute_variants(search, sm, groups, base.ranges, base.groups, cache=cache)
         if variants is None:  # too many to try: the cheapest one, and the bound stays open
