@@ -107,6 +107,8 @@ def backward_input(
     the state the weight-gradient half needs (torch's ``param_groups``)."""
     from torch.distributed.pipelining._backward import stage_backward_input
 
+    # torch detaches the outputs in place afterwards, which a view refuses: give it a copy
+    outputs = [o.clone() if o._is_view() else o for o in outputs]
     _, groups = stage_backward_input(outputs, output_grads, inputs, iter(weights))
     return list(groups)
 

@@ -31,9 +31,9 @@ What is measured, per unit of :func:`profiler.split.split_model` and per micro-b
   timed on separate steps run with torch's own split (``stage_backward_input`` /
   ``stage_backward_weight``, what the pipeline runtime runs for a zero-bubble schedule's
   ``I`` and ``W``; :mod:`profiler._torch_private`), and the bytes still held between the two
-  (``weight_grad_bytes``): the saved tensors the unit's graph still holds after its ``I`` (each
-  storage counted on the first unit that saves it, as ``activation_bytes``) plus the output
-  gradients ``W`` starts from.  A unit whose inputs need no gradient (the first) has
+  (``weight_grad_bytes``): the saved tensors the unit's graph still holds after its ``I`` (a
+  storage several units hold counted once, on the last of them) plus the output gradients
+  ``W`` starts from.  A unit whose inputs need no gradient (the first) has
   ``I = 0``: its whole backward is ``W``, as the runtime runs it.
 * forward FLOPs from ``torch.utils.flop_counter`` (informational).
 
@@ -754,8 +754,9 @@ def split_backward_bytes(
     exclude: set[int],
 ) -> list[int]:
     """Per unit, the bytes held between its input-gradient and its weight-gradient half: the
-    storages its graph still holds after the ``I`` (each counted on the first unit that saves
-    it, parameters and model state excluded) plus the output gradients ``W`` starts from."""
+    storages its graph still holds after the ``I`` (parameters and model state excluded; a
+    storage several units hold is counted once, on the last of them: a ``Linear`` after a
+    ``Tanh`` counts the input both saved) plus the output gradients ``W`` starts from."""
     import weakref
 
     class _Held:
@@ -765,19 +766,14 @@ def split_backward_bytes(
             self.t = t
 
     n = len(split)
-    first_saver: dict[int, int] = {}
-    packed: list[list[tuple[Any, int, int]]] = [
-        [] for _ in range(n)
-    ]  # (weakref, storage key, bytes)
+    packed: list[list[tuple[Any, int, int]]] = [[] for _ in range(n)]  # (weakref, storage key, bytes)
     unit = [0]
 
     def pack(t: Tensor) -> Any:
         storage = t.untyped_storage()
-        key = storage.data_ptr()
         held = _Held(t)
-        if key not in exclude and storage.nbytes() > 0:
-            first_saver.setdefault(key, unit[0])
-            packed[unit[0]].append((weakref.ref(held), key, storage.nbytes()))
+        if storage.data_ptr() not in exclude and storage.nbytes() > 0:
+            packed[unit[0]].append((weakref.ref(held), storage.data_ptr(), storage.nbytes()))
         return held
 
     def unpack(held: Any) -> Tensor:
@@ -798,27 +794,20 @@ def split_backward_bytes(
             current = res if i < n - 1 else ()
     del current
     out = [0] * n
+    counted: set[int] = set()  # a storage several units hold counts on the last (the first to run W)
     for i in range(n - 1, -1, -1):
-        grads = (
-            None
-            if i == n - 1
-            else [t.grad if isinstance(t, Tensor) else None for t in unit_inputs[i + 1]]
-        )
+        grads = None if i == n - 1 else [t.grad if isinstance(t, Tensor) else None for t in unit_inputs[i + 1]]
         weights = [p for p in split.units[i].parameters() if p.requires_grad]
         weight, state = _split_backward(unit_outputs[i], grads, unit_inputs[i], weights)
         unit_outputs[i] = None  # as the runtime: the outputs are dropped after the I
         if state is not None:
-            alive = {
-                key: nbytes
-                for ref, key, nbytes in packed[i]
-                if ref() is not None and first_saver[key] == i
-            }
-            stashed = tensor_bytes(
-                [g for group in state for grads_ in group.get("grads") or () for g in grads_ or ()]
-            )
-            out[i] = sum(alive.values()) + stashed
+            alive = {key: nb for ref, key, nb in packed[i] if ref() is not None and key not in counted}
+            stashed = tensor_bytes([g for group in state for gs in group.get("grads") or () for g in gs or ()])
         else:  # nothing runs between: W is the whole backward, which holds what the forward saved
-            out[i] = sum({key: nb for _, key, nb in packed[i] if first_saver[key] == i}.values())
+            alive = {key: nb for _, key, nb in packed[i] if key not in counted}
+            stashed = 0
+        counted.update(alive)
+        out[i] = sum(alive.values()) + stashed
         weight()
     split.model.zero_grad(set_to_none=True)
     return out

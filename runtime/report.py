@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from planner.limits import loads_strict
+from planner.schedules import stage_rank
 from planner.schema import (
     REPORT_VERSION,
     ActionTimes,
@@ -136,7 +137,7 @@ def build_report(
         stages.append(
             StageReport(
                 index=st.index,
-                pipeline_rank=st.index % plan.pipeline_degree,
+                pipeline_rank=stage_rank(plan.placement, st.index, plan.pipeline_degree, plan.virtual_stages),
                 start=st.start,
                 stop=st.stop,
                 layers=f"{st.start}:{st.stop} " + (names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"),
