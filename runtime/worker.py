@@ -333,11 +333,11 @@ def _train(
     from torch.distributed.pipelining import PipelineStage
 
     from planner.costmodel import plan_orders
-    from planner.schedules import format_actions, schedule_actions, stage_ranks
+    from planner.schedules import SPLIT_BACKWARD, format_actions, schedule_actions, stage_ranks
     from profiler.split import RngStreams
     from runtime._torch_schedule import build_schedule
     from runtime.data import DataReport, DataSource, judge, loads_data
-    from runtime.modules import Autocast, Recompute, stage_examples
+    from runtime.modules import Autocast, NoViewOutputs, Recompute, stage_examples
     from runtime.steplog import StepLog
     from runtime.training import (
         LossScaler,
@@ -405,6 +405,8 @@ def _train(
             mod = Recompute(mod)
         if opts.mixed:
             mod = Autocast(mod, device.type, opts.torch_dtype)
+        if plan.schedule in SPLIT_BACKWARD:
+            mod = NoViewOutputs(mod)
         stage = PipelineStage(
             mod,
             s,
