@@ -55,6 +55,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=6, help="steps per run; the first is warm-up")
     parser.add_argument("--microbatches", default="2,4", help="the values of M to run")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="cpu",
+                        help="profile clock (default cpu: thread CPU time, steady on a busy machine)")  # fmt: skip
     parser.add_argument("--json", help="also write the rows as JSON here")
     args = parser.parse_args()
 
@@ -64,7 +66,7 @@ def main() -> int:
     spec = f"{Path(__file__).resolve()}:model"
     work = Path(tempfile.mkdtemp(prefix="pipeplan-zb-bench-"))
     prof_file = work / "profile.json"
-    _cli("profile", "--model", spec, "--microbatch-sizes", str(MICROBATCH), "--threads", "1", "--repeats", "7",
+    _cli("profile", "--model", spec, "--microbatch-sizes", str(MICROBATCH), "--threads", "1", "--clock", args.clock, "--repeats", "7",
          "-q", "-o", str(prof_file))  # fmt: skip
     profile = load_document("profile", prof_file)
     n = len(profile.layers)
