@@ -9,7 +9,10 @@ moves one fails there with its name instead of deep inside a profile or a run.
 * ``torch._ops.OpOverload`` and its ``_schema``: whether an ATen operator is random or writes
   into an argument (such operations keep their place in the program);
 * ``torch.fx._symbolic_trace._maybe_revert_all_patches``: runs real module calls while fx
-  is tracing (to evaluate a shape condition on the example inputs).
+  is tracing (to evaluate a shape condition on the example inputs);
+* ``torch.distributed.pipelining._backward.stage_backward_input`` / ``stage_backward_weight``:
+  the backward split into its input-gradient and weight-gradient parts, exactly as the
+  pipeline runtime runs a zero-bubble schedule's ``I`` and ``W`` (what the profiler times).
 """
 
 from __future__ import annotations
@@ -93,4 +96,40 @@ def fx_real_calls() -> AbstractContextManager[Any]:
     return revert() if revert is not None else nullcontext()
 
 
-__all__ = ["TreeSpec", "fx_real_calls", "is_leaf_spec", "op_is_mutating", "op_is_random", "tree_flatten", "tree_unflatten", "version_counter"]
+def backward_input(
+    outputs: list[torch.Tensor],
+    output_grads: list[torch.Tensor] | None,
+    inputs: list[Any],
+    weights: list[Any],
+) -> list[dict[str, Any]]:
+    """The input-gradient half of a backward (``I``): the gradients of ``inputs`` (accumulated
+    into their ``.grad``) from ``outputs`` (a loss when ``output_grads`` is ``None``); returns
+    the state the weight-gradient half needs (torch's ``param_groups``)."""
+    from torch.distributed.pipelining._backward import stage_backward_input
+
+    # torch detaches the outputs in place afterwards, which a view refuses: give it a copy
+    outputs = [o.clone() if o._is_view() else o for o in outputs]
+    _, groups = stage_backward_input(outputs, output_grads, inputs, iter(weights))
+    return list(groups)
+
+
+def backward_weight(weights: list[Any], state: list[dict[str, Any]]) -> None:
+    """The weight-gradient half (``W``) of :func:`backward_input`'s backward, accumulated into
+    the weights' ``.grad``."""
+    from torch.distributed.pipelining._backward import stage_backward_weight
+
+    stage_backward_weight(iter(weights), state)
+
+
+__all__ = [
+    "TreeSpec",
+    "backward_input",
+    "backward_weight",
+    "fx_real_calls",
+    "is_leaf_spec",
+    "op_is_mutating",
+    "op_is_random",
+    "tree_flatten",
+    "tree_unflatten",
+    "version_counter",
+]

@@ -26,6 +26,15 @@ What is measured, per unit of :func:`profiler.split.split_model` and per micro-b
 * **parameter bytes**, tied weights counted once.
 * on CUDA also the per-unit peak of ``torch.cuda.max_memory_allocated`` above the memory in
   use before the unit (reset before each), to cross-check the hook figure.
+* the backward **split into its input-gradient part** (``I``, ``backward_input_ms``: what the
+  previous stage waits for) **and its weight-gradient part** (``W``, ``backward_weight_ms``),
+  timed on separate steps run with torch's own split (``stage_backward_input`` /
+  ``stage_backward_weight``, what the pipeline runtime runs for a zero-bubble schedule's
+  ``I`` and ``W``; :mod:`profiler._torch_private`), and the bytes still held between the two
+  (``weight_grad_bytes``): the saved tensors the unit's graph still holds after its ``I`` (a
+  storage several units hold counted once, on the last of them) plus the output gradients
+  ``W`` starts from.  A unit whose inputs need no gradient (the first) has
+  ``I = 0``: its whole backward is ``W``, as the runtime runs it.
 * forward FLOPs from ``torch.utils.flop_counter`` (informational).
 
 The user's model is never touched: everything runs on a deep copy (parameters, buffers such
@@ -50,6 +59,7 @@ from torch import Tensor, nn
 
 from planner.errors import InputError
 from planner.schema import LayerProfile, MeasuredOn, Profile
+from profiler import _torch_private
 from profiler.loading import call_model, check_example_inputs, default_loss, model_inputs
 from profiler.sampling import (
     TARGET_ERROR,
@@ -464,6 +474,7 @@ def _measure(
     cuda = device.type == "cuda"
     fields = ["forward_ms", "backward_ms", "activation_bytes", "output_bytes", "cut_bytes"]
     fields += ["forward_ms_spread", "backward_ms_spread", "flops"] + (["peak_memory_bytes"] if cuda else [])
+    fields += ["backward_input_ms", "backward_weight_ms", "weight_grad_bytes"]
     out: list[dict[str, Any]] = [{f: [] for f in fields} for _ in range(n)]
     timer = _Timer(device, clock)
     floor_ms, tick_ms = timer.floor()
@@ -524,11 +535,22 @@ def _measure(
             )
             samplings[b] = sampling
             fwd, bwd = sampling.forward, sampling.backward
+            held = split_backward_bytes(split, frozen_inputs[0], loss, exclude=model_storages)
+            t_in, t_w = [[] for _ in range(n)], [[] for _ in range(n)]  # type: ignore[var-annotated]
+            for rep in range(SPLIT_WARMUP + min(sampling.repeats, SPLIT_REPEATS)):
+                ins_ms, w_ms = _timed_split_step(split, frozen_inputs[0], loss, timer)
+                if rep >= SPLIT_WARMUP:
+                    for i in range(n):
+                        t_in[i].append(ins_ms[i])
+                        t_w[i].append(w_ms[i])
             for i, unit in enumerate(split.units):
                 out[i]["forward_ms"].append(statistics.median(fwd[i]))
                 out[i]["backward_ms"].append(statistics.median(bwd[i]))
                 out[i]["forward_ms_spread"].append(_quartile_spread(fwd[i]))
                 out[i]["backward_ms_spread"].append(_quartile_spread(bwd[i]))
+                out[i]["backward_input_ms"].append(statistics.median(t_in[i]))
+                out[i]["backward_weight_ms"].append(statistics.median(t_w[i]))
+                out[i]["weight_grad_bytes"].append(held[i])
                 flops = _forward_flops(unit, frozen_inputs[i])
                 out[i]["flops"].append(flops if flops is not None else 0.0)
                 if cuda:
@@ -654,6 +676,141 @@ def _timed_step(
         t_b[i], _ = timer.time(backward)
         unit_outputs[i + 1] = None  # free as a real step does
     return t_f, t_b
+
+
+#: timed steps of the split backward per micro-batch size (at most; as many as the main timing
+#: took when fewer), after one warm-up step
+SPLIT_REPEATS = 10
+SPLIT_WARMUP = 1
+
+
+def _split_backward(
+    res: Any, grads: Sequence[Tensor | None] | None, ins: Sequence[Any], weights: list[Any]
+) -> tuple[Callable[[], None], list[dict[str, Any]] | None]:
+    """Run the input-gradient half of one unit's backward; return the weight-gradient half
+    (to run later) and the state it keeps (torch's ``param_groups``; ``None`` when no input
+    needs a gradient: the weight half then runs the whole backward, as the pipeline runtime
+    does on its first stage)."""
+    inputs = [t for t in ins if isinstance(t, Tensor) and t.requires_grad]
+    if grads is None:
+        outputs, out_grads = [res], None
+    else:
+        pairs = [
+            (o, g)
+            for o, g in zip(res, grads, strict=True)
+            if isinstance(o, Tensor) and o.requires_grad and g is not None
+        ]
+        outputs, out_grads = [o for o, _ in pairs], [g for _, g in pairs]
+    if not outputs:
+        return (lambda: None), None
+    if not inputs:
+        return (lambda: _backward(res, grads)), None
+    state = _torch_private.backward_input(outputs, out_grads, inputs, weights)
+    return (lambda: _torch_private.backward_weight(weights, state)), state
+
+
+def _timed_split_step(
+    split: SplitModel,
+    batch: tuple[Any, ...],
+    loss: Callable[[Any], Tensor],
+    timer: _Timer,
+) -> tuple[list[float], list[float]]:
+    """One training step, the units' backwards split: per unit, its input gradient (timed)
+    then its weight gradient (timed), in reverse order, each fed the real upstream gradient."""
+    n = len(split)
+    unit_inputs: list[tuple[Any, ...]] = []
+    unit_outputs: list[Any] = []
+    current: tuple[Any, ...] = batch
+    for i, unit in enumerate(split.units):
+        ins = batch if i == 0 else _grad_inputs(current)
+        res = unit(*ins)
+        if i == n - 1:
+            res = loss(split.rebuild_output(res))
+        unit_inputs.append(ins)
+        unit_outputs.append(res)
+        current = res if i < n - 1 else ()
+    t_i, t_w = [0.0] * n, [0.0] * n
+    for i in range(n - 1, -1, -1):
+        grads = (
+            None
+            if i == n - 1
+            else [t.grad if isinstance(t, Tensor) else None for t in unit_inputs[i + 1]]
+        )
+        weights = [p for p in split.units[i].parameters() if p.requires_grad]
+        t_i[i], (weight, _) = timer.time(
+            lambda i=i, g=grads, w=weights: _split_backward(unit_outputs[i], g, unit_inputs[i], w)  # type: ignore[misc]
+        )
+        t_w[i], _ = timer.time(weight)
+        unit_outputs[i] = None
+    split.model.zero_grad(set_to_none=True)
+    return t_i, t_w
+
+
+def split_backward_bytes(
+    split: SplitModel,
+    batch: tuple[Any, ...],
+    loss: Callable[[Any], Tensor],
+    *,
+    exclude: set[int],
+) -> list[int]:
+    """Per unit, the bytes held between its input-gradient and its weight-gradient half: the
+    storages its graph still holds after the ``I`` (parameters and model state excluded; a
+    storage several units hold is counted once, on the last of them: a ``Linear`` after a
+    ``Tanh`` counts the input both saved) plus the output gradients ``W`` starts from."""
+    import weakref
+
+    class _Held:
+        __slots__ = ("__weakref__", "t")
+
+        def __init__(self, t: Tensor) -> None:
+            self.t = t
+
+    n = len(split)
+    packed: list[list[tuple[Any, int, int]]] = [[] for _ in range(n)]  # (weakref, storage key, bytes)
+    unit = [0]
+
+    def pack(t: Tensor) -> Any:
+        storage = t.untyped_storage()
+        held = _Held(t)
+        if storage.data_ptr() not in exclude and storage.nbytes() > 0:
+            packed[unit[0]].append((weakref.ref(held), storage.data_ptr(), storage.nbytes()))
+        return held
+
+    def unpack(held: Any) -> Tensor:
+        return held.t  # type: ignore[no-any-return]
+
+    unit_inputs: list[tuple[Any, ...]] = []
+    unit_outputs: list[Any] = []
+    current: tuple[Any, ...] = batch
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        for i, u in enumerate(split.units):
+            unit[0] = i
+            ins = batch if i == 0 else _grad_inputs(current)
+            res = u(*ins)
+            if i == n - 1:
+                res = loss(split.rebuild_output(res))
+            unit_inputs.append(ins)
+            unit_outputs.append(res)
+            current = res if i < n - 1 else ()
+    del current
+    out = [0] * n
+    counted: set[int] = set()  # a storage several units hold counts on the last (the first to run W)
+    for i in range(n - 1, -1, -1):
+        grads = None if i == n - 1 else [t.grad if isinstance(t, Tensor) else None for t in unit_inputs[i + 1]]
+        weights = [p for p in split.units[i].parameters() if p.requires_grad]
+        weight, state = _split_backward(unit_outputs[i], grads, unit_inputs[i], weights)
+        unit_outputs[i] = None  # as the runtime: the outputs are dropped after the I
+        if state is not None:
+            alive = {key: nb for ref, key, nb in packed[i] if ref() is not None and key not in counted}
+            stashed = tensor_bytes([g for group in state for gs in group.get("grads") or () for g in gs or ()])
+        else:  # nothing runs between: W is the whole backward, which holds what the forward saved
+            alive = {key: nb for _, key, nb in packed[i] if key not in counted}
+            stashed = 0
+        counted.update(alive)
+        out[i] = sum(alive.values()) + stashed
+        weight()
+    split.model.zero_grad(set_to_none=True)
+    return out
 
 
 def _cuda_peak(

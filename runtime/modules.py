@@ -48,6 +48,24 @@ class Autocast(nn.Module):
             return self.inner(*args)
 
 
+class NoViewOutputs(nn.Module):
+    """Runs ``inner`` and copies each output that is a view of another tensor.  torch's split
+    backward (a zero-bubble schedule's ``I``) detaches the stage's outputs in place afterwards,
+    which a view refuses (a ``flatten`` or ``reshape`` at the end of a stage)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: Any) -> Any:
+        out = self.inner(*args)
+        if isinstance(out, Tensor):
+            return out.clone() if out._is_view() else out
+        if isinstance(out, tuple):
+            return tuple(t.clone() if isinstance(t, Tensor) and t._is_view() else t for t in out)
+        return out
+
+
 def stage_examples(
     split: Any,
     example_inputs: Sequence[Tensor],

@@ -18,10 +18,6 @@ SUPPORTED_OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw")
 _REMAKE = "make the plan again from a profile of this model (pipeplan profile --model ... then pipeplan plan)"
 
 
-#: the schedules runtime/worker.py builds (the others need torch's action-list runtime)
-RUNNABLE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-
-
 def plan_mismatches(
     plan: Plan,
     *,
@@ -98,13 +94,6 @@ def plan_mismatches(
             f"--dtype {dtype} does not match the dtype the plan was made for, {made} (its memory "
             f"counts activations of that size): pass --dtype {plan.training.run_dtype} or make the plan "
             f"with --dtype {dtype}"
-        )
-    if plan.schedule not in RUNNABLE_SCHEDULES:
-        problems.append(
-            f"the plan's schedule {plan.schedule!r} is not yet executed by pipeplan run, which runs "
-            f"{', '.join(RUNNABLE_SCHEDULES)}: make the plan with --schedule 1f1b (or "
-            f"--schedule interleaved-1f1b), or export it and run it with torch's "
-            f"_PipelineScheduleRuntime (pipeplan show PLAN --actions plan.csv)"
         )
     return problems
 

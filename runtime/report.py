@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from planner.limits import loads_strict
+from planner.schedules import stage_rank
 from planner.schema import (
     REPORT_VERSION,
     ActionTimes,
@@ -46,7 +47,8 @@ TIMELINE_CELLS = 2**18
 #: ``rank_steps`` keeps the first steps up to this many rows (ranks x steps)
 RANK_STEP_ROWS = 2**16
 
-#: one action as a rank records it: (op "F" or "B", micro-batch, start, end), seconds on the host clock
+#: one action as a rank records it: (op "F", "B", "I" or "W", micro-batch, start, end), seconds on
+#: the host clock; a split backward is an "I" (input gradient) and later a "W" (weight gradient)
 Event = tuple[str, int, float, float]
 
 
@@ -135,7 +137,7 @@ def build_report(
         stages.append(
             StageReport(
                 index=st.index,
-                pipeline_rank=st.index % plan.pipeline_degree,
+                pipeline_rank=stage_rank(plan.placement, st.index, plan.pipeline_degree, plan.virtual_stages),
                 start=st.start,
                 stop=st.stop,
                 layers=f"{st.start}:{st.stop} " + (names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"),
@@ -271,12 +273,20 @@ def _action_row(events: Sequence[Event], m: int, base: float) -> dict[str, list[
         "backward_start_ms": [None] * m,
         "backward_ms": [None] * m,
     }
+    weight: list[float] = [0.0] * m
     for op, mb, start, end in events:
         if not 0 <= mb < m:
             return None
+        if op == "W":  # a split backward: its duration is I + W, its start the I's
+            weight[mb] += max(0.0, (end - start) * 1e3)
+            continue
         kind = "forward" if op == "F" else "backward"
         out[f"{kind}_start_ms"][mb] = (start - base) * 1e3
         out[f"{kind}_ms"][mb] = max(0.0, (end - start) * 1e3)
+    for mb, w in enumerate(weight):
+        ms = out["backward_ms"][mb]
+        if w and ms is not None:
+            out["backward_ms"][mb] = ms + w
     if any(x is None for values in out.values() for x in values):
         return None
     return {key: [float(x) for x in values if x is not None] for key, values in out.items()}

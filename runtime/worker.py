@@ -246,6 +246,7 @@ def _run(args: argparse.Namespace, rank: int, status: RankStatus, progress: Prog
     import torch
     import torch.distributed as dist
 
+    from planner.schedules import rank_stages
     from planner.schema import Plan, load_document
     from profiler.loading import load_entrypoint
     from profiler.split import split_model
@@ -260,9 +261,10 @@ def _run(args: argparse.Namespace, rank: int, status: RankStatus, progress: Prog
     fault = Fault.parse(args.inject_fault) if args.inject_fault else None
 
     k_deg, v = plan.pipeline_degree, plan.virtual_stages
-    num_stages = k_deg * v
     pp_rank, replica = rank % k_deg, rank // k_deg
-    my_stages = [s for s in range(num_stages) if s % k_deg == pp_rank]
+    my_stages = rank_stages(plan.placement, k_deg, v)[
+        pp_rank
+    ]  # loop: s % K == rank; V: r and 2K-1-r
     status.stages = my_stages
 
     # ---- devices
@@ -328,16 +330,14 @@ def _train(
 ) -> int:
     import torch
     import torch.distributed as dist
-    from torch.distributed.pipelining import (
-        PipelineStage,
-        Schedule1F1B,
-        ScheduleGPipe,
-        ScheduleInterleaved1F1B,
-    )
+    from torch.distributed.pipelining import PipelineStage
 
+    from planner.costmodel import plan_orders
+    from planner.schedules import SPLIT_BACKWARD, format_actions, schedule_actions, stage_ranks
     from profiler.split import RngStreams
+    from runtime._torch_schedule import build_schedule
     from runtime.data import DataReport, DataSource, judge, loads_data
-    from runtime.modules import Autocast, Recompute, stage_examples
+    from runtime.modules import Autocast, NoViewOutputs, Recompute, stage_examples
     from runtime.steplog import StepLog
     from runtime.training import (
         LossScaler,
@@ -369,17 +369,20 @@ def _train(
 
     # ---- tied parameters whose copies land on different pipeline ranks: one group per replica.
     # The lowest pipeline rank holding a copy counts it in the gradient norm.
+    rank_of_stage = stage_ranks(plan.placement, k_deg, plan.virtual_stages)
     stage_of_unit = {u: st.index for st in plan.stages for u in range(st.start, st.stop)}
     tied: list[tuple[Any, torch.nn.Parameter]] = []
     not_mine_in_norm: set[int] = set()
     for group in split.shared_parameters():
-        ranks_k = sorted({stage_of_unit[u] % k_deg for u, _ in group})
+        ranks_k = sorted({rank_of_stage[stage_of_unit[u]] for u, _ in group})
         if len(ranks_k) < 2:
             continue  # all copies on one rank: one tensor, gradients already summed
         for d in range(d_deg):
             pg = dist.new_group([d * k_deg + kk for kk in ranks_k])
             if d == replica and pp_rank in ranks_k:
-                u, name = next((u, n) for u, n in group if stage_of_unit[u] % k_deg == pp_rank)
+                u, name = next(
+                    (u, n) for u, n in group if rank_of_stage[stage_of_unit[u]] == pp_rank
+                )
                 param = split.units[u].get_parameter(name)
                 tied.append((pg, param))
                 if pp_rank != ranks_k[0]:
@@ -402,6 +405,8 @@ def _train(
             mod = Recompute(mod)
         if opts.mixed:
             mod = Autocast(mod, device.type, opts.torch_dtype)
+        if plan.schedule in SPLIT_BACKWARD:
+            mod = NoViewOutputs(mod)
         stage = PipelineStage(
             mod,
             s,
@@ -428,14 +433,22 @@ def _train(
             _fold_loss(last_record, step_box[0], t0, time.perf_counter())
         return value * scaler.scale if scaler.enabled else value
 
+    # what runs is the plan's action list (planner/schedules.py made it; the prediction timed
+    # it): a public torch class when the list is its order, else torch's action-list runtime.
     # scale_grads=False: the schedules divide each stage's gradients by M, which would divide
     # a weight shared by two stages of this rank twice; we divide every parameter once below
-    if plan.schedule == "gpipe":
-        schedule: Any = ScheduleGPipe(stages[0], m, loss_fn=loss_fn, scale_grads=False)
-    elif plan.schedule == "1f1b":
-        schedule = Schedule1F1B(stages[0], m, loss_fn=loss_fn, scale_grads=False)
-    else:
-        schedule = ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn, scale_grads=False)
+    actions = [line.split() for line in format_actions(plan_orders(plan))]
+    template = (
+        [
+            line.split()
+            for line in format_actions(
+                schedule_actions(plan.schedule, k_deg, m, plan.virtual_stages)
+            )
+        ]
+        if plan.schedule != "planned"
+        else None
+    )
+    schedule, _runner = build_schedule(plan.schedule, stages, actions, template, m, loss_fn=loss_fn)
     params = unique_parameters(modules)
     opt = make_optimizer(opts.optimizer, params, lr=opts.lr)
     has_first = 0 in my_stages
@@ -845,11 +858,19 @@ def _time_stage(
     status: RankStatus,
     streams: Any = None,
 ) -> None:
-    """Time this stage's forward/backward per micro-batch (and inject a fault when asked);
-    tell the RNG streams which micro-batch a forward runs.  ``record["events"][step]`` keeps
-    each action as ``(op, micro-batch, start, end)`` on ``time.perf_counter``'s clock."""
-    forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
+    """Time this stage's actions per micro-batch (and inject a fault when asked); tell the RNG
+    streams which micro-batch a forward runs.  ``record["events"][step]`` keeps each action as
+    ``(op, micro-batch, start, end)`` on ``time.perf_counter``'s clock, ``op`` one of ``F``,
+    ``B``, ``I`` (input gradient) and ``W`` (weight gradient); ``record["backward"][step]``
+    has one backward time per micro-batch, ``I + W`` for a split backward."""
+    forward, backward, weight = (
+        stage.forward_one_chunk,
+        stage.backward_one_chunk,
+        stage.backward_weight_one_chunk,
+    )
     calls = [0]
+    #: (step, micro-batch) -> index of its backward time, where its W adds to its I
+    slot_of: dict[tuple[int, int], int] = {}
 
     def _slot(kind: str) -> list[Any]:
         rows = record[kind]
@@ -874,17 +895,35 @@ def _time_stage(
         return out
 
     def timed_backward(*a: Any, **kw: Any) -> Any:
+        mb = int(a[0] if a else kw["bwd_chunk_id"])
+        op = "B" if kw.get("full_backward", True) else "I"
         _sync(device)
         t0 = time.perf_counter()
         out = backward(*a, **kw)
         _sync(device)
         t1 = time.perf_counter()
-        _slot("backward").append((t1 - t0) * 1e3)
-        _slot("events").append(("B", int(a[0] if a else kw["bwd_chunk_id"]), t0, t1))
+        rows = _slot("backward")
+        slot_of[(step_box[0], mb)] = len(rows)
+        rows.append((t1 - t0) * 1e3)
+        _slot("events").append((op, mb, t0, t1))
+        return out
+
+    def timed_weight(*a: Any, **kw: Any) -> Any:
+        mb = int(a[0] if a else kw["bwd_chunk_id"])
+        _sync(device)
+        t0 = time.perf_counter()
+        out = weight(*a, **kw)
+        _sync(device)
+        t1 = time.perf_counter()
+        index = slot_of.pop((step_box[0], mb), None)
+        if index is not None:
+            _slot("backward")[index] += (t1 - t0) * 1e3
+        _slot("events").append(("W", mb, t0, t1))
         return out
 
     stage.forward_one_chunk = timed_forward
     stage.backward_one_chunk = timed_backward
+    stage.backward_weight_one_chunk = timed_weight
 
 
 def _fold_loss(record: dict[str, list[list[Any]]], step: int, t0: float, t1: float) -> None:

@@ -56,3 +56,22 @@ def test_fx_real_calls_runs_modules_while_tracing() -> None:
 
     fx.symbolic_trace(Probe())
     assert seen == ["Tensor"]  # a real call, not a traced Proxy
+
+
+def test_split_backward_gives_the_gradients_of_a_whole_backward() -> None:
+    """torch's stage_backward_input / stage_backward_weight (the profiler times I and W with them)."""
+    torch.manual_seed(0)
+    layer = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    x = torch.randn(5, 4, requires_grad=True)
+    upstream = torch.randn(5, 2)
+    layer(x).backward(upstream)
+    want = [x.grad.clone(), *(p.grad.clone() for p in layer.parameters())]  # type: ignore[union-attr]
+    layer.zero_grad(set_to_none=True)
+    x2 = x.detach().requires_grad_(True)
+    weights = list(layer.parameters())
+    state = private.backward_input([layer(x2)], [upstream], [x2], weights)
+    assert x2.grad is not None and all(p.grad is None for p in weights)  # I: the input gradient only
+    private.backward_weight(weights, state)
+    got = [x2.grad, *(p.grad for p in weights)]
+    for g, w in zip(got, want, strict=True):
+        assert g is not None and torch.allclose(g, w)
