@@ -254,6 +254,13 @@ def profile_in_dtype(profile: Profile, dtype: str | None) -> Profile:
                 "kept_inputs": None
                 if layer.kept_inputs is None
                 else [k.model_copy(update={"bytes": [round(x * act) for x in k.bytes]}) for k in layer.kept_inputs],
+                # the tensor-parallel split of those bytes scales with them
+                "tp_param_bytes": None if layer.tp_param_bytes is None else round(layer.tp_param_bytes * par),
+                **{
+                    key: None if getattr(layer, key) is None else [round(x * act) for x in getattr(layer, key)]
+                    for key in ("tp_replicated_activation_bytes", "sp_replicated_activation_bytes",
+                                "selective_recompute_bytes")
+                },
             }
         )
         for layer in profile.layers

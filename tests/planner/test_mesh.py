@@ -128,3 +128,18 @@ def test_mesh_errors_name_the_fix() -> None:
     with pytest.raises(InputError, match="x tensor-parallel degree 2 = 6 devices"):
         estimate(_profile(), _cluster(4), _training(batch=3), [(0, 2)], num_microbatches=1, data_parallel=3,
                  tensor_parallel=2)
+
+
+def test_dtype_rescaling_keeps_the_tensor_parallel_split() -> None:
+    # a bf16 profile planned in bf16: parameters become fp32 masters (x2), and the part that shards
+    # must follow, or half of every weight would look replicated
+    from profiler.synth import synth_transformer
+
+    profile = synth_transformer(layers=2, hidden=256, heads=4, seq=128, vocab=512, device_type="a100-80g",
+                                dtype="bfloat16", microbatch_sizes=(1,))
+    cl = parse_document("cluster", {"devices": 2, "device_type": "a100-80g"})
+    training = parse_document("training", {"global_batch_size": 1, "dtype": "bf16"})
+    one = estimate(profile, cl, training, [(0, 4)], num_microbatches=1)
+    two = estimate(profile, cl, training, [(0, 4)], num_microbatches=1, tensor_parallel=2)
+    replicated = sum(x.param_bytes - (x.tp_param_bytes or 0) for x in profile.layers) * 2
+    assert two.stages[0].param_bytes == pytest.approx((one.stages[0].param_bytes + replicated) / 2, abs=4)
