@@ -6,11 +6,16 @@ schedule, recompute, ZeRO stage) jointly.  Each choice of T and sequence paralle
 (:func:`planner.mesh.mesh_problem`), solved by the D x K branch and bound of
 :func:`planner.search.driver.solve`, whose bounds stay valid there unchanged.
 
-Per family (families in the order of their work bound; a family whose bound reaches the best
-plan is excluded by it):
+Families are taken in order of promise (their work bound times the bubble of the pipeline
+their parameter state needs); a family whose work bound reaches the best plan is excluded by it.
+First every family's ZeRO-0 solve (1), then the ZeRO solves (2, 3):
 
 1. ZeRO 0 with D free: one driver solve; its proven bound covers every ZeRO-0 plan of the family.
-2. When ZeRO is free or fixed above 0: the *relaxed* problem of the family (no parameter,
+   When ZeRO is free and that plan is not memory-bound (no stage recomputes, every device below
+   ``MEMORY_BOUND_FILL`` of its memory), ZeRO is not searched in the family: it saves memory and
+   never moves fewer bytes, so it pays only where memory binds; the message says so, and the gap
+   then covers ZeRO 0 there (``--zero N`` searches it).
+2. When ZeRO is free (and the family is memory-bound, or nothing fits) or fixed above 0: the *relaxed* problem of the family (no parameter,
    gradient or optimizer-state bytes and no gradient collective: every ZeRO stage at every D
    holds and moves at least that, and ZeRO-2/3's per-micro-batch collectives only add time), one
    driver solve whose bound covers every ZeRO plan of the family.
@@ -46,7 +51,7 @@ MIN_SOLVE_S = 0.2
 #: share the first family's ZeRO-0 solve gets (the most promising family: its plan prunes the rest)
 FIRST_SHARE = 0.5
 #: stop starting solves after this multiple of the time limit (what is left keeps its bound)
-WALL_SAFETY = 2.0
+WALL_SAFETY = 3.0
 #: ZeRO stages tried when the stage is free
 ZERO_STAGES = (1, 2, 3)
 
@@ -129,6 +134,7 @@ def solve(
         zeros = [0]  # one replica: ZeRO shards nothing
 
     best: Plan | None = None
+    skipped_zero: list[_Family] = []
     bounds: list[float] = []
     solves = 0
     notes: list[str] = []
@@ -170,7 +176,8 @@ def solve(
             prof = prof.model_copy(update={"layers": [x.model_copy(update={"param_bytes": 0}) for x in prof.layers]})
         opts = sub.model_copy(update={"data_parallel": data_parallel} if data_parallel is not None else {})
         if first and not relaxed:
-            opts = opts.model_copy(update={"time_limit_s": max(per_solve, options.time_limit_s * FIRST_SHARE)})
+            share = 1.0 if len(families) == 1 else FIRST_SHARE
+            opts = opts.model_copy(update={"time_limit_s": max(per_solve, options.time_limit_s * share)})
         try:
             return solve_mesh_family(prof, problem.cluster, problem.training, opts)
         except InfeasibleError:
@@ -189,22 +196,35 @@ def solve(
             return True
         return False
 
-    for i, fam in enumerate(sorted(families, key=lambda f: (work[f], f.tensor_parallel, f.sequence_parallel))):
+    order = sorted(families, key=lambda f: (_promise(base, cluster, training, f, work[f]), f.tensor_parallel,
+                                            f.sequence_parallel))
+    # phase 1: ZeRO 0 in every family (D free), most promising family first
+    zero_families: list[_Family] = []
+    skip_zero = zero_fixed is None
+    for i, fam in enumerate(order):
         if best is not None and work[fam] >= best.predicted.step_time_ms:
-            bounds.append(work[fam])
+            bounds.append(work[fam])  # its work alone reaches the best plan: every ZeRO stage too
             continue
         if late():
             bounds.append(work[fam])
             continue
-        if 0 in zeros:
-            plan0 = run(fam, 0, options.data_parallel, first=i == 0)
-            if plan0 is not None:
-                bounds.append(_bound_of(plan0))
-                offer(reprice(plan0, fam, 0))
-            else:
-                bounds.append(math.inf)  # proven: nothing of ZeRO 0 fits in this family
-        if not any(z > 0 for z in zeros):
+        zero_families.append(fam)
+        if 0 not in zeros:
             continue
+        plan0 = run(fam, 0, options.data_parallel, first=i == 0)
+        if plan0 is not None:
+            bounds.append(_bound_of(plan0))
+            offer(reprice(plan0, fam, 0))
+            skip_zero = skip_zero and not memory_bound(plan0)
+        else:
+            bounds.append(math.inf)  # proven: nothing of ZeRO 0 fits in this family
+            skip_zero = False
+    # phase 2: ZeRO 1-3, unless it is free and no family's ZeRO-0 plan is memory-bound (then the
+    # gap covers ZeRO 0, and the message says so)
+    if not any(z > 0 for z in zeros) or skip_zero:
+        skipped_zero.extend(zero_families if skip_zero else [])
+        zero_families = []
+    for fam in zero_families:
         if late():
             bounds.append(work[fam])
             continue
@@ -243,9 +263,24 @@ def solve(
     message = (
         f"mesh search: {len(families)} tensor-parallel families ({mesh_desc}), ZeRO "
         f"{'/'.join(map(str, zeros))}; {solves} D x K solves"
+        + (
+            "; ZeRO 1-3 not searched: no ZeRO-0 plan is memory-bound (the gap covers ZeRO 0; --zero N searches it)"
+            if skipped_zero
+            else ""
+        )
         + "; " + best.solver.message + "".join(f"; {n}" for n in dict.fromkeys(notes))
     )
     return best.model_copy(update={"solver": SolverInfo(status=status, gap=gap, wall_time_s=wall, message=message)})
+
+
+#: a plan is memory-bound when a stage recomputes or a device is this full
+MEMORY_BOUND_FILL = 0.85
+
+
+def memory_bound(plan: Plan) -> bool:
+    """True when memory shaped ``plan``: a stage recomputes, or a device is nearly full (where
+    ZeRO, which only saves memory, may pay)."""
+    return any(s.recompute or s.memory_bytes > MEMORY_BOUND_FILL * s.memory_limit_bytes for s in plan.stages)
 
 
 def _plain(profile: Profile, cluster: Cluster, training: TrainingSetup, options: PlanOptions) -> Plan:
@@ -254,6 +289,21 @@ def _plain(profile: Profile, cluster: Cluster, training: TrainingSetup, options:
         return solve_mesh_family(profile, cluster, training, options)
     except InfeasibleError as err:
         raise _with_mesh_fixes(err, profile_in_dtype(profile, training.dtype), cluster, training, options) from None
+
+
+def _promise(profile: Profile, cluster: Cluster, training: TrainingSetup, fam: _Family, work: float) -> float:
+    """For ordering only: the family's work bound times the 1F1B bubble of the fewest pipeline
+    stages its parameter state needs, 1 + (K - 1) / M (a large model at small T needs a deep,
+    bubbly pipeline)."""
+    static = sum(x.param_bytes for x in profile.layers) * (
+        1 + training.gradient_bytes_per_param_byte + training.optimizer_state_factor
+    )
+    usable = min(d.memory_bytes for d in cluster.devices) * (1 - training.memory_margin) / 2
+    groups = max(1, cluster.num_devices // fam.tensor_parallel)
+    k = min(groups, max(1, math.ceil(static / fam.tensor_parallel / max(usable, 1.0))))
+    d = max(1, groups // k)
+    m = max(1, training.global_batch_size // d)
+    return work * (1 + (k - 1) / m)
 
 
 def _work_bound(profile: Profile, cluster: Cluster, training: TrainingSetup, fam: _Family) -> float:
