@@ -161,3 +161,31 @@ def test_replicated_profiles_never_get_tensor_parallelism() -> None:
     profile = random_profile(1, 6)
     plan = solve(profile, _cluster(4, 4096 * MiB), TrainingSetup(global_batch_size=8), PlanOptions(time_limit_s=0.5))
     assert plan.tensor_parallel_degree == 1 and "T=1)" in plan.solver.message
+
+
+def test_cli_flags_on_plan_and_estimate(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    import json as _json
+
+    from pipeplan.cli import main
+    from profiler.synth import synth_transformer
+
+    prof = tmp_path / "gpt.json"
+    prof.write_text(synth_transformer(layers=4, hidden=1024, heads=8, seq=512, vocab=4096, device_type="a100-80g",
+                                      microbatch_sizes=(1, 2)).model_dump_json())
+    out = tmp_path / "plan.json"
+    rc = main(["estimate", str(prof), "--devices", "8", "--batch-size", "8", "--stages", "0:3,3:6",
+               "--microbatches", "4", "--tensor-parallel", "4", "--zero", "1", "--data-parallel", "1",
+               "--sequence-parallel", "-o", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0 and "tensor-parallel T=4 with sequence parallelism" in text and "(8 devices)" in text
+    plan = _json.loads(out.read_text())
+    assert (plan["tensor_parallel_degree"], plan["zero_stage"], plan["sequence_parallel"]) == (4, 1, True)
+    assert plan["schema_version"] == 3 and [s["devices"] for s in plan["stages"]] == [[0], [4]]
+    rc = main(["plan", str(prof), "--devices", "8", "--batch-size", "8", "--tensor-parallel", "2", "--zero", "2",
+               "--no-sequence-parallel", "--time-limit", "0.5", "--json"])
+    plan = _json.loads(capsys.readouterr().out)
+    assert rc == 0 and plan["tensor_parallel_degree"] == 2 and not plan["sequence_parallel"]
+    assert plan["zero_stage"] in (0, 2) and (plan["zero_stage"] == 2) == (plan["data_parallel_degree"] > 1)
+    rc = main(["plan", str(prof), "--devices", "8", "--tensor-parallel", "16"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "error: --tensor-parallel 16" in err and "Traceback" not in err
