@@ -143,3 +143,23 @@ def test_dtype_rescaling_keeps_the_tensor_parallel_split() -> None:
     two = estimate(profile, cl, training, [(0, 4)], num_microbatches=1, tensor_parallel=2)
     replicated = sum(x.param_bytes - (x.tp_param_bytes or 0) for x in profile.layers) * 2
     assert two.stages[0].param_bytes == pytest.approx((one.stages[0].param_bytes + replicated) / 2, abs=4)
+
+
+@pytest.mark.parametrize("t", [2, 4, 8])
+def test_synth_block_activations_follow_korthikanti(t: int) -> None:
+    # Korthikanti et al. 2022: per block, with tensor parallelism t, s·b·h·(10 + 24/t + 5as/(ht))
+    # bytes (16-bit, dropout); with sequence parallelism too, s·b·h/t·(34 + 5as/h)
+    from planner.mesh import Mesh, mesh_problem
+    from profiler.synth import synth_transformer
+
+    s_, h, a = 256, 512, 8
+    profile = synth_transformer(layers=1, hidden=h, heads=a, seq=s_, vocab=1024, device_type="a100-80g",
+                                dtype="bfloat16", microbatch_sizes=(1,))
+    cl = parse_document("cluster", {"devices": 8, "device_type": "a100-80g"})
+    training = parse_document("training", {"global_batch_size": 1})
+    sbh = s_ * h
+    for sp, expect in ((False, sbh * (10 + 24 / t + 5 * a * s_ / (h * t))), (True, sbh / t * (34 + 5 * a * s_ / h))):
+        block = mesh_problem(profile, cl, training, Mesh(t, 0, sp), data_parallel=1).profile.layers[1]
+        assert block.activation_bytes[0] == pytest.approx(expect, abs=2)
+        # each forward all-reduces the attention and the MLP outputs: 2 x s·b·h·2 bytes
+        assert profile.layers[1].tp_forward_bytes == [2 * sbh * 2]
