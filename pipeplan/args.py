@@ -69,6 +69,22 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_mesh_args(p: argparse.ArgumentParser, *, fixed_default: bool) -> None:
+    """``--tensor-parallel T``, ``--zero 0|1|2|3``, ``--sequence-parallel``: the mesh axes beyond D x K
+    (``plan`` chooses those not given; ``estimate`` defaults them to 1, 0, off)."""
+    free = "" if fixed_default else " (default: the solver chooses)"
+    g = p.add_argument_group("mesh axes beyond data x pipeline")
+    g.add_argument("--tensor-parallel", type=int, metavar="T",
+                   help="tensor-parallel degree T, devices per stage replica inside a node" + (free or " (default 1)"))
+    g.add_argument("--zero", type=int, choices=(0, 1, 2, 3),
+                   help="ZeRO stage over the data-parallel replicas: 0 none, 1 optimizer state, 2 also "
+                   "gradients, 3 also parameters" + (free or " (default 0)"))
+    g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
+                   help="Megatron sequence parallelism inside the tensor-parallel group" + (free or " (default off)"))
+    g.add_argument("--tensor-parallel-across-nodes", action="store_true",
+                   help="allow a tensor-parallel group to span nodes (T beyond the devices per node)")
+
+
 def add_output_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", metavar="FILE", help="write the plan JSON here")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
@@ -101,6 +117,10 @@ def check_plan_flags(args: argparse.Namespace) -> None:
     check_flag("--pipeline-degree", getattr(args, "pipeline_degree", None), MAX_DEVICES, "pipeline stages")
     check_flag("--virtual-stages", getattr(args, "virtual_stages", None), MAX_LAYERS, "virtual stages per device")
     check_flag("--time-limit", getattr(args, "time_limit", None), MAX_TIME_LIMIT_S, "seconds of solver time")
+    check_flag("--tensor-parallel", getattr(args, "tensor_parallel", None), MAX_DEVICES, "tensor-parallel devices")
+    t = getattr(args, "tensor_parallel", None)
+    if t is not None and t < 1:
+        raise InputError(f"--tensor-parallel {t}: give a degree of at least 1")
 
 
 def load_profile_arg(path: str | None) -> Profile:

@@ -23,6 +23,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     g.add_argument("--recompute", help="per stage 0/1, e.g. 0,1,0,0 (or a single 0/1 for all)")
     g.add_argument("--data-parallel", type=int, default=1, help="data-parallel degree D")
     g.add_argument("--pipeline-degree", type=int, help="K (interleaved: devices per pipeline)")
+    cli_args.add_mesh_args(p, fixed_default=True)
     cli_args.add_output_args(p)
     p.set_defaults(func=run)
 
@@ -54,6 +55,10 @@ def run(args: argparse.Namespace) -> int:
         recompute=recompute,
         data_parallel=args.data_parallel,
         pipeline_degree=args.pipeline_degree,
+        tensor_parallel=args.tensor_parallel or 1,
+        zero_stage=args.zero or 0,
+        sequence_parallel=bool(args.sequence_parallel),
+        tensor_parallel_across_nodes=args.tensor_parallel_across_nodes,
     )
     emit_plan(plan, args)
     return 0

@@ -56,6 +56,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     g.add_argument("--recompute", help="fix recompute per stage, e.g. 0,1,1,0 (needs --stages)")
     g.add_argument("--data-parallel", type=int, help="data-parallel degree D")
     g.add_argument("--time-limit", type=float, default=5.0, help="solver time limit in seconds (default 5)")
+    cli_args.add_mesh_args(p, fixed_default=False)
     p.add_argument(
         "--server",
         metavar="URL",
@@ -121,6 +122,14 @@ def options_from_args(args: argparse.Namespace) -> PlanOptions:
         data["recompute"] = flags[0] if len(flags) == 1 else flags
     if args.data_parallel is not None:
         data["data_parallel"] = args.data_parallel
+    if getattr(args, "tensor_parallel", None) is not None:
+        data["tensor_parallel"] = args.tensor_parallel
+    if getattr(args, "zero", None) is not None:
+        data["zero_stage"] = args.zero
+    if getattr(args, "sequence_parallel", None) is not None:
+        data["sequence_parallel"] = args.sequence_parallel
+    if getattr(args, "tensor_parallel_across_nodes", False):
+        data["tensor_parallel_across_nodes"] = True
     options: PlanOptions = parse_document("options", data, source="(from the command line)")
     return options
 

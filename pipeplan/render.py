@@ -79,6 +79,14 @@ def summary_lines(plan: Plan, comparisons: Sequence[Comparison] = ()) -> list[st
             else ""
         )
         + f", pipeline degree K={plan.pipeline_degree}, data-parallel D={plan.data_parallel_degree}"
+        + (
+            f", tensor-parallel T={plan.tensor_parallel_degree}"
+            + (" with sequence parallelism" if plan.sequence_parallel else "")
+            if plan.tensor_parallel_degree > 1
+            else ""
+        )
+        + (f", ZeRO-{plan.zero_stage}" if plan.zero_stage else "")
+        + (f" ({plan.world_size} devices)" if plan.tensor_parallel_degree > 1 else "")
         + (f", {plan.idle_devices} device(s) idle" if plan.idle_devices else ""),
         f"micro-batches M={plan.num_microbatches} of {plan.microbatch_size} "
         f"(global batch {plan.global_batch_size})"

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from planner import scaling
 from planner.errors import InputError
+from planner.mesh import SHA_KEY, Mesh, check_mesh, mesh_problem, replicated_note
 from planner.schedules import (
     Action,
     MemoryPoint,
@@ -219,7 +220,7 @@ def split_backward(sizes: Sequence[int], layer: LayerProfile, b: int, backward: 
 #: bytes per element of the dtypes a profile or a plan may name
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 #: metadata key of a profile rescaled by :func:`profile_in_dtype`: the original structure fingerprint
-_SHA_KEY = "rescaled_from_structure_sha256"
+_SHA_KEY = SHA_KEY
 
 
 def profile_in_dtype(profile: Profile, dtype: str | None) -> Profile:
@@ -253,6 +254,13 @@ def profile_in_dtype(profile: Profile, dtype: str | None) -> Profile:
                 "kept_inputs": None
                 if layer.kept_inputs is None
                 else [k.model_copy(update={"bytes": [round(x * act) for x in k.bytes]}) for k in layer.kept_inputs],
+                # the tensor-parallel split of those bytes scales with them
+                "tp_param_bytes": None if layer.tp_param_bytes is None else round(layer.tp_param_bytes * par),
+                **{
+                    key: None if getattr(layer, key) is None else [round(x * act) for x in getattr(layer, key)]
+                    for key in ("tp_replicated_activation_bytes", "sp_replicated_activation_bytes",
+                                "selective_recompute_bytes")
+                },
             }
         )
         for layer in profile.layers
@@ -478,8 +486,17 @@ def estimate(
     devices: Sequence[Sequence[int]] | None = None,
     solver: SolverInfo | None = None,
     actions: Sequence[str] | None = None,
+    tensor_parallel: int = 1,
+    zero_stage: int = 0,
+    sequence_parallel: bool = False,
+    tensor_parallel_across_nodes: bool = False,
 ) -> Plan:
     """Predict step time and memory of a fully specified plan and return it as a :class:`Plan`.
+
+    ``tensor_parallel`` T, ``zero_stage`` and ``sequence_parallel`` are the mesh axes beyond
+    D x K (:mod:`planner.mesh`): the plan is priced as the plan of one tensor-parallel rank,
+    each group of T consecutive devices acting as one; ``devices`` then name the first device
+    of each group.
 
     ``stages`` are ``[start, stop)`` layer ranges in order.  ``pipeline_degree`` K defaults to
     the number of stages (half of them for the two-chunk V schedules; with the interleaved
@@ -490,6 +507,14 @@ def estimate(
     """
     profile = profile_in_dtype(profile, training.dtype)
     ranges = [(s.start, s.stop) if isinstance(s, StageRange) else (int(s[0]), int(s[1])) for s in stages]
+    mesh = Mesh(tensor_parallel, zero_stage, sequence_parallel)
+    if not mesh.trivial:
+        return _mesh_estimate(
+            profile, cluster, training, ranges, mesh,
+            num_microbatches=num_microbatches, schedule=schedule, recompute=recompute,
+            data_parallel=data_parallel, pipeline_degree=pipeline_degree, devices=devices,
+            solver=solver, actions=actions, across_nodes=tensor_parallel_across_nodes,
+        )
     try:
         check_coverage(ranges, profile.num_layers)
     except ValueError as err:
@@ -646,6 +671,97 @@ def estimate(
     )
 
 
+def _mesh_estimate(
+    profile: Profile,
+    cluster: Cluster,
+    training: TrainingSetup,
+    ranges: list[tuple[int, int]],
+    mesh: Mesh,
+    *,
+    num_microbatches: int,
+    schedule: Schedule,
+    recompute: bool | Sequence[bool],
+    data_parallel: int,
+    pipeline_degree: int | None,
+    devices: Sequence[Sequence[int]] | None,
+    solver: SolverInfo | None,
+    actions: Sequence[str] | None,
+    across_nodes: bool,
+) -> Plan:
+    """:func:`estimate` of a plan with tensor parallelism or ZeRO: the D x K plan of one
+    tensor-parallel rank (:func:`planner.mesh.mesh_problem`), reported on the real devices."""
+    t = mesh.tensor_parallel
+    check_mesh(mesh, cluster, across_nodes=across_nodes)
+    n = cluster.num_devices
+    groups = n // t
+    if data_parallel < 1:
+        raise InputError(f"data_parallel must be >= 1, got {data_parallel}")
+    chunks = SCHEDULE_CHUNKS[schedule]
+    k = pipeline_degree
+    if k is None:
+        if chunks == "n":
+            k = max(1, min(len(ranges), groups // data_parallel))
+        elif chunks == "2":
+            k = max(1, len(ranges) // 2)
+        else:
+            k = len(ranges)
+    if k * data_parallel * t > n:
+        raise InputError(
+            f"the plan needs pipeline degree {k} x data-parallel degree {data_parallel} x tensor-parallel "
+            f"degree {t} = {k * data_parallel * t} devices but the cluster has {n}: use fewer stages, a "
+            "smaller degree, or add devices"
+        )
+    virt: list[list[int]] | None = None
+    if devices is not None:
+        virt = []
+        for s, devs in enumerate(devices):
+            row = []
+            for dev in devs:
+                if dev % t:
+                    raise InputError(
+                        f"stage {s} is placed on device {dev}, which does not start a tensor-parallel group of "
+                        f"{t}: give the first device of each group (a multiple of {t})"
+                    )
+                row.append(dev // t)
+            virt.append(row)
+    problem = mesh_problem(
+        profile, cluster, training, mesh, data_parallel=data_parallel, pipeline_degree=k, across_nodes=across_nodes
+    )
+    inner = estimate(
+        problem.profile, problem.cluster, problem.training, ranges,
+        num_microbatches=num_microbatches, schedule=schedule, recompute=recompute,
+        data_parallel=data_parallel, pipeline_degree=k, devices=virt, solver=solver, actions=actions,
+    )
+    pre = _prefix(problem.param_bytes)
+    margin = training.memory_margin
+    stage_plans = []
+    for st in inner.stages:
+        phys = [d * t for d in st.devices]
+        limit = min(
+            int(cluster.devices[x].memory_bytes * (1 - margin)) for d in phys for x in range(d, d + t)
+        )
+        stage_plans.append(st.model_copy(update={
+            "devices": phys,
+            "param_bytes": int(pre[st.stop] - pre[st.start]),
+            "memory_bytes": st.memory_bytes + problem.gathered_bytes,
+            "memory_limit_bytes": limit,
+        }))
+    notes = list(inner.notes)
+    note = replicated_note(profile, t)
+    if note:
+        notes.append(note)
+    return inner.model_copy(update={
+        "stages": stage_plans,
+        "cluster": cluster,
+        "training": training,
+        "tensor_parallel_degree": t,
+        "zero_stage": mesh.zero_stage,
+        "sequence_parallel": mesh.sequence_parallel,
+        "notes": notes,
+        "predicted": inner.predicted.model_copy(update={"lower_bound_ms": lower_bound_ms(profile, cluster, training)}),
+    })
+
+
 def stage_times(
     costs: LayerCosts,
     ranges: Sequence[tuple[int, int]],
@@ -705,6 +821,10 @@ def reestimate(
         solver=solver,
         # what runs is the plan's own order (a planned schedule too: it is not rebuilt)
         actions=plan.actions,
+        tensor_parallel=plan.tensor_parallel_degree,
+        zero_stage=plan.zero_stage,
+        sequence_parallel=plan.sequence_parallel,
+        tensor_parallel_across_nodes=plan.tensor_parallel_degree > plan.cluster.devices_per_node,
     )
 
 

@@ -2,8 +2,8 @@
 
 One definition each.  The CLI, the API (request and response bodies, OpenAPI) and
 ``pipeplan schema`` all use these classes.  Documents are versioned with
-``schema_version``; a reader migrates older versions it knows (profile and plan version
-1: see :func:`_migrate_v1`) and refuses the others.
+``schema_version``; a reader migrates older versions it knows (profile and plan versions
+1 and 2: see :func:`_migrate_v1` and :func:`_migrate_v2`) and refuses the others.
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ from planner.limits import (
 from planner.presets import DEVICES, INTERCONNECTS, OPTIMIZERS, unknown_preset
 from planner.units import parse_bytes
 
-SCHEMA_VERSION: Literal[2] = 2
+SCHEMA_VERSION: Literal[3] = 3
 #: versions a reader accepts (older ones are migrated when read)
-READABLE_VERSIONS = (1, 2)
+READABLE_VERSIONS = (1, 2, 3)
 
 Schedule = Literal[
     "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv", "dualpipev", "interleaved-zb", "planned"
@@ -101,6 +101,10 @@ class MeasuredOn(_Model):
     dtype: str = "float32"
     num_threads: PosInt | None = Field(default=None, description="torch intra-op threads, CPU")
     torch_version: str | None = None
+
+
+#: how a layer shards over a tensor-parallel group (``LayerProfile.tensor_parallel``)
+TensorParallelKind = Literal["replicated", "block", "vocab-embedding", "column-head", "column", "row"]
 
 
 class KeptInput(_Model):
@@ -163,6 +167,64 @@ class LayerProfile(_Model):
         "each entry counts once the stage reaches layer index + offset",
     )
 
+    tensor_parallel: TensorParallelKind = Field(
+        default="replicated",
+        description="how the layer shards over a tensor-parallel group of T devices (Megatron style): "
+        "'block' (a transformer block: column-parallel QKV and first MLP linear, row-parallel "
+        "output and second MLP linear), 'vocab-embedding' (vocabulary-parallel embedding), "
+        "'column-head' (column-parallel LM head), 'column' / 'row' (one linear); 'replicated': T "
+        "divides nothing, every device of the group runs all of it",
+    )
+    tp_param_bytes: NonNegInt | None = Field(
+        default=None,
+        description="the part of param_bytes that shards over T (default: all of it when the layer "
+        "shards); the rest (norms, a row-parallel bias) stays replicated",
+    )
+    tp_compute_fraction: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None = Field(
+        default=None,
+        description="the share of forward and backward time that divides by T (matrix products, "
+        "attention); the rest (norms, dropout, residual) divides by T only under sequence "
+        "parallelism.  Default: 1 when the layer shards",
+    )
+    tp_forward_bytes: list[NonNegInt] | None = Field(
+        default=None,
+        description="bytes the tensor-parallel collectives of one forward move per micro-batch, "
+        "summed over the collectives (a block: 2 all-reduces of b x s x h elements; with sequence "
+        "parallelism the same bytes go as reduce-scatter + all-gather)",
+    )
+    tp_backward_bytes: list[NonNegInt] | None = Field(
+        default=None, description="the same for one backward (default: tp_forward_bytes)"
+    )
+    tp_forward_collectives: NonNegInt = Field(
+        default=2, description="collectives per forward (their latency), when the layer shards"
+    )
+    tp_backward_collectives: NonNegInt = Field(default=2, description="collectives per backward")
+    tp_replicated_activation_bytes: list[NonNegInt] | None = Field(
+        default=None,
+        description="the part of activation_bytes every device of the group keeps whole without "
+        "sequence parallelism (norm inputs, dropout masks: Korthikanti et al.'s 10·s·b·h per "
+        "block); the rest divides by T.  Default: 0",
+    )
+    sp_replicated_activation_bytes: list[NonNegInt] | None = Field(
+        default=None,
+        description="the part of activation_bytes that stays replicated even with sequence "
+        "parallelism (default: 0: a Megatron block shards all of it)",
+    )
+    selective_recompute_bytes: list[NonNegInt] | None = Field(
+        default=None,
+        description="activation bytes Megatron's selective recompute does not keep (attention's "
+        "softmax, its dropout mask and output: 5·a·s²·b per block), recomputed in the backward",
+    )
+    selective_recompute_ms: list[NonNegFloat] | None = Field(
+        default=None,
+        description="time to recompute them (attention's score, softmax and dropout forward)",
+    )
+
+    @property
+    def shards(self) -> bool:
+        """True when tensor parallelism divides this layer."""
+        return self.tensor_parallel != "replicated"
+
     def transfer_bytes(self) -> list[int]:
         """Bytes a cut right after this layer moves (skip connections included)."""
         return self.cut_bytes if self.cut_bytes is not None else self.output_bytes
@@ -181,6 +243,12 @@ _PARALLEL_FIELDS = (
     "weight_grad_bytes",
     "peak_memory_bytes",
     "flops",
+    "tp_forward_bytes",
+    "tp_backward_bytes",
+    "tp_replicated_activation_bytes",
+    "sp_replicated_activation_bytes",
+    "selective_recompute_bytes",
+    "selective_recompute_ms",
 )
 
 
@@ -240,7 +308,7 @@ class Calibration(_Model):
 class Profile(_Model):
     """A traced model: per-layer costs at several micro-batch sizes."""
 
-    schema_version: Literal[2] = SCHEMA_VERSION
+    schema_version: Literal[3] = SCHEMA_VERSION
     model: str = Field(min_length=1)
     measured_on: MeasuredOn
     microbatch_sizes: list[PosInt] = Field(min_length=1)
@@ -260,7 +328,7 @@ class Profile(_Model):
     @model_validator(mode="before")
     @classmethod
     def _migrate(cls, data: Any) -> Any:
-        return _migrate_v1("profile", data)
+        return _migrate_v2(_migrate_v1("profile", data))
 
     @model_validator(mode="after")
     def _check_shapes(self) -> Profile:
@@ -463,6 +531,18 @@ class TrainingSetup(_Model):
         "None: the profile's own dtype, unscaled (pipeplan run reads it as float32)",
     )
 
+    tensor_parallel_efficiency: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = Field(
+        default=0.9,
+        description="efficiency of the smaller matrix products a tensor-parallel device runs: the "
+        "sharded part of a layer takes time x fraction / (T x this) for T > 1 (1: perfect scaling)",
+    )
+    zero_overlap: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] = Field(
+        default=0.5,
+        description="ZeRO-2/3's per-micro-batch collectives (parameter all-gathers, gradient "
+        "reduce-scatters) hide behind this fraction of the layer's own compute (prefetch); the "
+        "rest adds to its time.  0: never overlapped",
+    )
+
     @model_validator(mode="after")
     def _check_optimizer(self) -> TrainingSetup:
         if self.optimizer_state_bytes_per_param_byte is None and self.optimizer not in OPTIMIZERS:
@@ -526,6 +606,18 @@ class PlanOptions(_Model):
     virtual_stages: Annotated[int, Field(ge=1, le=MAX_LAYERS)] | None = Field(
         default=None, description="chunks per device (interleaved)"
     )
+    tensor_parallel: Annotated[int, Field(ge=1, le=MAX_DEVICES)] | None = Field(
+        default=None, description="the tensor-parallel degree T (devices per stage replica, inside a node)"
+    )
+    zero_stage: Literal[0, 1, 2, 3] | None = Field(
+        default=None, description="ZeRO sharding over the data-parallel replicas: 0 none .. 3 parameters too"
+    )
+    sequence_parallel: bool | None = Field(
+        default=None, description="Megatron sequence parallelism (only with T > 1)"
+    )
+    tensor_parallel_across_nodes: bool = Field(
+        default=False, description="allow a tensor-parallel group to span nodes (T > devices per node)"
+    )
     time_limit_s: Annotated[float, Field(gt=0, le=MAX_TIME_LIMIT_S, allow_inf_nan=False)] = 5.0
 
 
@@ -534,7 +626,10 @@ class StagePlan(_Model):
     start: NonNegInt
     stop: PosInt
     layer_names: list[str]
-    devices: list[NonNegInt] = Field(description="device index of each data-parallel replica")
+    devices: list[NonNegInt] = Field(
+        description="device index of each data-parallel replica (with tensor parallelism T, the "
+        "first of its T consecutive devices)"
+    )
     recompute: bool = False
     param_bytes: NonNegInt = 0
     forward_ms: NonNegFloat = Field(description="per micro-batch")
@@ -575,7 +670,7 @@ class SolverInfo(_Model):
 class Plan(_Model):
     """A pipeline-parallel execution plan for one model on one cluster."""
 
-    schema_version: Literal[2] = SCHEMA_VERSION
+    schema_version: Literal[3] = SCHEMA_VERSION
     model: str
     profile_sha256: str = Field(min_length=64, max_length=64)
     num_layers: PosInt
@@ -626,7 +721,7 @@ class Plan(_Model):
     @model_validator(mode="before")
     @classmethod
     def _migrate(cls, data: Any) -> Any:
-        return _migrate_v1("plan", data)
+        return _migrate_v2(_migrate_v1("plan", data))
 
     @model_validator(mode="after")
     def _consistent(self) -> Plan:
@@ -652,6 +747,8 @@ class Plan(_Model):
             raise ValueError(f"actions lists {len(self.actions)} ranks but pipeline_degree is {k}: give one string per rank")
         if self.actions is None and self.schedule == "planned":
             raise ValueError("schedule 'planned' needs its actions: the plan must list what each rank runs")
+        if self.sequence_parallel and self.tensor_parallel_degree == 1:
+            raise ValueError("sequence_parallel needs tensor_parallel_degree > 1 (it shards inside the tensor-parallel group)")
         expected = self.microbatch_size * self.num_microbatches * self.data_parallel_degree
         if expected != self.global_batch_size:
             raise ValueError(
@@ -663,7 +760,8 @@ class Plan(_Model):
 
     @property
     def world_size(self) -> int:
-        return self.pipeline_degree * self.data_parallel_degree
+        """Devices the plan uses: D x T x K."""
+        return self.pipeline_degree * self.data_parallel_degree * self.tensor_parallel_degree
 
     @property
     def idle_devices(self) -> int:
@@ -960,7 +1058,7 @@ def _migrate_v1(kind: str, data: Any) -> Any:
     """
     if not isinstance(data, dict) or data.get("schema_version") != 1:
         return data
-    out = dict(data, schema_version=2)
+    out = dict(data, schema_version=2)  # then read as version 2 by _migrate_v2
     if kind == "profile" and "split_points" not in out:
         meta = out.get("metadata")
         profiler = meta.get("profiler") if isinstance(meta, dict) else None
@@ -968,6 +1066,19 @@ def _migrate_v1(kind: str, data: Any) -> Any:
         if isinstance(points, list):
             out["split_points"] = list(points)
     return out
+
+
+def _migrate_v2(data: Any) -> Any:
+    """Read a version-2 profile or plan as version 3.
+
+    Version 3 added the mesh axes: per layer how it shards over a tensor-parallel group
+    (absent: replicated) and selective-recompute bytes; per plan ``tensor_parallel_degree``,
+    ``zero_stage`` and ``sequence_parallel`` (absent: 1, 0, off: the plans version 2 could
+    express).  Nothing to rewrite: the new fields' defaults are exactly that.
+    """
+    if not isinstance(data, dict) or data.get("schema_version") != 2:
+        return data
+    return dict(data, schema_version=3)
 
 
 def format_validation_error(err: ValidationError, what: str) -> InputError:

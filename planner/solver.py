@@ -2,12 +2,14 @@
 
 ``solve(profile, cluster, training, options) -> Plan``; the CLI, the service
 (``PIPEPLAN_SOLVER=planner.solver:solve``), the benchmarks and the notebook call it here.
-The method, and the map of the modules that implement it (configuration space, bounds, split
-searches, branch and bound), are in :mod:`planner.search.driver`.
+The mesh axes beyond D x K (tensor parallelism, sequence parallelism, ZeRO) are searched by
+:mod:`planner.search.axes`, which solves each mesh family with the D x K branch and bound of
+:mod:`planner.search.driver`; the method, and the map of the modules that implement it
+(configuration space, bounds, split searches, branch and bound), are in those two modules.
 """
 
 from __future__ import annotations
 
-from planner.search.driver import solve
+from planner.search.axes import solve
 
 __all__ = ["solve"]

@@ -19,6 +19,18 @@ micro-batch b and dtype of p bytes:
   p = 2 with dropout this is exactly Korthikanti's figure; other dtypes scale every term
   but the one-byte masks;
 * output of a block: s·b·h·p bytes.
+* tensor parallelism (Megatron; Narayanan et al. 2021, Korthikanti et al. 2022): a block's
+  matrix products and attention shard over T (``tp_compute_fraction`` 1), its weights and the
+  column-parallel biases too (LayerNorms and the row-parallel biases, 6h, stay whole); each
+  forward and each backward all-reduces the attention and the MLP outputs, 2 x s·b·h·p bytes;
+  without sequence parallelism the LayerNorm inputs and the dropout masks stay whole on every
+  device, s·b·h·(4p + 2) (Korthikanti's 10·sbh), the rest divides by T; with it everything does.
+  The embedding is vocabulary-parallel (its table shards; one all-reduce of its output
+  forward), the LM head column-parallel with a vocabulary-parallel loss (the table shards; two
+  small all-reduces of b·s floats forward, the input gradient's all-reduce backward; the log
+  probabilities shard, the LayerNorm's input and output and the targets stay whole);
+* selective recompute (Korthikanti et al. 2022): a block drops attention's softmax, its dropout
+  mask and output, a·s²·b·(2p + 1) bytes, and recomputes them (4·b·s²·h FLOPs) in the backward.
 
 The token embedding and the LM head are layers of their own (the head holds the final
 LayerNorm and the logits; it keeps the LayerNorm input and output, the token targets and
@@ -102,6 +114,14 @@ def synth_transformer(
             activation_bytes=[b * s * 8 + s * 8 + (b * s * h if dropout else 0) for b in sizes],
             output_bytes=[b * s * h * p for b in sizes],
             kind="Embedding",
+            tensor_parallel="vocab-embedding",
+            tp_param_bytes=v * h * p,
+            tp_forward_bytes=[b * s * h * p for b in sizes],
+            tp_backward_bytes=[0 for _ in sizes],
+            tp_forward_collectives=1,
+            tp_backward_collectives=0,
+            tp_replicated_activation_bytes=[b * s * 8 + s * 8 + (b * s * h if dropout else 0) for b in sizes],
+            sp_replicated_activation_bytes=[b * s * 8 + s * 8 for b in sizes],
         )
     )
     for i in range(layers):
@@ -120,6 +140,15 @@ def synth_transformer(
                 output_bytes=[b * s * h * p for b in sizes],
                 flops=[2 * b * s * (4 * h * h + 2 * h * f) + 4 * b * s * s * h for b in sizes],
                 kind="TransformerBlock",
+                tensor_parallel="block",
+                tp_param_bytes=(4 * h * h + 2 * h * f + 3 * h + f) * p,
+                tp_compute_fraction=1.0,
+                tp_forward_bytes=[2 * b * s * h * p for b in sizes],
+                tp_backward_bytes=[2 * b * s * h * p for b in sizes],
+                tp_replicated_activation_bytes=[s * b * h * (4 * p + (2 if dropout else 0)) for b in sizes],
+                sp_replicated_activation_bytes=[0 for _ in sizes],
+                selective_recompute_bytes=[a * s * s * b * ((2 * p + 1) if dropout else p) for b in sizes],
+                selective_recompute_ms=[ms(4 * b * s * s * h) for b in sizes],
             )
         )
     head_fwd = [ms(2 * b * s * h * v) for b in sizes]
@@ -138,6 +167,14 @@ def synth_transformer(
             output_bytes=[4 for _ in sizes],
             flops=[2 * b * s * h * v for b in sizes],
             kind="LMHead",
+            tensor_parallel="column-head",
+            tp_param_bytes=0 if tied_embeddings else v * h * p,
+            tp_forward_bytes=[2 * b * s * 4 for b in sizes],
+            tp_backward_bytes=[b * s * h * p for b in sizes],
+            tp_forward_collectives=2,
+            tp_backward_collectives=1,
+            tp_replicated_activation_bytes=[2 * b * s * h * p + b * s * 8 for b in sizes],
+            sp_replicated_activation_bytes=[b * s * 8 for b in sizes],
         )
     )
     return Profile(

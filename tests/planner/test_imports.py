@@ -144,7 +144,7 @@ def test_every_planner_module_imports_on_its_own() -> None:
 def test_public_entry_point() -> None:
     """``planner.solver.solve`` stays the one public entry point (the CLI, the service's
     default ``planner.solver:solve``, the benchmarks and the notebook use it)."""
-    from planner.search.driver import solve
+    from planner.search.axes import solve
     from planner.solver import solve as public
 
     assert public is solve

@@ -1,0 +1,352 @@
+"""The mesh axes beyond data x pipeline: tensor parallelism T (with sequence parallelism) and ZeRO.
+
+A plan on D x T x K devices is priced as the D x K plan of *one tensor-parallel rank*: every
+TP group of T consecutive devices becomes one virtual device, and each layer becomes what one
+device of its group runs and holds (:func:`mesh_problem`).  The schedule simulator, the memory
+walk, the bounds and the split searches then work unchanged on that problem, so every bound
+the solver proves for it holds for the mesh plan too.  Formulas (Narayanan et al. SC'21,
+Korthikanti et al. 2022, Rajbhandari et al. 2020 "ZeRO"):
+
+**Tensor parallelism** (Megatron: column-parallel then row-parallel linears).  For a layer that
+shards (``LayerProfile.tensor_parallel`` not ``replicated``), with T > 1:
+
+* time: ``t x (c / (T x e) + (1 - c) x r)`` plus its collectives, where ``c`` is
+  ``tp_compute_fraction`` (the matrix products and attention), ``e`` is
+  ``TrainingSetup.tensor_parallel_efficiency`` (smaller matrix products run less efficiently),
+  and ``r`` is 1/T under sequence parallelism (norms and dropout on 1/T of the sequence), else 1;
+* collectives: the forward's ``tp_forward_bytes`` and the backward's ``tp_backward_bytes`` go
+  through ring all-reduces over the intra-node link, 2(T-1)/T x bytes / bandwidth plus 2(T-1)
+  latencies each (``tp_forward_collectives`` of them; a block has 2 and 2).  With sequence
+  parallelism they are reduce-scatter + all-gather pairs: the same bytes and latencies.  They
+  are on the critical path (not overlapped); a recomputed forward repeats them;
+* memory: ``tp_param_bytes`` / T plus the rest of the parameters (gradients and optimizer
+  state follow the parameters); activations: ``tp_replicated_activation_bytes`` stay whole
+  (``sp_replicated_activation_bytes`` under sequence parallelism), the rest / T;
+* what crosses a stage cut is / T under sequence parallelism (the residual stream is
+  sequence-sharded; each device sends its share over its own link), whole otherwise.
+
+A replicated layer costs every device of the group its full time and memory.
+
+**ZeRO** over the D replicas of each pipeline rank (stage z shards optimizer state; 2 also
+gradients; 3 also parameters, each / D).  Communication, ring collectives on the link the
+data-parallel group uses:
+
+* z = 0: the gradient all-reduce after the last backward (as without ZeRO);
+* z = 1: reduce-scatter of the gradients + all-gather of the updated parameters: the same
+  bytes and latencies as the all-reduce, at the same time;
+* z = 2: the gradient shards must be reduced as each micro-batch's backward makes them: a
+  reduce-scatter per layer and micro-batch (added to its weight gradient), and the parameter
+  all-gather after the step;
+* z = 3: also an all-gather of each layer's parameters before its forward and before its
+  backward, every micro-batch (added to the forward and to the input gradient), nothing after
+  the step; each device also holds two layers' gathered parameters (the one running and the
+  one prefetched: twice the largest layer's, counted for every rank);
+* the per-micro-batch collectives hide behind ``TrainingSetup.zero_overlap`` of the layer's
+  own compute: the layer takes ``t + max(0, comm - overlap x t)``.  The collective after the
+  step is not overlapped with the last backward (as the gradient all-reduce never is here).
+
+Gathered parameters and gradients are counted at the gradient's bytes per parameter byte.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from planner.errors import InputError
+from planner.schema import Cluster, Device, Interconnect, LayerProfile, Profile, TrainingSetup
+
+#: profile metadata key recording the mesh a profile was transformed for
+MESH_KEY = "mesh_transformed"
+#: profile metadata key of the original structure fingerprint (shared with costmodel.profile_in_dtype)
+SHA_KEY = "rescaled_from_structure_sha256"
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """The axes beyond D x K: tensor-parallel degree T, ZeRO stage, sequence parallelism."""
+
+    tensor_parallel: int = 1
+    zero_stage: int = 0
+    sequence_parallel: bool = False
+
+    @property
+    def trivial(self) -> bool:
+        return self.tensor_parallel == 1 and self.zero_stage == 0 and not self.sequence_parallel
+
+    def describe(self) -> str:
+        sp = "+SP" if self.sequence_parallel else ""
+        return f"T={self.tensor_parallel}{sp} zero={self.zero_stage}"
+
+
+@dataclass(frozen=True)
+class MeshProblem:
+    """The D x K problem of one tensor-parallel rank (see the module docstring)."""
+
+    profile: Profile
+    cluster: Cluster
+    training: TrainingSetup
+    #: per layer: parameter bytes one device holds before ZeRO (what the plan reports)
+    param_bytes: tuple[int, ...]
+    #: bytes of gathered ZeRO-3 parameters every device holds (taken off its memory)
+    gathered_bytes: int
+
+
+def ring_ms(nbytes: float, members: int, collectives: int, link: Interconnect) -> float:
+    """``collectives`` ring all-reduces (or reduce-scatter + all-gather pairs) moving ``nbytes``
+    in all over ``members`` devices: 2(n-1)/n x bytes / bandwidth + 2(n-1) latencies each, ms."""
+    if members <= 1 or (nbytes <= 0 and collectives <= 0):
+        return 0.0
+    steps = 2 * (members - 1)
+    return (steps / members * nbytes / link.bandwidth_bytes_per_s + collectives * steps * link.latency_s) * 1e3
+
+
+def half_ring_ms(nbytes: float, members: int, link: Interconnect) -> float:
+    """One reduce-scatter or all-gather of ``nbytes``: (n-1)/n x bytes / bandwidth + (n-1) latencies, ms."""
+    if members <= 1 or nbytes <= 0:
+        return 0.0
+    return ((members - 1) / members * nbytes / link.bandwidth_bytes_per_s + (members - 1) * link.latency_s) * 1e3
+
+
+def check_mesh(mesh: Mesh, cluster: Cluster, *, across_nodes: bool = False) -> None:
+    """Refuse a tensor-parallel degree the cluster cannot host, with the fix."""
+    t = mesh.tensor_parallel
+    if t < 1:
+        raise InputError(f"tensor-parallel degree must be >= 1, got {t}")
+    if mesh.zero_stage not in (0, 1, 2, 3):
+        raise InputError(f"zero stage must be 0, 1, 2 or 3, got {mesh.zero_stage}")
+    if mesh.sequence_parallel and t == 1:
+        raise InputError("sequence parallelism needs --tensor-parallel T > 1 (it shards inside the tensor-parallel group)")
+    n, dpn = cluster.num_devices, cluster.devices_per_node
+    if t > n:
+        raise InputError(f"--tensor-parallel {t} needs {t} devices but the cluster has {n}: use T <= {n}")
+    if not across_nodes:
+        if t > dpn:
+            raise InputError(
+                f"--tensor-parallel {t} is more than the {dpn} devices per node: a tensor-parallel group "
+                f"stays inside a node by default (use T <= {dpn}, or allow groups across nodes)"
+            )
+        if dpn % t:
+            raise InputError(
+                f"--tensor-parallel {t} does not divide the {dpn} devices per node, so some group would span "
+                f"two nodes: use a divisor of {dpn}"
+            )
+
+
+def virtual_cluster(cluster: Cluster, t: int, *, gathered_bytes: int = 0, margin: float = 0.0) -> Cluster:
+    """One virtual device per tensor-parallel group of ``t`` consecutive devices (the slowest and
+    smallest of its members), ``gathered_bytes`` taken off its memory; devices per node / t."""
+    if t == 1 and gathered_bytes == 0:
+        return cluster
+    groups = cluster.num_devices // t
+    reserve = gathered_bytes / (1 - margin) if margin < 1 else gathered_bytes
+    devices: list[Device] = []
+    for g in range(groups):
+        members = cluster.devices[g * t:(g + 1) * t]
+        mem = min(d.memory_bytes for d in members)
+        speed = min(d.speed for d in members)
+        devices.append(Device(name=members[0].name, memory_bytes=max(0, int(mem - reserve)), speed=speed))
+    # share equal devices, as the shorthand does (validation of 16k devices stays cheap)
+    shared: dict[tuple[str, int, float], Device] = {}
+    devices = [shared.setdefault((d.name, d.memory_bytes, d.speed), d) for d in devices]
+    return Cluster(
+        devices=devices,
+        devices_per_node=max(1, cluster.devices_per_node // t),
+        intra_node=cluster.intra_node,
+        inter_node=cluster.inter_node,
+    )
+
+
+def dp_link(cluster: Cluster, t: int, data_parallel: int, pipeline_degree: int) -> Interconnect:
+    """The link of a data-parallel group under the default placement (replica d of pipeline rank k
+    on TP group d·K + k): intra-node when all D·K·T devices share a node."""
+    if data_parallel * pipeline_degree * t <= cluster.devices_per_node:
+        return cluster.intra_node
+    return cluster.inter_node
+
+
+def _scaled(values: Sequence[float] | None, factor: float) -> list[float] | None:
+    return None if values is None else [v * factor for v in values]
+
+
+def _tp_layer(layer: LayerProfile, mesh: Mesh, training: TrainingSetup, link: Interconnect) -> LayerProfile:
+    """What one device of a T-group runs and holds of ``layer`` (see the module docstring)."""
+    t = mesh.tensor_parallel
+    if t == 1 or not layer.shards:
+        return layer
+    sp = mesh.sequence_parallel
+    c = 1.0 if layer.tp_compute_fraction is None else layer.tp_compute_fraction
+    scale = c / (t * training.tensor_parallel_efficiency) + (1.0 - c) * (1.0 / t if sp else 1.0)
+    n = len(layer.forward_ms)
+    fwd_bytes = layer.tp_forward_bytes or [0] * n
+    bwd_bytes = layer.tp_backward_bytes or fwd_bytes
+    comm_f = [ring_ms(x, t, layer.tp_forward_collectives, link) for x in fwd_bytes]
+    comm_b = [ring_ms(x, t, layer.tp_backward_collectives, link) for x in bwd_bytes]
+    fwd = [f * scale + cf for f, cf in zip(layer.forward_ms, comm_f, strict=True)]
+    bwd = [b * scale + cb for b, cb in zip(layer.backward_ms, comm_b, strict=True)]
+    # the backward's collectives carry the input gradient: they go with I
+    if layer.backward_input_ms is not None or layer.backward_weight_ms is not None:
+        if layer.backward_input_ms is not None and layer.backward_weight_ms is not None:
+            bin_ = [x * scale + cb for x, cb in zip(layer.backward_input_ms, comm_b, strict=True)]
+            bwt: list[float] | None = [x * scale for x in layer.backward_weight_ms]
+        elif layer.backward_input_ms is not None:
+            bin_ = [x * scale + cb for x, cb in zip(layer.backward_input_ms, comm_b, strict=True)]
+            bwt = None
+        else:
+            assert layer.backward_weight_ms is not None
+            bwt = [x * scale for x in layer.backward_weight_ms]
+            bin_ = [max(0.0, b - w) for b, w in zip(bwd, bwt, strict=True)]
+    else:
+        bin_ = [b * scale / 2 + cb for b, cb in zip(layer.backward_ms, comm_b, strict=True)]
+        bwt = [b * scale / 2 for b in layer.backward_ms]
+    shard_p = layer.param_bytes if layer.tp_param_bytes is None else min(layer.tp_param_bytes, layer.param_bytes)
+    params = round(shard_p / t) + (layer.param_bytes - shard_p)
+    repl_src = layer.sp_replicated_activation_bytes if sp else layer.tp_replicated_activation_bytes
+    repl = repl_src or [0] * n
+    acts = [round(min(r, a) + (a - min(r, a)) / t) for a, r in zip(layer.activation_bytes, repl, strict=True)]
+    ratio = [a2 / a if a > 0 else 1.0 / t for a, a2 in zip(layer.activation_bytes, acts, strict=True)]
+    cut = 1.0 / t if sp else 1.0
+    return layer.model_copy(
+        update={
+            "param_bytes": params,
+            "forward_ms": fwd,
+            "backward_ms": bwd,
+            "backward_input_ms": bin_,
+            "backward_weight_ms": bwt,
+            "forward_ms_spread": _scaled(layer.forward_ms_spread, scale),
+            "backward_ms_spread": _scaled(layer.backward_ms_spread, scale),
+            "activation_bytes": acts,
+            "weight_grad_bytes": None
+            if layer.weight_grad_bytes is None
+            else [round(w * r) for w, r in zip(layer.weight_grad_bytes, ratio, strict=True)],
+            "output_bytes": [round(x * cut) for x in layer.output_bytes],
+            "cut_bytes": None if layer.cut_bytes is None else [round(x * cut) for x in layer.cut_bytes],
+            "kept_inputs": None
+            if layer.kept_inputs is None
+            else [k.model_copy(update={"bytes": [round(x * cut) for x in k.bytes]}) for k in layer.kept_inputs],
+            "selective_recompute_bytes": None
+            if layer.selective_recompute_bytes is None
+            else [round(x / t) for x in layer.selective_recompute_bytes],
+            "selective_recompute_ms": _scaled(layer.selective_recompute_ms, c / (t * training.tensor_parallel_efficiency)),
+            "peak_memory_bytes": None,
+            "flops": _scaled(layer.flops, 1.0 / t),
+        }
+    )
+
+
+def _zero_layer(layer: LayerProfile, zero: int, d: int, training: TrainingSetup, link: Interconnect) -> LayerProfile:
+    """``layer`` with ZeRO-2/3's per-micro-batch collectives in its times (hidden behind
+    ``zero_overlap`` of its own compute)."""
+    if zero < 2 or d <= 1:
+        return layer
+    g = training.gradient_bytes_per_param_byte
+    nbytes = layer.param_bytes * g
+    rs = half_ring_ms(nbytes, d, link)  # gradient reduce-scatter, every micro-batch
+    ag = half_ring_ms(nbytes, d, link) if zero == 3 else 0.0  # parameter all-gather, before fwd and bwd
+    if rs == 0 and ag == 0:
+        return layer
+    hide = training.zero_overlap
+
+    def add(t_: float, comm: float) -> float:
+        return t_ + max(0.0, comm - hide * t_)
+
+    fwd = [add(f, ag) for f in layer.forward_ms]
+    bwd_total = layer.backward_ms
+    bin0 = layer.backward_input_ms or [b / 2 for b in bwd_total]
+    bwt0 = layer.backward_weight_ms or [max(0.0, b - i) for b, i in zip(bwd_total, bin0, strict=True)]
+    bin_ = [add(i, ag) for i in bin0]
+    bwt = [add(w, rs) for w in bwt0]
+    bwd = [max(b, i + w) + (i2 - i) + (w2 - w) for b, i, w, i2, w2 in zip(bwd_total, bin0, bwt0, bin_, bwt, strict=True)]
+    return layer.model_copy(
+        update={"forward_ms": fwd, "backward_ms": bwd, "backward_input_ms": bin_, "backward_weight_ms": bwt}
+    )
+
+
+def zero_factors(zero: int, d: int, training: TrainingSetup) -> tuple[float, float]:
+    """(static bytes, bytes collected after the step as an all-reduce would) per parameter byte.
+
+    Static: parameters (/D at stage 3) + gradients (/D from 2) + optimizer state (/D from 1).
+    After the step, as all-reduce-equivalent bytes (a ring all-reduce moves twice a
+    reduce-scatter's): z 0 and 1 the gradients, z 2 half of them (the parameter all-gather
+    only), z 3 nothing.
+    """
+    g, o = training.gradient_bytes_per_param_byte, training.optimizer_state_factor
+    if d <= 1:
+        zero = 0
+    static = (1.0 / d if zero >= 3 else 1.0) + (g / d if zero >= 2 else g) + (o / d if zero >= 1 else o)
+    comm = g if zero <= 1 else (g / 2 if zero == 2 else 0.0)
+    return static, comm
+
+
+def mesh_problem(
+    profile: Profile,
+    cluster: Cluster,
+    training: TrainingSetup,
+    mesh: Mesh,
+    *,
+    data_parallel: int,
+    pipeline_degree: int | None = None,
+    across_nodes: bool = False,
+) -> MeshProblem:
+    """The D x K problem of one tensor-parallel rank of ``mesh`` (see the module docstring).
+
+    ``profile`` must already be in the plan's dtype.  ZeRO's memory and after-step collective
+    are written into the problem's parameter bytes and training factors: parameter bytes x a
+    and gradient bytes g', optimizer state 0, with a(1 + g') = static and a·g' = the collected
+    bytes (:func:`zero_factors`), so the cost model's own formulas give exactly ZeRO's static
+    memory and collective.  ZeRO-2/3's per-micro-batch collectives need the data-parallel
+    group's link, which depends on K when D·T fits a node: give ``pipeline_degree`` then
+    (:func:`dp_link`).
+    """
+    check_mesh(mesh, cluster, across_nodes=across_nodes)
+    if mesh.trivial:
+        return MeshProblem(profile, cluster, training, tuple(x.param_bytes for x in profile.layers), 0)
+    t, z, d = mesh.tensor_parallel, mesh.zero_stage, data_parallel
+    layers = [_tp_layer(layer, mesh, training, cluster.intra_node) for layer in profile.layers]
+    tp_params = tuple(x.param_bytes for x in layers)
+    if z >= 2 and d > 1:
+        if pipeline_degree is None and d * t < cluster.devices_per_node:
+            raise ValueError("ZeRO-2/3 with D x T inside a node needs the pipeline degree (its link)")
+        link = dp_link(cluster, t, d, pipeline_degree or cluster.num_devices)
+        layers = [_zero_layer(layer, z, d, training, link) for layer in layers]
+    static, comm = zero_factors(z, d, training)
+    base = 1.0 + training.gradient_bytes_per_param_byte + training.optimizer_state_factor
+    gathered = 0
+    new_training = training
+    if (static, comm) != (base, training.gradient_bytes_per_param_byte):
+        a = static - comm
+        if a <= 0:
+            raise InputError(
+                f"ZeRO stage {z} with gradient_bytes_per_param_byte {training.gradient_bytes_per_param_byte} "
+                "is not modelled (gradients larger than twice the parameters): use a smaller factor"
+            )
+        layers = [x.model_copy(update={"param_bytes": round(x.param_bytes * a)}) for x in layers]
+        new_training = training.model_copy(
+            update={
+                "optimizer": "sgd",
+                "optimizer_state_bytes_per_param_byte": 0.0,
+                "gradient_bytes_per_param_byte": comm / a,
+            }
+        )
+        if z == 3 and d > 1:
+            gathered = round(2 * max(tp_params) * training.gradient_bytes_per_param_byte)
+    sha = profile.metadata.get(SHA_KEY) or profile.sha256()
+    new_profile = profile.model_copy(
+        update={
+            "layers": layers,
+            "metadata": {**profile.metadata, SHA_KEY: sha, MESH_KEY: mesh.describe()},
+        }
+    )
+    new_cluster = virtual_cluster(cluster, t, gathered_bytes=gathered, margin=training.memory_margin)
+    return MeshProblem(new_profile, new_cluster, new_training, tp_params, gathered)
+
+
+def replicated_note(profile: Profile, t: int) -> str | None:
+    """The plan's note naming the layers tensor parallelism does not divide (T > 1)."""
+    if t <= 1:
+        return None
+    names = [x.name for x in profile.layers if not x.shards]
+    if not names:
+        return None
+    shown = ", ".join(names[:6]) + (f", ... ({len(names)} in all)" if len(names) > 6 else "")
+    return f"tensor parallelism T={t} divides no work of {shown}: replicated on every device of a group"

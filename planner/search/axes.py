@@ -1,0 +1,376 @@
+"""The search over the mesh axes beyond D x K: tensor parallelism T, sequence parallelism, ZeRO.
+
+:func:`solve` (re-exported as :func:`planner.solver.solve`) chooses D x T x K (plus v, M,
+schedule, recompute, ZeRO stage) jointly.  Each choice of T and sequence parallelism is a
+*mesh family*; in it every plan is a D x K plan of one tensor-parallel rank
+(:func:`planner.mesh.mesh_problem`), solved by the D x K branch and bound of
+:func:`planner.search.driver.solve`, whose bounds stay valid there unchanged.
+
+Families are taken in order of promise (their work bound times the bubble of the pipeline
+their parameter state needs); a family whose work bound reaches the best plan is excluded by it.
+First every family's ZeRO-0 solve (1), then the ZeRO solves (2, 3):
+
+1. ZeRO 0 with D free: one driver solve; its proven bound covers every ZeRO-0 plan of the family.
+   When ZeRO is free and that plan is not memory-bound (no stage recomputes, every device below
+   ``MEMORY_BOUND_FILL`` of its memory), ZeRO is not searched in the family: it saves memory and
+   never moves fewer bytes, so it pays only where memory binds; the message says so, and the gap
+   then covers ZeRO 0 there (``--zero N`` searches it).
+2. When ZeRO is free (and the family is memory-bound, or nothing fits) or fixed above 0: the *relaxed* problem of the family (no parameter,
+   gradient or optimizer-state bytes and no gradient collective: every ZeRO stage at every D
+   holds and moves at least that, and ZeRO-2/3's per-micro-batch collectives only add time), one
+   driver solve whose bound covers every ZeRO plan of the family.
+3. ZeRO 1, 2, 3 (or the fixed stage) at the data-parallel degrees of the best plan and of the
+   relaxed one, one driver solve each with D fixed: plans, not bounds (skipped once the
+   relaxed bound reaches the best plan).
+
+Every candidate is re-priced by :func:`planner.costmodel.estimate` on the real mesh and the
+fastest that fits is returned.  The proven bound is the least of the families' bounds (1 and
+2; a family not solved contributes its work bound), so the gap is valid over the whole space;
+when ZeRO's plans are memory-bound it can be loose (the relaxation drops the static memory),
+and the message says which bound is open.  A profile whose layers do not shard gets T = 1
+only (a larger T would run the same work on fewer groups).  T stays inside a node unless
+``tensor_parallel_across_nodes``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from planner.costmodel import estimate, lower_bound_ms, profile_in_dtype
+from planner.errors import InfeasibleError, InputError
+from planner.infeasible import any_fits
+from planner.mesh import Mesh, check_mesh, mesh_problem
+from planner.schema import Cluster, Plan, PlanOptions, Profile, SolverInfo, TrainingSetup
+from planner.search.driver import solve as solve_mesh_family
+
+#: share of the time limit each driver solve gets (at least MIN_SOLVE_S)
+SOLVE_SHARE = 0.125
+MIN_SOLVE_S = 0.2
+#: share the first family's ZeRO-0 solve gets (the most promising family: its plan prunes the rest)
+FIRST_SHARE = 0.5
+#: stop starting solves after this multiple of the time limit (what is left keeps its bound)
+WALL_SAFETY = 3.0
+#: ZeRO stages tried when the stage is free
+ZERO_STAGES = (1, 2, 3)
+
+
+@dataclass(frozen=True)
+class _Family:
+    tensor_parallel: int
+    sequence_parallel: bool
+
+
+def tensor_parallel_degrees(profile: Profile, cluster: Cluster, options: PlanOptions) -> list[int]:
+    """The T values the search tries: the fixed one, else every power of two that fits a node
+    (or the cluster, when groups may span nodes); only 1 when no layer shards."""
+    if options.tensor_parallel is not None:
+        return [options.tensor_parallel]
+    if not any(layer.shards for layer in profile.layers):
+        return [1]
+    cap = cluster.num_devices if options.tensor_parallel_across_nodes else min(cluster.devices_per_node, cluster.num_devices)
+    out, t = [], 1
+    while t <= cap:
+        if options.tensor_parallel_across_nodes or cluster.devices_per_node % t == 0:
+            out.append(t)
+        t *= 2
+    return out
+
+
+def _families(profile: Profile, cluster: Cluster, options: PlanOptions) -> list[_Family]:
+    out = []
+    for t in tensor_parallel_degrees(profile, cluster, options):
+        sps = [options.sequence_parallel] if options.sequence_parallel is not None else [False, True]
+        for sp in sps:
+            if sp and t == 1:
+                continue
+            out.append(_Family(t, sp))
+    if not out:
+        raise InputError("sequence parallelism needs --tensor-parallel T > 1: give T, or drop --sequence-parallel")
+    return out
+
+
+def _bound_of(plan: Plan) -> float:
+    """The proven lower bound behind a driver plan: step x (1 - gap)."""
+    return plan.predicted.step_time_ms * (1.0 - plan.solver.gap)
+
+
+def _relaxed_training(training: TrainingSetup) -> TrainingSetup:
+    return training.model_copy(update={
+        "optimizer": "sgd", "optimizer_state_bytes_per_param_byte": 0.0, "gradient_bytes_per_param_byte": 0.0,
+    })
+
+
+def solve(
+    profile: Profile,
+    cluster: Cluster,
+    training: TrainingSetup,
+    options: PlanOptions | None = None,
+) -> Plan:
+    """The fastest plan over D x T x K (and v, M, schedule, recompute, ZeRO) that fits.
+
+    Raises :class:`planner.errors.InputError` for contradictory options and
+    :class:`planner.errors.InfeasibleError` when nothing fits (naming the mesh axes that would).
+    """
+    options = options or PlanOptions()
+    families = _families(profile, cluster, options)
+    zero_fixed = options.zero_stage
+    if len(families) == 1 and families[0] == _Family(1, False) and (
+        zero_fixed == 0 or options.data_parallel == 1 or cluster.num_devices == 1
+    ):
+        return _plain(profile, cluster, training, options)
+    start = time.perf_counter()
+    base = profile_in_dtype(profile, training.dtype)
+    for fam in families:
+        check_mesh(Mesh(fam.tensor_parallel, 0, fam.sequence_parallel), cluster,
+                   across_nodes=options.tensor_parallel_across_nodes)
+    per_solve = max(MIN_SOLVE_S, options.time_limit_s * SOLVE_SHARE)
+    sub = options.model_copy(update={
+        "time_limit_s": per_solve, "tensor_parallel": None, "zero_stage": None, "sequence_parallel": None,
+    })
+    zeros: list[int] = [zero_fixed] if zero_fixed is not None else [0, *ZERO_STAGES]
+    if options.data_parallel == 1 or cluster.num_devices == 1:
+        zeros = [0]  # one replica: ZeRO shards nothing
+
+    best: Plan | None = None
+    skipped_zero: list[_Family] = []
+    bounds: list[float] = []
+    solves = 0
+    notes: list[str] = []
+
+    def offer(plan: Plan) -> None:
+        nonlocal best
+        if all(s.memory_bytes <= s.memory_limit_bytes for s in plan.stages) and (
+            best is None or plan.predicted.step_time_ms < best.predicted.step_time_ms
+        ):
+            best = plan
+
+    def reprice(plan: Plan, fam: _Family, zero: int) -> Plan:
+        if plan.data_parallel_degree == 1:
+            zero = 0  # one replica: nothing to shard
+        return estimate(
+            base, cluster, training, [(s.start, s.stop) for s in plan.stages],
+            num_microbatches=plan.num_microbatches, schedule=plan.schedule,
+            recompute=[s.recompute for s in plan.stages], data_parallel=plan.data_parallel_degree,
+            pipeline_degree=plan.pipeline_degree,
+            devices=[[d * fam.tensor_parallel for d in s.devices] for s in plan.stages],
+            actions=plan.actions, solver=plan.solver, tensor_parallel=fam.tensor_parallel, zero_stage=zero,
+            sequence_parallel=fam.sequence_parallel,
+            tensor_parallel_across_nodes=options.tensor_parallel_across_nodes,
+        )
+
+    def run(
+        fam: _Family, zero: int, data_parallel: int | None, *, relaxed: bool = False, first: bool = False
+    ) -> Plan | None:
+        nonlocal solves
+        solves += 1
+        mesh = Mesh(fam.tensor_parallel, 0 if relaxed else zero, fam.sequence_parallel)
+        train = _relaxed_training(training) if relaxed else training
+        d = data_parallel if data_parallel is not None else 1
+        k_hint = cluster.num_devices  # ZeRO-2/3 collectives priced on the inter-node link here; repriced after
+        problem = mesh_problem(base, cluster, train, mesh, data_parallel=d, pipeline_degree=k_hint,
+                               across_nodes=options.tensor_parallel_across_nodes)
+        prof = problem.profile
+        if relaxed:  # ZeRO-3 holds parameters / D: the relaxation holds none
+            prof = prof.model_copy(update={"layers": [x.model_copy(update={"param_bytes": 0}) for x in prof.layers]})
+        opts = sub.model_copy(update={"data_parallel": data_parallel} if data_parallel is not None else {})
+        if first and not relaxed:
+            share = 1.0 if len(families) == 1 else FIRST_SHARE
+            opts = opts.model_copy(update={"time_limit_s": max(per_solve, options.time_limit_s * share)})
+        try:
+            return solve_mesh_family(prof, problem.cluster, problem.training, opts)
+        except InfeasibleError:
+            return None
+        except InputError:
+            if data_parallel != options.data_parallel or mesh.tensor_parallel > 1:
+                return None  # a D the search chose, or a family that cannot host the fixed options
+            raise
+
+    work = {fam: _work_bound(base, cluster, training, fam) for fam in families}
+    deadline = start + WALL_SAFETY * options.time_limit_s
+
+    def late() -> bool:
+        if time.perf_counter() > deadline and best is not None:
+            notes.append("time limit reached: open families bounded by their work")
+            return True
+        return False
+
+    order = sorted(families, key=lambda f: (_promise(base, cluster, training, f, work[f]), f.tensor_parallel,
+                                            f.sequence_parallel))
+    # phase 1: ZeRO 0 in every family (D free), most promising family first
+    zero_families: list[_Family] = []
+    skip_zero = zero_fixed is None
+    for i, fam in enumerate(order):
+        if best is not None and work[fam] >= best.predicted.step_time_ms:
+            bounds.append(work[fam])  # its work alone reaches the best plan: every ZeRO stage too
+            continue
+        if late():
+            bounds.append(work[fam])
+            continue
+        zero_families.append(fam)
+        if 0 not in zeros:
+            continue
+        plan0 = run(fam, 0, options.data_parallel, first=i == 0)
+        if plan0 is not None:
+            bounds.append(_bound_of(plan0))
+            offer(reprice(plan0, fam, 0))
+            skip_zero = skip_zero and not memory_bound(plan0)
+        else:
+            bounds.append(math.inf)  # proven: nothing of ZeRO 0 fits in this family
+            skip_zero = False
+    # phase 2: ZeRO 1-3, unless it is free and no family's ZeRO-0 plan is memory-bound (then the
+    # gap covers ZeRO 0, and the message says so)
+    if not any(z > 0 for z in zeros) or skip_zero:
+        skipped_zero.extend(zero_families if skip_zero else [])
+        zero_families = []
+    for fam in zero_families:
+        if late():
+            bounds.append(work[fam])
+            continue
+        relaxed = run(fam, 0, options.data_parallel, relaxed=True)
+        if relaxed is None:
+            continue  # not even the relaxation fits: no ZeRO plan of this family does
+        lower = _bound_of(relaxed)
+        bounds.append(lower)
+        if options.data_parallel is not None:
+            ds = [options.data_parallel]
+        else:
+            ds = [relaxed.data_parallel_degree]
+            if best is not None and best.tensor_parallel_degree == fam.tensor_parallel:
+                ds.insert(0, best.data_parallel_degree)
+        groups = cluster.num_devices // fam.tensor_parallel
+        ds = [d for d in dict.fromkeys(ds) if (d > 1 or 0 not in zeros) and d <= groups and training.global_batch_size % d == 0]
+        for z in (z for z in zeros if z > 0):
+            for d in ds:
+                if (best is not None and lower >= best.predicted.step_time_ms * (1 - 1e-9)) or late():
+                    break
+                plan = run(fam, z, d)
+                if plan is not None:
+                    offer(reprice(plan, fam, z))
+    if best is None:
+        raise _diagnose(base, cluster, training, options, families, zeros)
+    bound = min(bounds) if bounds else best.predicted.step_time_ms
+    step = best.predicted.step_time_ms
+    gap = max(0.0, (step - bound) / step) if step > 0 else 0.0
+    status = "optimal" if gap <= 1e-9 else "feasible"
+    if status == "optimal":
+        gap = 0.0
+    wall = time.perf_counter() - start
+    mesh_desc = ", ".join(
+        f"T={f.tensor_parallel}{'+SP' if f.sequence_parallel else ''}" for f in families
+    )
+    message = (
+        f"mesh search: {len(families)} tensor-parallel families ({mesh_desc}), ZeRO "
+        f"{'/'.join(map(str, zeros))}; {solves} D x K solves"
+        + (
+            "; ZeRO 1-3 not searched: no ZeRO-0 plan is memory-bound (the gap covers ZeRO 0; --zero N searches it)"
+            if skipped_zero
+            else ""
+        )
+        + "; " + best.solver.message + "".join(f"; {n}" for n in dict.fromkeys(notes))
+    )
+    return best.model_copy(update={"solver": SolverInfo(status=status, gap=gap, wall_time_s=wall, message=message)})
+
+
+#: a plan is memory-bound when a stage recomputes or a device is this full
+MEMORY_BOUND_FILL = 0.85
+
+
+def memory_bound(plan: Plan) -> bool:
+    """True when memory shaped ``plan``: a stage recomputes, or a device is nearly full (where
+    ZeRO, which only saves memory, may pay)."""
+    return any(s.recompute or s.memory_bytes > MEMORY_BOUND_FILL * s.memory_limit_bytes for s in plan.stages)
+
+
+def _plain(profile: Profile, cluster: Cluster, training: TrainingSetup, options: PlanOptions) -> Plan:
+    """The D x K search alone (T = 1, ZeRO 0, no sequence parallelism)."""
+    try:
+        return solve_mesh_family(profile, cluster, training, options)
+    except InfeasibleError as err:
+        raise _with_mesh_fixes(err, profile_in_dtype(profile, training.dtype), cluster, training, options) from None
+
+
+def _promise(profile: Profile, cluster: Cluster, training: TrainingSetup, fam: _Family, work: float) -> float:
+    """For ordering only: the family's work bound times the 1F1B bubble of the fewest pipeline
+    stages its parameter state needs, 1 + (K - 1) / M (a large model at small T needs a deep,
+    bubbly pipeline)."""
+    static = sum(x.param_bytes for x in profile.layers) * (
+        1 + training.gradient_bytes_per_param_byte + training.optimizer_state_factor
+    )
+    usable = min(d.memory_bytes for d in cluster.devices) * (1 - training.memory_margin) / 2
+    groups = max(1, cluster.num_devices // fam.tensor_parallel)
+    k = min(groups, max(1, math.ceil(static / fam.tensor_parallel / max(usable, 1.0))))
+    d = max(1, groups // k)
+    m = max(1, training.global_batch_size // d)
+    return work * (1 + (k - 1) / m)
+
+
+def _work_bound(profile: Profile, cluster: Cluster, training: TrainingSetup, fam: _Family) -> float:
+    """All the family's forward and backward work spread over its groups (no plan is faster)."""
+    problem = mesh_problem(profile, cluster, _relaxed_training(training), Mesh(fam.tensor_parallel, 0, fam.sequence_parallel),
+                           data_parallel=1, across_nodes=True)
+    return lower_bound_ms(problem.profile, problem.cluster, problem.training)
+
+
+def _fits(profile: Profile, cluster: Cluster, training: TrainingSetup, options: PlanOptions, mesh: Mesh, d: int | None) -> bool:
+    try:
+        problem = mesh_problem(profile, cluster, training, mesh, data_parallel=d or 1,
+                               pipeline_degree=cluster.num_devices, across_nodes=options.tensor_parallel_across_nodes)
+    except InputError:
+        return False
+    opts = options.model_copy(update={"tensor_parallel": None, "zero_stage": None, "sequence_parallel": None,
+                                      "data_parallel": d})
+    return any_fits(problem.profile, problem.cluster, problem.training, opts)
+
+
+def _mesh_fixes(profile: Profile, cluster: Cluster, training: TrainingSetup, options: PlanOptions) -> list[str]:
+    """The mesh settings, beyond those the user fixed, with which some plan fits."""
+    out: list[str] = []
+    t_fixed = options.tensor_parallel or 1
+    dpn = cluster.devices_per_node
+    sharded = any(layer.shards for layer in profile.layers)
+    ts = [t for t in (2, 4, 8, 16) if t != t_fixed and t <= min(dpn, cluster.num_devices) and dpn % t == 0] if sharded else []
+    for t in ts:
+        if _fits(profile, cluster, training, options, Mesh(t, 0, False), options.data_parallel):
+            out.append(f"--tensor-parallel {t} fits")
+            break
+        if _fits(profile, cluster, training, options, Mesh(t, 0, True), options.data_parallel):
+            out.append(f"--tensor-parallel {t} --sequence-parallel fits")
+            break
+    groups = cluster.num_devices // t_fixed
+    ds = [options.data_parallel] if options.data_parallel else sorted(
+        {d for d in (groups, groups // 2, groups // 4) if d > 1 and training.global_batch_size % d == 0}, reverse=True)
+    for z in (1, 2, 3):
+        if options.zero_stage == z:
+            continue
+        hit = next((d for d in ds if _fits(profile, cluster, training, options,
+                                           Mesh(t_fixed, z, bool(options.sequence_parallel) and t_fixed > 1), d)), None)
+        if hit is not None:
+            out.append(f"--zero {z} fits (with --data-parallel {hit})")
+            break
+    return out
+
+
+def _with_mesh_fixes(err: InfeasibleError, profile: Profile, cluster: Cluster, training: TrainingSetup,
+                     options: PlanOptions) -> InfeasibleError:
+    fixes = _mesh_fixes(profile, cluster, training, options)
+    if not fixes:
+        return err
+    details = dict(err.details, mesh_fixes=fixes)
+    return InfeasibleError(f"{err} Across more axes: {'; '.join(fixes)}.", details)
+
+
+def _diagnose(profile: Profile, cluster: Cluster, training: TrainingSetup, options: PlanOptions,
+              families: list[_Family], zeros: list[int]) -> InfeasibleError:
+    """Nothing fits in the searched mesh space: the D x K diagnosis, with the mesh fixes."""
+    from planner.infeasible import diagnose
+
+    plain = options.model_copy(update={"tensor_parallel": None, "zero_stage": None, "sequence_parallel": None})
+    err = diagnose(profile, cluster, training, plain)
+    tried = ", ".join(f"T={f.tensor_parallel}{'+SP' if f.sequence_parallel else ''}" for f in families)
+    base = InfeasibleError(
+        f"no plan fits with {tried} and ZeRO {'/'.join(map(str, zeros))}. Without tensor parallelism or ZeRO: {err}",
+        err.details,
+    )
+    return _with_mesh_fixes(base, profile, cluster, training, options)

@@ -1,0 +1,191 @@
+"""The mesh search (planner/search/axes.py): D x T x K, sequence parallelism and ZeRO chosen
+jointly; its proven bound against brute force over every mesh, plans within memory, and the
+infeasibility message naming the mesh fixes."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from planner.costmodel import estimate, plan_fits
+from planner.errors import InfeasibleError, InputError
+from planner.schema import Cluster, LayerProfile, MeasuredOn, PlanOptions, Profile, TrainingSetup
+from planner.solver import solve
+from tests.planner.helpers import MiB, assert_valid
+
+
+def sharded_profile(seed: int, layers: int) -> Profile:
+    """Random layers, most of them Megatron blocks that shard (some replicated)."""
+    rng = random.Random(seed)
+    sizes = (1, 2)
+    out = []
+    for i in range(layers):
+        f = rng.uniform(0.5, 3.0)
+        act = rng.randint(1, 8) * MiB
+        shards = rng.random() < 0.75
+        extra: dict[str, object] = {}
+        if shards:
+            extra = {
+                "tensor_parallel": "block",
+                "tp_compute_fraction": rng.uniform(0.6, 1.0),
+                "tp_forward_bytes": [rng.randint(1, 8) * MiB * b for b in sizes],
+                "tp_replicated_activation_bytes": [act * b // 4 for b in sizes],
+            }
+        out.append(LayerProfile(
+            name=f"l{i}", param_bytes=rng.randint(1, 24) * MiB, forward_ms=[f * b for b in sizes],
+            backward_ms=[2 * f * b for b in sizes], activation_bytes=[act * b for b in sizes],
+            output_bytes=[MiB * b for b in sizes], **extra,  # type: ignore[arg-type]
+        ))
+    return Profile(model=f"sharded-{seed}", measured_on=MeasuredOn(device="cpu"), microbatch_sizes=list(sizes),
+                   layers=out)
+
+
+def _cluster(n: int, memory: int) -> Cluster:
+    return Cluster.model_validate({"devices": n, "memory": memory, "intra_node": "nvlink4",
+                                   "inter_node": "ib-hdr", "devices_per_node": n})
+
+
+def brute_force_mesh(profile: Profile, cl: Cluster, training: TrainingSetup, *, zeros: tuple[int, ...] = (0, 1, 2, 3)) -> float:
+    """Best fitting 1F1B step over every T (powers of two inside the node), sequence parallelism,
+    ZeRO stage, D, K, M, split and recompute choice."""
+    n_dev, n, g = cl.num_devices, profile.num_layers, training.global_batch_size
+    best = math.inf
+    for t in (1, 2, 4):
+        if t > n_dev:
+            continue
+        for sp in ((False, True) if t > 1 else (False,)):
+            for z in zeros:
+                for d in range(1, n_dev // t + 1):
+                    if g % d:
+                        continue
+                    for k in range(1, n_dev // (t * d) + 1):
+                        for m in range(k, g // d + 1):
+                            if (g // d) % m or g // (d * m) > 4:
+                                continue
+                            for cuts in itertools.combinations(range(1, n), k - 1):
+                                b = (0, *cuts, n)
+                                for rc in itertools.product((False, True), repeat=k):
+                                    plan = estimate(
+                                        profile, cl, training, [(b[i], b[i + 1]) for i in range(k)],
+                                        num_microbatches=m, schedule="1f1b", recompute=list(rc), data_parallel=d,
+                                        pipeline_degree=k, tensor_parallel=t, zero_stage=z, sequence_parallel=sp,
+                                    )
+                                    if plan_fits(plan):
+                                        best = min(best, plan.predicted.step_time_ms)
+    return best
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 10_000), memory_mib=st.sampled_from([40, 70, 120, 400]), overlap=st.sampled_from([0.0, 0.5]))
+def test_mesh_search_bound_is_valid_against_brute_force(seed: int, memory_mib: int, overlap: float) -> None:
+    profile = sharded_profile(seed, 4)
+    cl = _cluster(4, memory_mib * MiB)
+    training = TrainingSetup(global_batch_size=4, zero_overlap=overlap)
+    optimum = brute_force_mesh(profile, cl, training)
+    options = PlanOptions(schedule="1f1b", time_limit_s=0.5)
+    if optimum == math.inf:
+        with pytest.raises(InfeasibleError):
+            solve(profile, cl, training, options)
+        return
+    plan = solve(profile, cl, training, options)
+    assert_valid_mesh(plan, profile)
+    if "ZeRO 1-3 not searched" in plan.solver.message:
+        optimum = brute_force_mesh(profile, cl, training, zeros=(0,))  # the space the gap covers
+    step = plan.predicted.step_time_ms
+    assert step >= optimum * (1 - 1e-9) or "not searched" in plan.solver.message
+    bound = step * (1 - plan.solver.gap)
+    assert bound <= optimum * (1 + 1e-9), (bound, optimum, plan.solver.message)
+    if plan.solver.status == "optimal":
+        assert step == pytest.approx(optimum)
+
+
+def assert_valid_mesh(plan, profile: Profile) -> None:  # type: ignore[no-untyped-def]
+    assert plan_fits(plan), [(s.memory_bytes, s.memory_limit_bytes) for s in plan.stages]
+    assert plan.world_size <= plan.cluster.num_devices
+    assert plan.tensor_parallel_degree <= plan.cluster.devices_per_node
+    assert sum(s.stop - s.start for s in plan.stages) == profile.num_layers
+
+
+def test_tensor_parallelism_is_what_makes_it_fit() -> None:
+    # one layer too big for a device at T = 1: only a tensor-parallel split holds it
+    profile = sharded_profile(3, 4)
+    big = profile.layers[1].model_copy(update={"tensor_parallel": "block", "param_bytes": 200 * MiB})
+    profile = profile.model_copy(update={"layers": [profile.layers[0], big, *profile.layers[2:]]})
+    cl = _cluster(8, 700 * MiB)
+    training = TrainingSetup(global_batch_size=8)
+    with pytest.raises(InfeasibleError, match=r"--tensor-parallel \d fits"):
+        solve(profile, cl, training, PlanOptions(tensor_parallel=1, zero_stage=0, time_limit_s=0.5))
+    plan = solve(profile, cl, training, PlanOptions(time_limit_s=0.5))
+    assert plan.tensor_parallel_degree > 1 or plan.zero_stage > 0
+    assert plan_fits(plan)
+
+
+def test_zero_is_named_when_it_fits() -> None:
+    # replicated layers (no T helps), parameters too big without sharding the optimizer state
+    profile = sharded_profile(5, 4)
+    profile = profile.model_copy(update={"layers": [
+        x.model_copy(update={"tensor_parallel": "replicated", "param_bytes": 40 * MiB}) for x in profile.layers
+    ]})
+    cl = _cluster(4, 512 * MiB)
+    training = TrainingSetup(global_batch_size=4)
+    with pytest.raises(InfeasibleError, match=r"--zero \d fits \(with --data-parallel \d\)"):
+        solve(profile, cl, training, PlanOptions(zero_stage=0, data_parallel=4, time_limit_s=0.5))
+    plan = solve(profile, cl, training, PlanOptions(data_parallel=4, time_limit_s=0.5))
+    assert plan.zero_stage > 0 and plan_fits(plan)
+    assert_valid(plan.model_copy(update={"tensor_parallel_degree": 1}), profile)
+
+
+def test_fixed_axes_are_respected() -> None:
+    profile = sharded_profile(7, 6)
+    cl = _cluster(8, 4096 * MiB)
+    training = TrainingSetup(global_batch_size=8)
+    plan = solve(profile, cl, training, PlanOptions(tensor_parallel=2, zero_stage=1, sequence_parallel=True,
+                                                    time_limit_s=0.5))
+    assert (plan.tensor_parallel_degree, plan.zero_stage, plan.sequence_parallel) in {(2, 1, True), (2, 0, True)}
+    if plan.data_parallel_degree > 1:
+        assert plan.zero_stage == 1
+    assert plan.world_size <= 8 and all(d % 2 == 0 for s in plan.stages for d in s.devices)
+    with pytest.raises(InputError, match="devices per node"):
+        solve(profile, _cluster(4, 4096 * MiB).model_copy(update={"devices_per_node": 2}), training,
+              PlanOptions(tensor_parallel=4, time_limit_s=0.5))
+
+
+def test_replicated_profiles_never_get_tensor_parallelism() -> None:
+    from tests.planner.helpers import random_profile
+
+    profile = random_profile(1, 6)
+    plan = solve(profile, _cluster(4, 4096 * MiB), TrainingSetup(global_batch_size=8), PlanOptions(time_limit_s=0.5))
+    assert plan.tensor_parallel_degree == 1 and "T=1)" in plan.solver.message
+
+
+def test_cli_flags_on_plan_and_estimate(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    import json as _json
+
+    from pipeplan.cli import main
+    from profiler.synth import synth_transformer
+
+    prof = tmp_path / "gpt.json"
+    prof.write_text(synth_transformer(layers=4, hidden=1024, heads=8, seq=512, vocab=4096, device_type="a100-80g",
+                                      microbatch_sizes=(1, 2)).model_dump_json())
+    out = tmp_path / "plan.json"
+    rc = main(["estimate", str(prof), "--devices", "8", "--batch-size", "8", "--stages", "0:3,3:6",
+               "--microbatches", "4", "--tensor-parallel", "4", "--zero", "1", "--data-parallel", "1",
+               "--sequence-parallel", "-o", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0 and "tensor-parallel T=4 with sequence parallelism" in text and "(8 devices)" in text
+    plan = _json.loads(out.read_text())
+    assert (plan["tensor_parallel_degree"], plan["zero_stage"], plan["sequence_parallel"]) == (4, 1, True)
+    assert plan["schema_version"] == 3 and [s["devices"] for s in plan["stages"]] == [[0], [4]]
+    rc = main(["plan", str(prof), "--devices", "8", "--batch-size", "8", "--tensor-parallel", "2", "--zero", "2",
+               "--no-sequence-parallel", "--time-limit", "0.5", "--json"])
+    plan = _json.loads(capsys.readouterr().out)
+    assert rc == 0 and plan["tensor_parallel_degree"] == 2 and not plan["sequence_parallel"]
+    assert plan["zero_stage"] in (0, 2) and (plan["zero_stage"] == 2) == (plan["data_parallel_degree"] > 1)
+    rc = main(["plan", str(prof), "--devices", "8", "--tensor-parallel", "16"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "error: --tensor-parallel 16" in err and "Traceback" not in err
