@@ -108,6 +108,8 @@ from planner.splits.recompute import with_recompute
 #: the classic schedules (gpipe, 1f1b, interleaved-1f1b), then of the others
 INCUMBENT_TRIES = 6
 INCUMBENT_TRIES_NEW = 3
+#: of those tries, this many go to the most promising one-chunk configurations first
+ONE_CHUNK_TRIES = 3
 #: work units of one configuration's cheap bound (counted for the newer schedules)
 CHEAP_WORK = 150
 #: with more configurations of the newer schedules than this, they are tried only on the
@@ -295,6 +297,12 @@ def _round(
     """One round of :func:`_branch_and_bound` over ``entries`` (their cheap bounds), until
     ``share`` of the work budget."""
     promising = sorted(entries, key=lambda e: (max(e[0], _promise(search, e[1], e[2])), e[1]))
+    # the most promising one-chunk configurations go first: the textbook promise of the
+    # interleaved ones ignores the memory their warm-up holds, and when that forces recompute
+    # or uneven chunks, a plan of every try may lose to a plain pipeline's (random layers at
+    # scale); one-chunk plans are cheap to find and bound the rest
+    first = [e for e in promising if e[1].virtual_stages == 1][:ONE_CHUNK_TRIES]
+    promising = first + [e for e in promising if e[1].virtual_stages != 1 or e not in first]
     started: set[Config] = set()
     for cheap, cfg, groups in promising:
         if search.best is not None and len(started) >= tries:
