@@ -301,8 +301,8 @@ def _round(
     # interleaved ones ignores the memory their warm-up holds, and when that forces recompute
     # or uneven chunks, a plan of every try may lose to a plain pipeline's (random layers at
     # scale); one-chunk plans are cheap to find and bound the rest
-    first = [e for e in promising if e[1].virtual_stages == 1][:ONE_CHUNK_TRIES]
-    promising = first + [e for e in promising if e[1].virtual_stages != 1 or e not in first]
+    one_chunk = [e for e in promising if e[1].virtual_stages == 1][:ONE_CHUNK_TRIES]
+    promising = one_chunk + [e for e in promising if e not in one_chunk]
     started: set[Config] = set()
     for cheap, cfg, groups in promising:
         if search.best is not None and len(started) >= tries:
