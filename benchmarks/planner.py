@@ -8,7 +8,9 @@
 
 Columns: our predicted step time divided by each baseline's (< 1 is better; "n/f" = the
 baseline does not fit memory), ours divided by the lower bound (total work / devices),
-solver status, proven gap and wall time.  Everything is measured in this run.
+solver status, proven gap, wall time and the process's CPU time (medians over --repeat
+solves; on a shared machine the CPU time is the steadier figure).  Everything is measured
+in this run.
 """
 
 from __future__ import annotations
@@ -182,14 +184,16 @@ def heterogeneous(n: int) -> Cluster:
 
 def run_row(name: str, profile: Profile, cluster: Cluster, training: TrainingSetup, time_limit: float, repeat: int = 1) -> list[str]:
     walls = []
+    cpus = []
     plan = None
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         try:
             plan = solve(profile, cluster, training, PlanOptions(time_limit_s=time_limit))
         except InfeasibleError:
-            return [name, str(cluster.num_devices), str(profile.num_layers), "infeasible", *[""] * (len(BASELINE_NAMES) + 4)]
+            return [name, str(cluster.num_devices), str(profile.num_layers), "infeasible", *[""] * (len(BASELINE_NAMES) + 5)]
         walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
     assert plan is not None
     ours = plan.predicted.step_time_ms
     ratios = []
@@ -206,11 +210,12 @@ def run_row(name: str, profile: Profile, cluster: Cluster, training: TrainingSet
         plan.solver.status,
         f"{plan.solver.gap:.2%}",
         f"{statistics.median(walls):.2f}",
+        f"{statistics.median(cpus):.2f}",
     ]
 
 
 def print_table(rows: list[list[str]]) -> None:
-    header = ["profile", "N", "L", "plan", *(f"÷{b}" for b in BASELINE_NAMES), "÷LB", "status", "gap", "wall s"]
+    header = ["profile", "N", "L", "plan", *(f"÷{b}" for b in BASELINE_NAMES), "÷LB", "status", "gap", "wall s", "cpu s"]
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
     print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
     print("  ".join("-" * w for w in widths))
