@@ -20,7 +20,8 @@ were left out).  In each round:
    (:func:`planner.search.space.enumerate_configs`) gets a closed-form lower bound
    (:func:`planner.bounds.work.cheap_bound`: work, fill, all-reduce, the recompute that memory
    forces, indivisible layers, pinned ranks, the last stage).  The ``INCUMBENT_TRIES`` that
-   promise most (the balanced-split estimate) are solved first; then the configuration with
+   promise most (the balanced-split estimate; the ``ONE_CHUNK_TRIES`` best one-chunk ones
+   among them first) are solved first; then the configuration with
    the smallest bound always advances next, and configurations whose bound reaches the best
    step time found are skipped.
 2. Advancing a configuration first computes its strong bound: for v = 1 the exact bottleneck
@@ -32,7 +33,8 @@ were left out).  In each round:
    completely, in bound order, so their optimum is exact (:mod:`planner.splits.exhaustive`).
    Longer ones (v = 1) get greedy splits with the exact memory model
    (:mod:`planner.splits.greedy`); interleaved configurations get time-balanced,
-   memory-aware and per-chunk-recompute chunks (:mod:`planner.splits.interleaved`); user-fixed
+   memory-aware, per-chunk-recompute and rank-balanced chunks
+   (:mod:`planner.splits.interleaved`); user-fixed
    ranges only choose recompute (:mod:`planner.splits.fixed`).  Every candidate is simulated
    only if its split bound can beat the best plan (:func:`planner.search.state.consider`).
 4. The baselines' splits are candidates too (:mod:`planner.splits.baseline_seed`), so the plan
