@@ -1,13 +1,16 @@
 """Planner benchmark: our plan against the baselines and the lower bound, on a profile suite.
 
-    python benchmarks/planner.py            # the suite and the two scale rows
+    python benchmarks/planner.py            # the suite and the scale rows
     python benchmarks/planner.py --quick    # fewer device counts
     python benchmarks/planner.py --scale-only --repeat 5
+    python benchmarks/planner.py --random-scale-only --seeds 0,1,2   # the random-layer scale rows
     python benchmarks/planner.py --small-only   # the small-instance exactness row
 
 Columns: our predicted step time divided by each baseline's (< 1 is better; "n/f" = the
 baseline does not fit memory), ours divided by the lower bound (total work / devices),
-solver status, proven gap and wall time.  Everything is measured in this run.
+solver status, proven gap, wall time and the process's CPU time (medians over --repeat
+solves; on a shared machine the CPU time is the steadier figure).  Everything is measured
+in this run.
 """
 
 from __future__ import annotations
@@ -80,6 +83,31 @@ def random_layers(layers: int = 48, seed: int = 0) -> Profile:
             )
         )
     return Profile(model=f"random-{layers}l", measured_on=MeasuredOn(device="synthetic:a100-80g"),
+                   microbatch_sizes=sizes, input_bytes=[MiB * b for b in sizes], layers=out)
+
+
+def random_scale(layers: int = 1024, seed: int = 0) -> Profile:
+    """A profile nobody tuned the solver for: ``layers`` independent random layers, forward
+    1-10 ms (backward twice that), parameters 10-200 MiB, activations 1-64 MiB, outputs
+    1-16 MiB, each uniform at micro-batch 1 and linear in the micro-batch size (seeded)."""
+    rng = random.Random(seed)
+    sizes = [1, 2, 4, 8]
+    out = []
+    for i in range(layers):
+        f = rng.uniform(1, 10)
+        act = int(rng.uniform(1, 64) * MiB)
+        out_b = int(rng.uniform(1, 16) * MiB)
+        out.append(
+            LayerProfile(
+                name=f"layer{i}",
+                param_bytes=int(rng.uniform(10, 200) * MiB),
+                forward_ms=[f * b for b in sizes],
+                backward_ms=[2 * f * b for b in sizes],
+                activation_bytes=[act * b for b in sizes],
+                output_bytes=[out_b * b for b in sizes],
+            )
+        )
+    return Profile(model=f"random-{layers}l-s{seed}", measured_on=MeasuredOn(device="synthetic:a100-80g"),
                    microbatch_sizes=sizes, input_bytes=[MiB * b for b in sizes], layers=out)
 
 
@@ -156,14 +184,16 @@ def heterogeneous(n: int) -> Cluster:
 
 def run_row(name: str, profile: Profile, cluster: Cluster, training: TrainingSetup, time_limit: float, repeat: int = 1) -> list[str]:
     walls = []
+    cpus = []
     plan = None
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         try:
             plan = solve(profile, cluster, training, PlanOptions(time_limit_s=time_limit))
         except InfeasibleError:
-            return [name, str(cluster.num_devices), str(profile.num_layers), "infeasible", *[""] * (len(BASELINE_NAMES) + 4)]
+            return [name, str(cluster.num_devices), str(profile.num_layers), "infeasible", *[""] * (len(BASELINE_NAMES) + 5)]
         walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
     assert plan is not None
     ours = plan.predicted.step_time_ms
     ratios = []
@@ -180,11 +210,12 @@ def run_row(name: str, profile: Profile, cluster: Cluster, training: TrainingSet
         plan.solver.status,
         f"{plan.solver.gap:.2%}",
         f"{statistics.median(walls):.2f}",
+        f"{statistics.median(cpus):.2f}",
     ]
 
 
 def print_table(rows: list[list[str]]) -> None:
-    header = ["profile", "N", "L", "plan", *(f"÷{b}" for b in BASELINE_NAMES), "÷LB", "status", "gap", "wall s"]
+    header = ["profile", "N", "L", "plan", *(f"÷{b}" for b in BASELINE_NAMES), "÷LB", "status", "gap", "wall s", "cpu s"]
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
     print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
     print("  ".join("-" * w for w in widths))
@@ -195,16 +226,27 @@ def print_table(rows: list[list[str]]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="devices {4, 16} only")
-    parser.add_argument("--scale-only", action="store_true", help="only the 128x8 and 1024x64 rows")
+    parser.add_argument("--scale-only", action="store_true", help="only the scale rows (128x8, 1024x64, random 1024x64)")
     parser.add_argument("--repeat", type=int, default=3, help="solves per scale row (median wall time)")
     parser.add_argument("--time-limit", type=float, default=5.0)
     parser.add_argument("--small", type=int, default=40, help="random small instances (L <= 16, N <= 4)")
     parser.add_argument("--small-only", action="store_true", help="only the small-instance row")
+    parser.add_argument("--seeds", default="0,1,2", help="seeds of the random-layer scale rows (1024 layers x 64 devices)")
+    parser.add_argument("--random-scale-only", action="store_true", help="only the random-layer scale rows")
     args = parser.parse_args()
     training = TrainingSetup(global_batch_size=256, optimizer="adam-mixed")
     rows: list[list[str]] = []
     if args.small_only:
         print("\n".join(small_instances(args.small, args.time_limit)))
+        return
+    big_training = TrainingSetup(global_batch_size=1024, optimizer="adam-mixed")
+    random_rows = [
+        (f"random 1024x64 s{seed}", random_scale(1024, seed)) for seed in (int(x) for x in args.seeds.split(",") if x)
+    ]
+    if args.random_scale_only:
+        for name, profile in random_rows:
+            rows.append(run_row(name, profile, homogeneous(64), big_training, args.time_limit, args.repeat))
+        print_table(rows)
         return
     if not args.scale_only:
         suite = [
@@ -220,8 +262,9 @@ def main() -> None:
                 rows.append(run_row(name, profile, make(n), training, args.time_limit))
     rows.append(run_row("scale 128x8", uniform_transformer(126), homogeneous(8), training, args.time_limit, args.repeat))
     big = synth_transformer(layers=1022, hidden=1024, heads=16, seq=1024, vocab=32000, name="scale-1024l")
-    rows.append(run_row("scale 1024x64", big, homogeneous(64), TrainingSetup(global_batch_size=1024, optimizer="adam-mixed"),
-                        args.time_limit, args.repeat))
+    rows.append(run_row("scale 1024x64", big, homogeneous(64), big_training, args.time_limit, args.repeat))
+    for name, profile in random_rows:
+        rows.append(run_row(name, profile, homogeneous(64), big_training, args.time_limit, args.repeat))
     print_table(rows)
     if not args.scale_only:
         print("\n".join(small_instances(args.small, args.time_limit)))

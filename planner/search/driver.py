@@ -20,7 +20,8 @@ were left out).  In each round:
    (:func:`planner.search.space.enumerate_configs`) gets a closed-form lower bound
    (:func:`planner.bounds.work.cheap_bound`: work, fill, all-reduce, the recompute that memory
    forces, indivisible layers, pinned ranks, the last stage).  The ``INCUMBENT_TRIES`` that
-   promise most (the balanced-split estimate) are solved first; then the configuration with
+   promise most (the balanced-split estimate; the ``ONE_CHUNK_TRIES`` best one-chunk ones
+   among them first) are solved first; then the configuration with
    the smallest bound always advances next, and configurations whose bound reaches the best
    step time found are skipped.
 2. Advancing a configuration first computes its strong bound: for v = 1 the exact bottleneck
@@ -32,7 +33,8 @@ were left out).  In each round:
    completely, in bound order, so their optimum is exact (:mod:`planner.splits.exhaustive`).
    Longer ones (v = 1) get greedy splits with the exact memory model
    (:mod:`planner.splits.greedy`); interleaved configurations get time-balanced,
-   memory-aware and per-chunk-recompute chunks (:mod:`planner.splits.interleaved`); user-fixed
+   memory-aware, per-chunk-recompute and rank-balanced chunks
+   (:mod:`planner.splits.interleaved`); user-fixed
    ranges only choose recompute (:mod:`planner.splits.fixed`).  Every candidate is simulated
    only if its split bound can beat the best plan (:func:`planner.search.state.consider`).
 4. The baselines' splits are candidates too (:mod:`planner.splits.baseline_seed`), so the plan
@@ -108,6 +110,8 @@ from planner.splits.recompute import with_recompute
 #: the classic schedules (gpipe, 1f1b, interleaved-1f1b), then of the others
 INCUMBENT_TRIES = 6
 INCUMBENT_TRIES_NEW = 3
+#: of those tries, this many go to the most promising one-chunk configurations first
+ONE_CHUNK_TRIES = 3
 #: work units of one configuration's cheap bound (counted for the newer schedules)
 CHEAP_WORK = 150
 #: with more configurations of the newer schedules than this, they are tried only on the
@@ -295,6 +299,12 @@ def _round(
     """One round of :func:`_branch_and_bound` over ``entries`` (their cheap bounds), until
     ``share`` of the work budget."""
     promising = sorted(entries, key=lambda e: (max(e[0], _promise(search, e[1], e[2])), e[1]))
+    # the most promising one-chunk configurations go first: the textbook promise of the
+    # interleaved ones ignores the memory their warm-up holds, and when that forces recompute
+    # or uneven chunks, a plan of every try may lose to a plain pipeline's (random layers at
+    # scale); one-chunk plans are cheap to find and bound the rest
+    one_chunk = [e for e in promising if e[1].virtual_stages == 1][:ONE_CHUNK_TRIES]
+    promising = one_chunk + [e for e in promising if e not in one_chunk]
     started: set[Config] = set()
     for cheap, cfg, groups in promising:
         if search.best is not None and len(started) >= tries:

@@ -7,7 +7,12 @@ Three cuts per device order, each offered as a candidate by :func:`interleaved_c
 * the same with ``memory_aware``: when the balanced chunks need recompute, cut again with each
   rank's memory in the test, so ranks holding many micro-batches take smaller chunks;
 * :func:`interleaved_mixed_split`: chunks cut with recompute chosen per chunk, whichever
-  reaches farther, at the smallest per-chunk budget that covers every layer.
+  reaches farther, at the smallest per-chunk budget that covers every layer;
+* :func:`interleaved_rank_split`: chunks cut for balanced *ranks* without recompute: each
+  chunk takes the nearest whole-layer share of what its rank has left of a per-rank budget,
+  keeps room for the parameter state of its rank's later chunks, and stops where memory
+  does; a memory-bound rank's shortfall goes to the ranks after it (random layers at scale,
+  where the first ranks' warm-up fills their memory).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from planner.costmodel import static_bytes
 from planner.search.model import (
     Split,
     StageModel,
@@ -32,21 +38,25 @@ def interleaved_candidates(
     search: SearchState, sm: StageModel, groups: list[Group], orders: Sequence[tuple[int, ...]]
 ) -> float:
     """Offer the interleaved splits of the first three device orders (the per-chunk
-    recompute split only for the first); the best step time among them (inf if none)."""
+    recompute and the rank-balanced splits only for the first); the best step time among
+    them (inf if none)."""
     best_here = math.inf
     for i_order, order in enumerate(orders[:3]):
         tried: list[Split] = []
-        for memory_aware in (False, True, None):
-            if memory_aware is None:
-                if i_order > 0:
-                    continue  # the per-chunk recompute split only for the first order
-                split = interleaved_mixed_split(search, sm, groups, order)
-            else:
-                split = interleaved_split(search, sm, groups, order, memory_aware=memory_aware)
-            if split is None or split in tried:
+        for variant in ("balanced", "memory-aware", "mixed", "ranks"):
+            if variant in ("mixed", "ranks") and i_order > 0:
                 continue
-            tried.append(split)
-            best_here = min(best_here, consider(search, sm, groups, split))
+            if variant == "mixed":
+                splits = [interleaved_mixed_split(search, sm, groups, order)]
+            elif variant == "ranks":
+                splits = [*interleaved_rank_split(search, sm, groups, order)]
+            else:
+                splits = [interleaved_split(search, sm, groups, order, memory_aware=variant == "memory-aware")]
+            for split in splits:
+                if split is None or split in tried:
+                    continue
+                tried.append(split)
+                best_here = min(best_here, consider(search, sm, groups, split))
     return best_here
 
 
@@ -222,3 +232,87 @@ def _memory_aware_cut(
         a = b
     return tuple(out)
 
+
+
+#: per-rank budgets :func:`interleaved_rank_split` tries: the balanced share times 1 + i·STEP
+RANK_SPLIT_STEP = 0.002
+RANK_SPLIT_TRIES = 32
+#: of the cuts found, this many with the least loaded busiest rank are offered
+RANK_SPLIT_KEEP = 2
+
+
+def interleaved_rank_split(
+    search: SearchState, sm: StageModel, groups: Sequence[Group], order: Sequence[int]
+) -> list[Split]:
+    """Chunks without recompute whose ranks' loads are balanced (:func:`_rank_cut`), for
+    per-rank budgets from the balanced share up (whether a cut covers every layer is not
+    monotone in the budget, so a grid, not a bisection); the ``RANK_SPLIT_KEEP`` cuts whose
+    busiest rank works least, with recompute where exact memory still needs it."""
+    if search.options.recompute not in (None, False):
+        return []
+    cfg = sm.cfg
+    n = cfg.num_stages
+    stage_groups = tuple(order[sm.owner[s]] for s in range(n))
+    speeds = [groups[g].speed for g in stage_groups]
+    t0 = work_total(sm.costs) / (cfg.pipeline_degree * max(speeds))
+    found: dict[tuple[tuple[int, int], ...], float] = {}
+    for i in range(RANK_SPLIT_TRIES):
+        search.work += 2 * n * math.log2(sm.L + 1)
+        ranges = _rank_cut(sm, groups, stage_groups, t0 * (1 + i * RANK_SPLIT_STEP))
+        if ranges is not None and ranges not in found:
+            found[ranges] = max(
+                sum(sm.work_ms(*ranges[s], False, speeds[s]) for s in own) for own in sm.rank_stages
+            )
+    out = []
+    for ranges in sorted(found, key=lambda r: (found[r], r))[:RANK_SPLIT_KEEP]:
+        split = with_recompute(search, sm, groups, ranges, stage_groups)
+        if split is not None:
+            out.append(split)
+    return out
+
+
+def _rank_cut(
+    sm: StageModel, groups: Sequence[Group], stage_groups: tuple[int, ...], budget: float
+) -> tuple[tuple[int, int], ...] | None:
+    """Chunks in order, no recompute: chunk ``j`` of rank ``r`` takes the whole-layer end
+    nearest to ``(budget - load_r) / (v - j)`` of work, no further than its rank's memory
+    allows (the closed-form upper bound of :meth:`StageModel.memory_upper`, with room kept for
+    the parameter state of the rank's later chunks at the model's average); the last chunk
+    takes the rest and must keep its rank within ``budget``.  None when that fails."""
+    k, n, v = sm.cfg.pipeline_degree, sm.cfg.num_stages, sm.cfg.virtual_stages
+    own: list[list[tuple[int, int]]] = [[] for _ in range(k)]
+    load = [0.0] * k
+    out: list[tuple[int, int]] = []
+    per_chunk_params = sm.PP[-1] / n
+    a = 0
+    for s in range(n):
+        r = sm.owner[s]
+        g = groups[stage_groups[s]]
+        j = len(own[r])
+        reserve = static_bytes(per_chunk_params * (v - 1 - j), sm.training)
+
+        def fits(b: int, a: int = a, r: int = r, g: Group = g, reserve: float = reserve) -> bool:
+            chunks = [*own[r], (a, b)]
+            return math.ceil(sm.memory_upper(r, chunks, [False] * len(chunks))) + reserve <= g.limit_bytes
+
+        if s == n - 1:
+            b = sm.L
+            if not fits(b) or load[r] + sm.work_ms(a, b, False, g.speed) > budget:
+                return None
+        else:
+            mem_b = farthest(fits, a + 1, sm.L - (n - s - 1))
+            if mem_b is None:
+                return None
+            share = (budget - load[r]) / (v - j)
+
+            def under(b: int, a: int = a, g: Group = g, share: float = share) -> bool:
+                return sm.work_ms(a, b, False, g.speed) <= share
+
+            b = farthest(under, a + 1, mem_b) or a + 1
+            if b < mem_b and abs(sm.work_ms(a, b + 1, False, g.speed) - share) < abs(sm.work_ms(a, b, False, g.speed) - share):
+                b += 1
+        load[r] += sm.work_ms(a, b, False, g.speed)
+        own[r].append((a, b))
+        out.append((a, b))
+        a = b
+    return tuple(out)
