@@ -49,6 +49,13 @@ class CheckpointInfo:
     path: str = ""
 
 
+def _dcp() -> Any:
+    """``torch.distributed.checkpoint`` (its names are re-exported without ``__all__`` typing)."""
+    import importlib
+
+    return importlib.import_module("torch.distributed.checkpoint")
+
+
 def step_dir(directory: str | os.PathLike[str], step: int) -> Path:
     return Path(directory, f"step-{step:06d}")
 
@@ -143,8 +150,8 @@ def save_checkpoint(
     """Every rank calls this with its parameters (by the model's names; tied copies under one
     name) and its optimizer; returns the checkpoint's path.  Collective over the default group."""
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
 
+    dcp = _dcp()
     named = list(named)
     path = step_dir(directory, step)
     state: dict[str, Any] = {name: p.detach() for name, p in named}
@@ -175,8 +182,8 @@ def load_checkpoint(
     """Load the newest complete checkpoint into this rank's parameters and optimizer state, in
     place, whatever plan wrote it (DCP reshards); returns its info (``step``: steps done)."""
     import torch
-    import torch.distributed.checkpoint as dcp
 
+    dcp = _dcp()
     named = list(named)
     info = read_info(directory)
     check_compatible(info, model=model, sha256=sha256, optimizer=optimizer_name)

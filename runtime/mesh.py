@@ -272,7 +272,7 @@ def refuse_unexecutable(
         raise InputError(
             "the runtime cannot execute this plan's mesh:\n"
             + "\n".join(f"  - {p}" for p in problems)
-            + "\n  fix: make the plan with axes the runtime executes (pipeplan plan --tensor-parallel 1 / --zero 0)"
+            + "\n  fix: make the plan with axes the runtime executes"
         )
 
 

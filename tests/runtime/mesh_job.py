@@ -67,11 +67,11 @@ def run(rank: int, cfg: dict[str, Any]) -> None:
     from runtime import checkpoint as ckpt
     from runtime.mesh import (
         MeshSpec,
+        all_reduce_grad,
         apply_mesh,
         build_mesh,
         data_mesh,
         full_parameters,
-        all_reduce_grad,
         make_sharded_optimizer,
         plan_sharding,
         reduces_data_gradients,
