@@ -69,15 +69,33 @@ def test_a_killed_node_ends_the_other_naming_it(tmp_path: Path) -> None:
     while len(processes_mentioning(str(job))) < 4 and time.monotonic() < deadline:  # 2 agents + 2 workers
         time.sleep(0.5)
     time.sleep(12)  # past start-up: both ranks train
-    os.killpg(agents[1].pid, signal.SIGKILL)  # node 1: its agent and its rank, at once
+    # node 1 goes down: its agent and its rank at once (torchrun starts the rank in a session of
+    # its own, so it is found by its environment)
+    os.killpg(agents[1].pid, signal.SIGKILL)
+    for pid in _pids_of_rank(str(job), 1):
+        os.kill(pid, signal.SIGKILL)
     t0 = time.monotonic()
     code0, out0 = _finish(agents[0], 3 * timeout + 30)
     elapsed = time.monotonic() - t0
     agents[1].communicate()
+    print(f"node 0 ended {elapsed:.1f} s after node 1 was killed:\n{out0}")
     assert code0 == 1, out0
     assert "lost node 1 (rank 1)" in out0, out0
     assert elapsed < 3 * timeout + 30
     assert not processes_mentioning(str(job)), "a process of the job survived"
+
+
+def _pids_of_rank(marker: str, rank: int) -> list[int]:
+    pids = []
+    for line in processes_mentioning(marker):
+        pid = int(line.split(":", 1)[0])
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env:
+            pids.append(pid)
+    return pids
 
 
 def test_lost_nodes_names_remote_culprits_only() -> None:
