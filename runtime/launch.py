@@ -165,8 +165,14 @@ def launch(
     statuses = read_statuses(run_dir, world_size)
     message, culprits = diagnose(statuses, exit_codes, world_size=world_size, timeout_s=timeout_s, stage_of=stage_of)
     lost = lost_nodes(culprits, statuses, nproc_per_node=nproc, rendezvous=rendezvous)
-    if lost:
-        message = lost + "\n" + message
+    if lost:  # the lost ranks' own status files are on their host: drop the guess about them
+        remote = [r for r in culprits if r not in statuses]
+        kept = [
+            line
+            for line in message.splitlines()
+            if not any(line.startswith(f"rank {r} ") and "stopped responding" in line for r in remote)
+        ]
+        message = "\n".join([lost, *kept])
     elapsed = time.monotonic() - started
     raise JobFailedError(f"the job failed after {elapsed:.1f} s and was stopped:\n{message}", ranks=culprits)
 

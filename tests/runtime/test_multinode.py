@@ -65,10 +65,10 @@ def test_a_killed_node_ends_the_other_naming_it(tmp_path: Path) -> None:
     job.write_text("from examples.gpt import tiny as gpt\n")
     timeout = 15
     agents = _agents(tmp_path, f"{job}:gpt", "--steps", "100000", "--timeout", str(timeout))
-    deadline = time.monotonic() + 120
-    while len(processes_mentioning(str(job))) < 4 and time.monotonic() < deadline:  # 2 agents + 2 workers
+    deadline = time.monotonic() + 180
+    while _training_step(str(job)) < 1 and time.monotonic() < deadline:  # both ranks past start-up
         time.sleep(0.5)
-    time.sleep(12)  # past start-up: both ranks train
+    assert _training_step(str(job)) >= 1, "the job did not start training"
     # node 1 goes down: its agent and its rank at once (torchrun starts the rank in a session of
     # its own, so it is found by its environment)
     os.killpg(agents[1].pid, signal.SIGKILL)
@@ -83,6 +83,20 @@ def test_a_killed_node_ends_the_other_naming_it(tmp_path: Path) -> None:
     assert "lost node 1 (rank 1)" in out0, out0
     assert elapsed < 3 * timeout + 30
     assert not processes_mentioning(str(job)), "a process of the job survived"
+
+
+def _training_step(marker: str) -> int:
+    """The step rank 0 of the job is in (-1 before training), from its status file."""
+    from runtime.faults import read_statuses
+
+    for pid in _pids_of_rank(marker, 0):
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if b"--run-dir" in cmd:
+            run_dir = cmd[cmd.index(b"--run-dir") + 1].decode()
+            status = read_statuses(run_dir, 2).get(0)
+            if status is not None and status.state == "running" and status.step is not None:
+                return int(status.step)
+    return -1
 
 
 def _pids_of_rank(marker: str, rank: int) -> list[int]:
