@@ -207,3 +207,28 @@ def test_a_damaged_checkpoint_gets_a_clear_error(tmp_path: Path) -> None:
     (path / "pipeplan.json").unlink()
     with pytest.raises(InputError, match="pipeplan.json is missing"):
         read_info(tmp_path)
+
+
+def test_pipeplan_run_refuses_axes_it_does_not_execute_yet(tmp_path: Path) -> None:
+    from tests.runtime.helpers import make_plan, run_cli, structure_profile, write_plan
+
+    plan = make_plan(structure_profile("examples.gpt:tiny"), [(0, 3), (3, 6)], microbatches=2)
+    path = write_plan(plan.model_copy(update={"tensor_parallel_degree": 2, "zero_stage": 1}), tmp_path / "p.json")
+    proc, _ = run_cli(["run", "--plan", str(path), "--model", "examples.gpt:tiny", "--steps", "1"])
+    assert proc.returncode != 0
+    assert "error: pipeplan run does not execute tensor_parallel_degree 2 and zero_stage 1 yet" in proc.stderr
+
+
+def test_resume_is_checked_before_any_rank_starts(tmp_path: Path) -> None:
+    import argparse
+
+    from pipeplan.cmd_run import _checkpoint_args
+
+    _fake_checkpoint(tmp_path / "ck", 4, sha="b" * 64)
+    args = argparse.Namespace(resume=str(tmp_path / "ck"), checkpoint=str(tmp_path / "new"), every=2, steps=8)
+    with pytest.raises(InputError, match="is of model 'm:f'"):
+        _checkpoint_args(args, model="examples.gpt:tiny", sha256="c" * 64, optimizer="sgd")
+    out = _checkpoint_args(args, model="m:f", sha256="b" * 64, optimizer="sgd")
+    assert out == ["--resume", str(tmp_path / "ck"), "--checkpoint", str(tmp_path / "new"), "--every", "2"]
+    with pytest.raises(InputError, match="at step 4; give --steps above it"):
+        _checkpoint_args(argparse.Namespace(resume=str(tmp_path / "ck"), steps=4), model="m:f", sha256="b" * 64, optimizer="sgd")
