@@ -69,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
         raise InputError(f"--node-rank {args.node_rank} with --nnodes {args.nnodes}: need 0 <= node rank < nnodes")
     plan = _load_plan(args.plan)
+    _refuse_unwired_axes(plan)
     optimizer = args.optimizer or plan.training.optimizer
     check_optimizer_supported(optimizer)
     opts = train_options(args, plan, optimizer)
@@ -96,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=opts.dtype,
     )
     _check_data(entry, plan, args.steps)
+    sha256 = split.sha256()
     del entry, split
     k = plan.pipeline_degree
     stage_of = {
@@ -134,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
             worker_args += ["--report", os.path.abspath(args.report)]
         if args.inject_fault:
             worker_args += ["--inject-fault", args.inject_fault]
+        worker_args += _checkpoint_args(args, model=model, sha256=sha256, optimizer=optimizer)
         launch(
             worker_args,
             world_size=world,
@@ -151,6 +154,47 @@ def run(args: argparse.Namespace) -> int:
             verbose=args.verbose,
         )
     return 0
+
+
+def _checkpoint_args(args: argparse.Namespace, *, model: str, sha256: str, optimizer: str) -> list[str]:
+    """``--checkpoint DIR [--every N]`` and ``--resume DIR`` for the worker, checked here first: a
+    checkpoint of another model (or optimizer) is refused before any rank starts.  The flags
+    exist once the worker declares them (notes/worker_integration.diff); until then: none."""
+    from planner.errors import InputError
+    from runtime.checkpoint import check_compatible, read_info
+
+    out: list[str] = []
+    if getattr(args, "resume", None):
+        info = read_info(args.resume)
+        check_compatible(info, model=model, sha256=sha256, optimizer=optimizer)
+        if info.step >= args.steps:
+            raise InputError(f"--resume {args.resume}: its checkpoint is at step {info.step}; give --steps above it")
+        out += ["--resume", os.path.abspath(args.resume)]
+    if getattr(args, "checkpoint", None):
+        every = getattr(args, "every", 0) or 0
+        if every < 0:
+            raise InputError(f"--every {every}: give 0 (save at the end) or a positive number of steps")
+        out += ["--checkpoint", os.path.abspath(args.checkpoint), "--every", str(every)]
+    return out
+
+
+def _refuse_unwired_axes(plan: Any) -> None:
+    """The worker does not call runtime.mesh yet: refuse what it would silently run as T = 1,
+    ZeRO 0 (runtime/mesh.py executes these axes; see the README, "The whole mesh")."""
+    from planner.errors import InputError
+
+    axes = []
+    if getattr(plan, "tensor_parallel_degree", 1) > 1:
+        axes.append(f"tensor_parallel_degree {plan.tensor_parallel_degree}")
+    if getattr(plan, "zero_stage", 0) > 0:
+        axes.append(f"zero_stage {plan.zero_stage}")
+    if getattr(plan, "sequence_parallel", False):
+        axes.append("sequence_parallel")
+    if axes:
+        raise InputError(
+            f"pipeplan run does not execute {' and '.join(axes)} yet (only K x D with ZeRO 0): make the "
+            "plan with tensor parallelism T = 1 and ZeRO stage 0"
+        )
 
 
 def _check_data(entry: Any, plan: Any, steps: int) -> None:

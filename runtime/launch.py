@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from runtime.faults import CheckFailedError, JobFailedError, diagnose, read_statuses
 from runtime.report import load_report
@@ -163,8 +164,39 @@ def launch(
             )
     statuses = read_statuses(run_dir, world_size)
     message, culprits = diagnose(statuses, exit_codes, world_size=world_size, timeout_s=timeout_s, stage_of=stage_of)
+    lost = lost_nodes(culprits, statuses, nproc_per_node=nproc, rendezvous=rendezvous)
+    if lost:  # the lost ranks' own status files are on their host: drop the guess about them
+        remote = [r for r in culprits if r not in statuses]
+        kept = [
+            line
+            for line in message.splitlines()
+            if not any(line.startswith(f"rank {r} ") and "stopped responding" in line for r in remote)
+        ]
+        message = "\n".join([lost, *kept])
     elapsed = time.monotonic() - started
     raise JobFailedError(f"the job failed after {elapsed:.1f} s and was stopped:\n{message}", ranks=culprits)
+
+
+def lost_nodes(
+    culprits: Sequence[int], statuses: Mapping[int, Any], *, nproc_per_node: int, rendezvous: Rendezvous
+) -> str:
+    """With several hosts, the line naming the other node(s) whose ranks this host blames but
+    never heard from (their status files live on their own host): the node was lost (its
+    ``pipeplan run`` or the host ended).  Empty when every culprit is a rank of this host."""
+    if rendezvous.nnodes == 1:
+        return ""
+    mine = range(rendezvous.node_rank * nproc_per_node, (rendezvous.node_rank + 1) * nproc_per_node)
+    remote = sorted(r for r in culprits if r not in mine and r not in statuses)
+    if not remote:
+        return ""
+    nodes: dict[int, list[int]] = {}
+    for r in remote:
+        nodes.setdefault(r // nproc_per_node, []).append(r)
+    return "\n".join(
+        f"lost node {node} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}): its ranks stopped "
+        f"answering this host's ranks (node {node}'s pipeplan run, or the host, ended); this node stopped too"
+        for node, ranks in nodes.items()
+    )
 
 
 def _reap(run_dir: str, world_size: int) -> None:

@@ -1,0 +1,481 @@
+"""The device mesh of a plan and what each axis does to a stage module (needs torch).
+
+Axes, ordered like torchtitan's: ``("pp", "dp_replicate", "dp_shard", "tp")``; row-major, so
+the tensor-parallel ranks of one stage replica are consecutive (one host) and the pipeline
+axis is outermost::
+
+    rank = ((k * D_replicate + d_replicate) * D_shard + d_shard) * T + t
+
+ZeRO 0 and 1 put the plan's D on ``dp_replicate`` (``dp_shard`` = 1); ZeRO 2 and 3 on
+``dp_shard`` (``dp_replicate`` = 1).  :class:`MeshSpec` computes the coordinates without
+torch; :func:`build_mesh` makes the ``DeviceMesh``.
+
+:func:`apply_mesh` turns one stage module (:meth:`profiler.split.SplitModel.stage_module`)
+into what the pipeline stage runs, one function per axis in a fixed order:
+
+1. :func:`apply_tensor_parallel` (T > 1): each unit the runtime has a sharding rule for
+   (:data:`RULES`: the zoo GPT block, Hugging Face Llama/Qwen2-style decoder layers, BERT/ViT
+   style encoder layers) gets its linear weights distributed as DTensors over the "tp" axis,
+   Megatron style (column-parallel: ``Shard(0)`` of weight and bias; row-parallel:
+   ``Shard(1)`` of the weight, bias replicated), every other tensor of the unit replicated.
+   The units are the splitter's flattened graphs (aten operators, not module calls), so the
+   styles of ``parallelize_module`` (forward hooks on ``nn.Linear``) would never fire: the
+   unit runs on DTensors instead, and DTensor's sharding propagation places the
+   collectives (``_TensorParallelUnit``: the unit's inputs enter as replicated DTensors,
+   its outputs leave as plain tensors, replicated).  Units without a rule run whole on every
+   tensor-parallel rank (their inputs and gradients are replicated, so they stay in step).
+2. recompute (``torch.utils.checkpoint`` of the whole stage) when the stage plan says so.
+3. :func:`apply_data_sharding` (ZeRO 2 and 3): FSDP2 ``fully_shard`` over "dp_shard";
+   ``reshard_after_forward`` is ``zero_stage == 3``, forced to False under the split-backward
+   schedules (:data:`SPLIT_BACKWARD_SCHEDULES`), which otherwise give wrong gradients.
+
+ZeRO 1 is the optimizer: :func:`make_sharded_optimizer` (``ZeroRedundancyOptimizer`` over
+"dp_replicate"); the gradients are still averaged by the runtime's flat all-reduce.  ZeRO 0 is
+the runtime's flat all-reduce, as before (it handles tied weights).
+
+:func:`refuse_unexecutable` refuses, before training, a plan with an axis the runtime cannot
+execute, naming the layer.  ``torch.distributed.tensor.experimental.implicit_replication``
+(an experimental API) is used here only; ``tests/runtime/test_mesh.py`` fails clearly when it
+moves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from planner.errors import InputError
+
+#: mesh dimension names, outermost first (torchtitan's order)
+MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+#: schedules that split the backward into input- and weight-gradient parts: FSDP2 must not
+#: reshard after the forward under them (the weight-gradient step needs the parameters)
+SPLIT_BACKWARD_SCHEDULES = frozenset({"zb-h1", "zb-h2", "zbv", "dualpipev", "interleaved-zb", "planned"})
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    """The mesh axes of a plan (``planner.schema.Plan`` or any object with its fields)."""
+
+    pipeline_degree: int = 1
+    data_parallel_degree: int = 1
+    tensor_parallel_degree: int = 1
+    zero_stage: int = 0
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"
+
+    @staticmethod
+    def of(plan: Any) -> MeshSpec:
+        return MeshSpec(
+            pipeline_degree=plan.pipeline_degree,
+            data_parallel_degree=plan.data_parallel_degree,
+            tensor_parallel_degree=getattr(plan, "tensor_parallel_degree", 1),
+            zero_stage=getattr(plan, "zero_stage", 0),
+            sequence_parallel=getattr(plan, "sequence_parallel", False),
+            schedule=plan.schedule,
+        )
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """Sizes of :data:`MESH_AXES`."""
+        d = self.data_parallel_degree
+        sharded = self.zero_stage >= 2
+        return (self.pipeline_degree, 1 if sharded else d, d if sharded else 1, self.tensor_parallel_degree)
+
+    @property
+    def world_size(self) -> int:
+        return self.pipeline_degree * self.data_parallel_degree * self.tensor_parallel_degree
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """``(pipeline rank, data-parallel replica, tensor-parallel rank)`` of a global rank."""
+        if not 0 <= rank < self.world_size:
+            raise InputError(f"rank {rank} is outside the mesh of {self.world_size} ranks")
+        t_deg, d_deg = self.tensor_parallel_degree, self.data_parallel_degree
+        return rank // (d_deg * t_deg), (rank // t_deg) % d_deg, rank % t_deg
+
+    def rank_of(self, pp: int, replica: int, tp: int = 0) -> int:
+        return (pp * self.data_parallel_degree + replica) * self.tensor_parallel_degree + tp
+
+    def reshard_after_forward(self) -> bool:
+        """FSDP2's policy: ZeRO 3 reshards after the forward, ZeRO 2 keeps the gathered
+        parameters until the backward; never under a split-backward schedule."""
+        return self.zero_stage == 3 and self.schedule not in SPLIT_BACKWARD_SCHEDULES
+
+
+def build_mesh(spec: MeshSpec, *, device_type: str = "cpu") -> Any:
+    """The ``DeviceMesh`` of ``spec`` over the default process group (its world size must be
+    ``spec.world_size``), dimensions :data:`MESH_AXES`."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if world != spec.world_size:
+        raise InputError(
+            f"the plan's mesh needs {spec.world_size} ranks (K={spec.pipeline_degree} x "
+            f"D={spec.data_parallel_degree} x T={spec.tensor_parallel_degree}) but the job has {world}"
+        )
+    return init_device_mesh(device_type, spec.shape, mesh_dim_names=MESH_AXES)
+
+
+def data_mesh(mesh: Any, spec: MeshSpec) -> Any:
+    """The 1-D mesh of the data-parallel axis (``dp_shard`` for ZeRO 2/3, else ``dp_replicate``)."""
+    return mesh["dp_shard" if spec.zero_stage >= 2 else "dp_replicate"]
+
+
+# ---------------------------------------------------------------- tensor-parallel rules
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How one kind of block shards: parameter-name suffixes of its column- and row-parallel
+    linears (the module path inside the block, e.g. ``attn.qkv``), and how to recognise it."""
+
+    name: str
+    column: tuple[str, ...]
+    row: tuple[str, ...]
+
+
+#: the blocks the runtime can shard, in the order they are tried
+RULES: tuple[Rule, ...] = (
+    Rule("zoo GPT block", column=("attn.qkv", "mlp.fc"), row=("attn.proj", "mlp.out")),
+    Rule(
+        "decoder layer (Llama/Qwen2 style)",
+        column=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
+        row=("self_attn.o_proj", "mlp.down_proj"),
+    ),
+    Rule(
+        "encoder layer (BERT style)",
+        column=("attention.self.query", "attention.self.key", "attention.self.value", "intermediate.dense"),
+        row=("attention.output.dense", "output.dense"),
+    ),
+    Rule(
+        "encoder layer (ViT style)",
+        column=("attention.attention.query", "attention.attention.key", "attention.attention.value", "intermediate.dense"),
+        row=("attention.output.dense", "output.dense"),
+    ),
+)
+
+
+@dataclass(frozen=True)
+class UnitSharding:
+    """What a rule makes of one unit: the qualified module names of its column- and
+    row-parallel linears (inside the unit)."""
+
+    rule: str
+    column: tuple[str, ...]
+    row: tuple[str, ...]
+
+
+def _linear_modules(unit: Any) -> dict[str, tuple[int, int]]:
+    """Qualified names of the modules holding a 2-D ``weight`` -> its ``(out, in)`` shape."""
+    out = {}
+    for name, mod in unit.named_modules():
+        w = mod._parameters.get("weight") if hasattr(mod, "_parameters") else None
+        if w is not None and w.dim() == 2:
+            out[name] = (int(w.shape[0]), int(w.shape[1]))
+    return out
+
+
+def match_rule(unit: Any) -> UnitSharding | None:
+    """The sharding of a unit (one layer of the split) when exactly one block of a known kind
+    is in it: every linear a rule names found under one common prefix."""
+    linears = _linear_modules(unit)
+    for rule in RULES:
+        prefixes = {name[: -len(suffix)] for name in linears for suffix in rule.column[:1] if name.endswith(suffix)}
+        for prefix in sorted(prefixes):
+            col = tuple(prefix + s for s in rule.column)
+            row = tuple(prefix + s for s in rule.row)
+            if all(n in linears for n in col + row):
+                return UnitSharding(rule.name, col, row)
+    return None
+
+
+def plan_sharding(
+    units: Sequence[Any],
+    layer_names: Sequence[str],
+    spec: MeshSpec,
+    *,
+    layer_kinds: Mapping[str, str] | None = None,
+) -> dict[int, UnitSharding]:
+    """Unit index -> its sharding for ``spec``; raises :class:`InputError` when the plan has an
+    axis the runtime cannot execute (see :func:`refuse_unexecutable`)."""
+    refuse_unexecutable(units, layer_names, spec, layer_kinds=layer_kinds)
+    if spec.tensor_parallel_degree == 1:
+        return {}
+    out = {}
+    for i, unit in enumerate(units):
+        sharding = match_rule(unit)
+        kind = (layer_kinds or {}).get(layer_names[i])
+        if sharding is not None and kind != "replicated":
+            out[i] = sharding
+    return out
+
+
+def refuse_unexecutable(
+    units: Sequence[Any],
+    layer_names: Sequence[str],
+    spec: MeshSpec,
+    *,
+    layer_kinds: Mapping[str, str] | None = None,
+) -> None:
+    """Raise :class:`InputError` before training when the runtime cannot execute an axis of
+    the plan: sequence parallelism; ZeRO with tensor parallelism; T > 1 on a layer the plan (its
+    profile's ``tensor_parallel`` kind per layer, ``layer_kinds``) shards but the runtime has
+    no rule for, or on a model with no shardable layer at all; a sharded width T does not
+    divide.  Every problem is listed, each naming its layer."""
+    t_deg = spec.tensor_parallel_degree
+    problems: list[str] = []
+    if spec.zero_stage not in (0, 1, 2, 3):
+        problems.append(f"zero_stage {spec.zero_stage}: choose 0, 1, 2 or 3")
+    if t_deg > 1 and spec.sequence_parallel:
+        problems.append(
+            "sequence_parallel: the runtime does not execute sequence parallelism yet; make the plan without it"
+        )
+    if t_deg > 1 and spec.zero_stage >= 1 and spec.data_parallel_degree > 1:
+        problems.append(
+            f"zero_stage {spec.zero_stage} with tensor_parallel_degree {t_deg}: the runtime does not combine "
+            "ZeRO with tensor parallelism yet; make the plan with zero_stage 0 or T = 1"
+        )
+    if t_deg > 1:
+        shardable = 0
+        for i, unit in enumerate(units):
+            name = layer_names[i]
+            sharding = match_rule(unit)
+            kind = (layer_kinds or {}).get(name)
+            if kind is not None and kind != "replicated" and sharding is None:
+                problems.append(
+                    f"layer {i} '{name}' is tensor-parallel ({kind}) in the plan but the runtime has no "
+                    f"sharding rule for it (rules: {', '.join(r.name for r in RULES)})"
+                )
+                continue
+            if sharding is None or kind == "replicated":
+                continue
+            shardable += 1
+            linears = _linear_modules(unit)
+            for mod in sharding.column:
+                if linears[mod][0] % t_deg:
+                    problems.append(
+                        f"layer {i} '{name}': {mod} has {linears[mod][0]} output features, not divisible by T={t_deg}"
+                    )
+            for mod in sharding.row:
+                if linears[mod][1] % t_deg:
+                    problems.append(
+                        f"layer {i} '{name}': {mod} has {linears[mod][1]} input features, not divisible by T={t_deg}"
+                    )
+        if shardable == 0 and units:
+            problems.append(
+                f"tensor_parallel_degree {t_deg}: no layer of this model has a sharding rule (rules: "
+                f"{', '.join(r.name for r in RULES)}; layers {layer_names[0]!r}..{layer_names[-1]!r})"
+            )
+    if problems:
+        raise InputError(
+            "the runtime cannot execute this plan's mesh:\n"
+            + "\n".join(f"  - {p}" for p in problems)
+            + "\n  fix: make the plan with axes the runtime executes"
+        )
+
+
+def _tp_unit_class() -> Any:
+    import torch
+    from torch import nn
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    class _TensorParallelUnit(nn.Module):
+        """Runs a unit whose tensors are DTensors over the "tp" mesh: floating inputs enter as
+        replicated DTensors (their gradients are summed over the group on the way back),
+        integer inputs too; outputs leave replicated, as plain tensors."""
+
+        def __init__(self, inner: nn.Module, mesh: Any) -> None:
+            super().__init__()
+            self.inner = inner
+            self.tp_mesh = mesh
+
+        def forward(self, *args: Any) -> Any:
+            xs = tuple(
+                DTensor.from_local(a, self.tp_mesh, [Replicate()], run_check=False)
+                if isinstance(a, torch.Tensor) and not isinstance(a, DTensor)
+                else a
+                for a in args
+            )
+            with implicit_replication():  # constants the graph makes (masks, positions)
+                out = self.inner(*xs)
+            return tuple(
+                o.redistribute(self.tp_mesh, [Replicate()]).to_local() if isinstance(o, DTensor) else o for o in out
+            )
+
+    return _TensorParallelUnit
+
+
+def apply_tensor_parallel(stage_module: Any, shardings: Mapping[int, UnitSharding], tp_mesh: Any) -> Any:
+    """Shard the units of ``stage_module`` (a ``StageModule``) listed in ``shardings`` (by unit
+    index *within the stage*) over ``tp_mesh``; returns ``stage_module``."""
+    import torch
+    from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+
+    cls = _tp_unit_class()
+    for i, sharding in shardings.items():
+        unit = stage_module.units[i]
+        column, row = set(sharding.column), set(sharding.row)
+
+        def partition(name: str, mod: Any, mesh: Any, column: set[str] = column, row: set[str] = row) -> None:
+            for pname, p in list(mod._parameters.items()):
+                if p is None:
+                    continue
+                if name in column:
+                    placement: Any = Shard(0)
+                elif name in row and pname == "weight":
+                    placement = Shard(1)
+                else:
+                    placement = Replicate()
+                dt = distribute_tensor(p.detach(), mesh, [placement])
+                mod.register_parameter(pname, torch.nn.Parameter(dt, requires_grad=p.requires_grad))
+            for bname, b in list(mod._buffers.items()):
+                if b is not None:
+                    mod._buffers[bname] = distribute_tensor(b, mesh, [Replicate()])
+
+        distribute_module(unit, tp_mesh, partition)
+        stage_module.units[i] = cls(unit, tp_mesh)
+    return stage_module
+
+
+def apply_data_sharding(module: Any, spec: MeshSpec, dp_mesh: Any, *, keep_whole: Iterable[Any] = ()) -> Any:
+    """FSDP2 ``fully_shard`` of the whole stage over ``dp_mesh`` (ZeRO 2 and 3).  Parameters in
+    ``keep_whole`` stay plain tensors, averaged by the runtime's all-reduce: the tied weights
+    whose copies sit on several pipeline ranks (under FSDP2 their gradients came out wrong in
+    1F1B with K = 2, measured: 1e-2 off after one step)."""
+    from torch.distributed.fsdp import fully_shard
+
+    ignored = set(keep_whole)
+    return fully_shard(
+        module, mesh=dp_mesh, reshard_after_forward=spec.reshard_after_forward(), ignored_params=ignored or None
+    )
+
+
+def apply_mesh(
+    stage_module: Any,
+    spec: MeshSpec,
+    mesh: Any,
+    *,
+    recompute: bool = False,
+    shardings: Mapping[int, UnitSharding] | None = None,
+    wrap: Callable[[Any], Any] | None = None,
+    keep_whole: Iterable[Any] = (),
+) -> Any:
+    """The module a ``PipelineStage`` runs for one stage: tensor parallelism (``shardings``,
+    unit index within the stage -> sharding, from :func:`plan_sharding`), then recompute, then
+    ``wrap`` (e.g. the runtime's autocast), then FSDP2 over the data axis for ZeRO 2 and 3.
+    The stage's parameters keep their qualified names inside the units.  ``keep_whole``: the
+    parameters FSDP2 must leave alone (tied across pipeline ranks, see
+    :func:`apply_data_sharding`)."""
+    from runtime.modules import Recompute
+
+    mod: Any = stage_module
+    if spec.tensor_parallel_degree > 1 and shardings:
+        apply_tensor_parallel(stage_module, shardings, mesh["tp"])
+    if recompute:
+        mod = Recompute(mod)
+    if wrap is not None:
+        mod = wrap(mod)
+    if spec.zero_stage >= 2 and spec.data_parallel_degree > 1:
+        mod = apply_data_sharding(mod, spec, mesh["dp_shard"], keep_whole=keep_whole)
+    return mod
+
+
+def stage_shardings(all_shardings: Mapping[int, UnitSharding], start: int, stop: int) -> dict[int, UnitSharding]:
+    """The shardings of units ``start..stop`` re-indexed from 0 (a stage's own units)."""
+    return {u - start: s for u, s in all_shardings.items() if start <= u < stop}
+
+
+def make_sharded_optimizer(name: str, params: Iterable[Any], *, lr: float, spec: MeshSpec, mesh: Any) -> Any:
+    """The optimizer for ``spec``: ZeRO 1 (D > 1): ``ZeroRedundancyOptimizer`` over
+    "dp_replicate", each replica keeping the state of its share of the parameters and
+    broadcasting its updated share; otherwise :func:`runtime.training.make_optimizer`."""
+    import torch
+
+    from runtime.training import make_optimizer
+
+    plist = list(params)
+    if spec.zero_stage != 1 or spec.data_parallel_degree == 1:
+        return make_optimizer(name, plist, lr=lr)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    kinds: dict[str, tuple[Any, dict[str, Any]]] = {
+        "sgd": (torch.optim.SGD, {}),
+        "sgd-momentum": (torch.optim.SGD, {"momentum": 0.9}),
+        "adam": (torch.optim.Adam, {}),
+        "adamw": (torch.optim.AdamW, {}),
+    }
+    cls, extra = kinds[name]
+    return ZeroRedundancyOptimizer(
+        plist, optimizer_class=cls, process_group=mesh["dp_replicate"].get_group(), lr=lr, **extra
+    )
+
+
+def reduces_data_gradients(spec: MeshSpec, p: Any) -> bool:
+    """True when FSDP2 averages ``p``'s gradient over the data axis itself (ZeRO 2/3, D > 1,
+    ``p`` sharded by it): the runtime's all-reduce must then skip it."""
+    from torch.distributed.tensor import DTensor
+
+    return spec.zero_stage >= 2 and spec.data_parallel_degree > 1 and isinstance(p, DTensor)
+
+
+def local_grad(p: Any) -> Any:
+    """The gradient tensor of this rank (a DTensor's local shard), for in-place collectives
+    such as the tied-weight all-reduce."""
+    from torch.distributed.tensor import DTensor
+
+    g = p.grad
+    return g.to_local() if isinstance(g, DTensor) else g
+
+
+def all_reduce_grad(p: Any, group: Any, *, divide: int = 1) -> None:
+    """Sum (then divide) ``p.grad`` over ``group`` in place; a DTensor gradient by its local
+    shard, written back (the tied-weight sum between pipeline ranks, the flat data-parallel
+    average).  Every rank of ``group`` must hold the same sharding of ``p``."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    g = p.grad
+    if isinstance(g, DTensor):
+        local = g.to_local().clone()
+        dist.all_reduce(local, group=group)
+        if divide != 1:
+            local /= divide
+        p.grad = DTensor.from_local(local, g.device_mesh, g.placements, shape=g.shape, stride=g.stride())
+        return
+    dist.all_reduce(g, group=group)
+    if divide != 1:
+        g /= divide
+
+
+def squared_grad_norm(params: Iterable[Any], *, skip: set[int] | frozenset[int] = frozenset()) -> float:
+    """Sum of squared gradient norms of ``params`` (except ids in ``skip``), DTensor gradients
+    counted whole (a collective over their mesh: every rank of it must call this, with the same
+    parameters).  Add the pipeline ranks' parts with an all-reduce over "pp"."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    total = 0.0
+    for p in params:
+        if p.grad is None or id(p) in skip:
+            continue
+        g = p.grad.detach()
+        n = torch.linalg.vector_norm(g, dtype=torch.float32)
+        if isinstance(n, DTensor):
+            n = n.full_tensor()
+        total += float(n) ** 2
+    return total
+
+
+def full_parameters(named: Iterable[tuple[str, Any]]) -> dict[str, Any]:
+    """Name -> the whole parameter on CPU (a DTensor gathered: every rank of its mesh must call
+    this, with the same parameters), for ``--check``."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, p in named:
+        t = p.detach()
+        out[name] = (t.full_tensor() if isinstance(t, DTensor) else t).cpu().clone()
+    return out

@@ -1,0 +1,234 @@
+"""The mesh (runtime/mesh.py) and checkpoints (runtime/checkpoint.py): layout, refusals, and
+small gloo jobs compared with the unsplit model at 1e-5 (tests/runtime/mesh_job.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from planner.errors import InputError
+from runtime.mesh import MESH_AXES, MeshSpec, match_rule, plan_sharding, refuse_unexecutable
+from tests.runtime import mesh_job
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def gpt_split() -> Any:
+    import torch
+
+    from profiler.loading import load_entrypoint
+    from profiler.split import split_model
+
+    torch.manual_seed(0)
+    entry = load_entrypoint("examples.gpt:tiny")
+    return split_model(entry.model, entry.example_inputs, keywords=entry.keywords)
+
+
+def test_the_private_api_is_where_mesh_expects_it() -> None:
+    """runtime.mesh runs the units under DTensor's experimental implicit replication."""
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    assert callable(implicit_replication)
+
+
+def test_mesh_layout_is_torchtitans_order() -> None:
+    assert MESH_AXES == ("pp", "dp_replicate", "dp_shard", "tp")
+    spec = MeshSpec(pipeline_degree=2, data_parallel_degree=3, tensor_parallel_degree=2)
+    assert spec.shape == (2, 3, 1, 2) and spec.world_size == 12
+    assert MeshSpec(pipeline_degree=2, data_parallel_degree=3, zero_stage=3).shape == (2, 1, 3, 1)
+    # tensor-parallel ranks of a replica are consecutive; pipeline outermost
+    assert [spec.coords(r) for r in (0, 1, 2, 6, 11)] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0), (1, 2, 1)]
+    assert all(spec.rank_of(*spec.coords(r)) == r for r in range(12))
+    with pytest.raises(InputError, match="outside the mesh"):
+        spec.coords(12)
+
+
+def test_reshard_policy() -> None:
+    assert MeshSpec(zero_stage=3, schedule="1f1b").reshard_after_forward()
+    assert not MeshSpec(zero_stage=2, schedule="1f1b").reshard_after_forward()
+    for schedule in ("zb-h1", "zbv", "dualpipev", "interleaved-zb", "planned"):
+        assert not MeshSpec(zero_stage=3, schedule=schedule).reshard_after_forward(), schedule
+
+
+def test_rules_find_the_gpt_blocks(gpt_split: Any) -> None:
+    found = [match_rule(u) for u in gpt_split.units]
+    assert [f is not None for f in found] == [False, True, True, True, True, False]
+    assert found[1] is not None and found[1].column == ("blocks.0.attn.qkv", "blocks.0.mlp.fc")
+    spec = MeshSpec(tensor_parallel_degree=2)
+    assert sorted(plan_sharding(gpt_split.units, gpt_split.names, spec)) == [1, 2, 3, 4]
+    # the plan may keep a block replicated
+    kinds = {"blocks.1": "replicated"}
+    assert sorted(plan_sharding(gpt_split.units, gpt_split.names, spec, layer_kinds=kinds)) == [1, 3, 4]
+
+
+def test_rules_find_hf_decoder_and_encoder_layers() -> None:
+    import torch
+
+    from profiler.loading import load_entrypoint
+    from profiler.split import split_model
+
+    for spec, layer in (("examples.hf:llama", "model.layers.0"), ("examples.hf:bert", "bert.encoder.layer.0")):
+        torch.manual_seed(0)
+        entry = load_entrypoint(spec)
+        split = split_model(entry.model, entry.example_inputs, keywords=entry.keywords)
+        i = split.names.index(layer)
+        assert match_rule(split.units[i]) is not None, (spec, layer)
+
+
+def test_refusals_name_the_layer(gpt_split: Any) -> None:
+    units, names = gpt_split.units, gpt_split.names
+    with pytest.raises(InputError) as err:
+        refuse_unexecutable(units, names, MeshSpec(tensor_parallel_degree=2), layer_kinds={"embed": "vocab-embedding"})
+    assert "layer 0 'embed' is tensor-parallel (vocab-embedding)" in str(err.value) and "no sharding rule" in str(err.value)
+    with pytest.raises(InputError, match="not divisible by T=3"):
+        refuse_unexecutable(units, names, MeshSpec(tensor_parallel_degree=3))
+    with pytest.raises(InputError, match="sequence parallelism"):
+        refuse_unexecutable(units, names, MeshSpec(tensor_parallel_degree=2, sequence_parallel=True))
+    with pytest.raises(InputError, match="no layer of this model has a sharding rule"):
+        refuse_unexecutable(units[:1], names[:1], MeshSpec(tensor_parallel_degree=2))
+    refuse_unexecutable(units, names, MeshSpec(tensor_parallel_degree=2))  # executable: no error
+    refuse_unexecutable(units, names, MeshSpec(data_parallel_degree=2, zero_stage=3))
+
+
+def _run(tmp_path: Path, **cfg: Any) -> list[dict[str, Any]]:
+    base = {"M": 2, "b": 2, "lr": 0.1, "steps": 2, "zero": 0, "T": 1, "D": 1}
+    full = {**base, **cfg}
+    full["world"] = full["K"] * full["D"] * full["T"]
+    out = tmp_path / f"out-{len(list(tmp_path.iterdir()))}"
+    out.mkdir()
+    return mesh_job.launch(full, str(out))
+
+
+def _assert_matches(results: list[dict[str, Any]]) -> None:
+    for r in results:
+        assert r["params"] > 0
+        assert r["worst"] <= TOL, r
+
+
+@pytest.mark.slow
+def test_tensor_parallel_alone_matches_the_unsplit_model(tmp_path: Path) -> None:
+    results = _run(tmp_path, K=1, T=2, bounds=[0, 6])
+    _assert_matches(results)
+    # the four blocks' linears really are sharded
+    assert "blocks.3.mlp.out.weight" in results[0]["sharded"] and len(results[0]["sharded"]) == 4 * 6
+
+
+@pytest.mark.slow
+def test_tensor_and_pipeline_parallel(tmp_path: Path) -> None:
+    results = _run(tmp_path, K=2, T=2, bounds=[0, 3, 6])
+    _assert_matches(results)
+    assert all(r["sharded"] for r in results)
+
+
+@pytest.mark.slow
+def test_zero1_data_and_pipeline_parallel(tmp_path: Path) -> None:
+    results = _run(tmp_path, K=2, D=2, zero=1, bounds=[0, 3, 6])
+    _assert_matches(results)
+    assert {r["optimizer"] for r in results} == {"ZeroRedundancyOptimizer"}
+
+
+@pytest.mark.slow
+def test_zero3_data_and_pipeline_parallel(tmp_path: Path) -> None:
+    results = _run(tmp_path, K=2, D=2, zero=3, bounds=[0, 3, 6])
+    _assert_matches(results)
+    # FSDP2 shards every parameter but the tied embedding / head
+    assert all("blocks.0.attn.qkv.weight" in r["sharded"] or "blocks.2.attn.qkv.weight" in r["sharded"] for r in results)
+    assert not any("embed.tok.weight" in r["sharded"] for r in results)
+
+
+@pytest.mark.slow
+def test_resume_under_another_plan(tmp_path: Path) -> None:
+    """2 steps under K=2 x D=2 ZeRO-3 (SGD with momentum), saved; 2 more under K=2 x T=2 with
+    another split; equals 4 unsplit steps."""
+    ck = tmp_path / "ck"
+    _run(tmp_path, K=2, D=2, zero=3, bounds=[0, 3, 6], momentum=0.9, save=str(ck), compare=False)
+    assert (ck / "latest").read_text().strip() == "step-000002"
+    results = _run(tmp_path, K=2, T=2, bounds=[0, 2, 6], M=4, steps=4, momentum=0.9, resume=str(ck))
+    _assert_matches(results)
+
+
+# ------------------------------------------------------------------------- checkpoint files
+
+
+def _fake_checkpoint(root: Path, step: int, *, sha: str = "a" * 64, latest: bool = True) -> Path:
+    from runtime.checkpoint import FORMAT, step_dir
+
+    path = step_dir(root, step)
+    path.mkdir(parents=True)
+    (path / ".metadata").write_bytes(b"not a real metadata file")
+    info = {"format": FORMAT, "model": "m:f", "sha256": sha, "step": step, "plan": "K=2", "optimizer": "sgd"}
+    (path / "pipeplan.json").write_text(json.dumps(info))
+    if latest:
+        (root / "latest").write_text(path.name + "\n")
+    return path
+
+
+def test_a_half_written_checkpoint_is_never_the_latest(tmp_path: Path) -> None:
+    from runtime.checkpoint import read_info
+
+    _fake_checkpoint(tmp_path, 4)
+    half = tmp_path / "step-000008"  # killed mid-save: shards, no info, no marker
+    half.mkdir()
+    (half / "__0_0.distcp").write_bytes(b"partial")
+    assert read_info(tmp_path).step == 4
+    (tmp_path / "latest").unlink()  # nothing complete yet
+    with pytest.raises(InputError, match="no complete checkpoint"):
+        read_info(tmp_path)
+
+
+def test_another_models_checkpoint_is_refused(tmp_path: Path) -> None:
+    from runtime.checkpoint import check_compatible, read_info
+
+    _fake_checkpoint(tmp_path, 4, sha="b" * 64)
+    info = read_info(tmp_path)
+    with pytest.raises(InputError) as err:
+        check_compatible(info, model="examples.gpt:tiny", sha256="c" * 64)
+    text = str(err.value)
+    assert "'m:f' (fingerprint bbbbbbbbbbbb...)" in text and "'examples.gpt:tiny' (fingerprint cccccccccccc...)" in text
+    with pytest.raises(InputError, match="resume with --optimizer sgd"):
+        check_compatible(info, model="m:f", sha256="b" * 64, optimizer="adam")
+
+
+def test_a_damaged_checkpoint_gets_a_clear_error(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp  # noqa: F401  (load_checkpoint needs torch)
+
+    from runtime.checkpoint import load_checkpoint, read_info
+
+    path = _fake_checkpoint(tmp_path, 4)
+    with pytest.raises(InputError, match="is damaged: cannot read its metadata"):
+        load_checkpoint(tmp_path, [], None, model="m:f", sha256="a" * 64)
+    (path / "pipeplan.json").write_text("{")
+    with pytest.raises(InputError, match="is damaged: .*does not parse"):
+        read_info(tmp_path)
+    (path / "pipeplan.json").unlink()
+    with pytest.raises(InputError, match="pipeplan.json is missing"):
+        read_info(tmp_path)
+
+
+def test_pipeplan_run_refuses_axes_it_does_not_execute_yet(tmp_path: Path) -> None:
+    from tests.runtime.helpers import make_plan, run_cli, structure_profile, write_plan
+
+    plan = make_plan(structure_profile("examples.gpt:tiny"), [(0, 3), (3, 6)], microbatches=2)
+    path = write_plan(plan.model_copy(update={"tensor_parallel_degree": 2, "zero_stage": 1}), tmp_path / "p.json")
+    proc, _ = run_cli(["run", "--plan", str(path), "--model", "examples.gpt:tiny", "--steps", "1"])
+    assert proc.returncode != 0
+    assert "error: pipeplan run does not execute tensor_parallel_degree 2 and zero_stage 1 yet" in proc.stderr
+
+
+def test_resume_is_checked_before_any_rank_starts(tmp_path: Path) -> None:
+    import argparse
+
+    from pipeplan.cmd_run import _checkpoint_args
+
+    _fake_checkpoint(tmp_path / "ck", 4, sha="b" * 64)
+    args = argparse.Namespace(resume=str(tmp_path / "ck"), checkpoint=str(tmp_path / "new"), every=2, steps=8)
+    with pytest.raises(InputError, match="is of model 'm:f'"):
+        _checkpoint_args(args, model="examples.gpt:tiny", sha256="c" * 64, optimizer="sgd")
+    out = _checkpoint_args(args, model="m:f", sha256="b" * 64, optimizer="sgd")
+    assert out == ["--resume", str(tmp_path / "ck"), "--checkpoint", str(tmp_path / "new"), "--every", "2"]
+    with pytest.raises(InputError, match="at step 4; give --steps above it"):
+        _checkpoint_args(argparse.Namespace(resume=str(tmp_path / "ck"), steps=4), model="m:f", sha256="b" * 64, optimizer="sgd")
