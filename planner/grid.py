@@ -121,6 +121,10 @@ def text_grid(
             what = f"{plan.schedule} K={plan.pipeline_degree} M={plan.num_microbatches}"
             if plan.virtual_stages > 1:
                 what += f" v={plan.virtual_stages}" + (" (V placement)" if plan.placement == "v" else "")
+            if plan.tensor_parallel_degree > 1:
+                what += f" T={plan.tensor_parallel_degree}" + ("+SP" if plan.sequence_parallel else "")
+            if plan.zero_stage:
+                what += f" ZeRO-{plan.zero_stage}"
             what += ", "
         lines.append(
             f"{what}makespan {sim.makespan_ms:.4g} ms, bubble {sim.bubble_fraction:.1%}, "

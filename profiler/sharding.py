@@ -1,0 +1,94 @@
+"""How each measured unit shards over a tensor-parallel group (Megatron style), for the profile.
+
+The planner prices tensor parallelism from per-layer fields (``LayerProfile.tensor_parallel``
+and the ``tp_*`` fields, :mod:`planner.mesh`).  ``pipeplan synth`` fills them from formulas;
+this module fills them for the units of a measured model it recognises, from the unit's
+modules and its measured bytes:
+
+* a *transformer block*: at least four ``nn.Linear`` (attention's projections, the MLP's) and a
+  normalisation layer (the zoo's GPT and BERT blocks, Hugging Face decoder and encoder layers).
+  Its linear layers shard (column-parallel, then row-parallel); each forward and backward
+  all-reduces the attention and the MLP outputs: 2 x the unit's output bytes; the inputs of its
+  normalisations stay whole on every device without sequence parallelism (one output-sized
+  tensor each), plus a one-byte mask per element for each of two residual dropouts when it has
+  dropout; with sequence parallelism everything shards;
+* a *vocabulary-parallel embedding*: an ``nn.Embedding`` and no linear layer: the largest table
+  shards, one all-reduce of its output forward; its activations (token ids) stay whole;
+* a *column-parallel LM head*: a unit whose largest ``nn.Linear`` maps to at least four times
+  its input width (the vocabulary): that weight shards; the backward all-reduces the input
+  gradient (the unit's input bytes); its activations stay whole (conservative);
+* anything else is replicated (T divides nothing there, and the plan's notes say so), and so is
+  a unit that is more than one module (blocks merged by split points) or shares its weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+#: module class names treated as normalisation layers besides nn.LayerNorm
+_NORM_SUFFIXES = ("LayerNorm", "RMSNorm", "Norm")
+
+
+def module_bytes(module: nn.Module) -> int:
+    """Parameter bytes of ``module`` (each tensor once)."""
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, nn.LayerNorm) or type(module).__name__.endswith(_NORM_SUFFIXES)
+
+
+def tensor_parallel_fields(unit: nn.Module, layer: dict[str, Any], input_bytes: Sequence[int]) -> dict[str, Any]:
+    """The ``LayerProfile`` tensor-parallel fields of one measured unit (empty: replicated).
+
+    ``layer`` holds the unit's measured lists (``output_bytes``, ``activation_bytes``);
+    ``input_bytes`` are the bytes the unit receives per micro-batch size.
+    """
+    mods = list(unit.modules())
+    linears = [m for m in mods if isinstance(m, nn.Linear)]
+    embeds = [m for m in mods if isinstance(m, nn.Embedding)]
+    norms = [m for m in mods if _is_norm(m)]
+    dropout = any(isinstance(m, nn.Dropout) and m.p > 0 for m in mods)
+    out = [int(x) for x in layer["output_bytes"]]
+    acts = [int(x) for x in layer["activation_bytes"]]
+    n = len(out)
+    if len(linears) >= 4 and norms:
+        elem = next((p.element_size() for p in unit.parameters() if p.is_floating_point()), 4)
+        repl = [min(a, len(norms) * o + (2 * o // elem if dropout else 0)) for o, a in zip(out, acts, strict=True)]
+        return {
+            "tensor_parallel": "block",
+            "tp_param_bytes": sum(module_bytes(m) for m in linears),
+            "tp_compute_fraction": 1.0,
+            "tp_forward_bytes": [2 * o for o in out],
+            "tp_backward_bytes": [2 * o for o in out],
+            "tp_replicated_activation_bytes": repl,
+            "sp_replicated_activation_bytes": [0] * n,
+        }
+    if embeds and not linears:
+        return {
+            "tensor_parallel": "vocab-embedding",
+            "tp_param_bytes": max(module_bytes(m) for m in embeds),
+            "tp_forward_bytes": out,
+            "tp_backward_bytes": [0] * n,
+            "tp_forward_collectives": 1,
+            "tp_backward_collectives": 0,
+            "tp_replicated_activation_bytes": acts,
+            "sp_replicated_activation_bytes": acts,
+        }
+    if linears:
+        widest = max(linears, key=lambda m: m.out_features)
+        if widest.out_features >= 4 * widest.in_features and len(linears) <= 2:
+            return {
+                "tensor_parallel": "column-head",
+                "tp_param_bytes": module_bytes(widest),
+                "tp_forward_bytes": [0] * n,
+                "tp_backward_bytes": [int(x) for x in input_bytes],
+                "tp_forward_collectives": 2,
+                "tp_backward_collectives": 1,
+                "tp_replicated_activation_bytes": acts,
+                "sp_replicated_activation_bytes": acts,
+            }
+    return {}

@@ -1,0 +1,42 @@
+"""The profiler fills the tensor-parallel fields for the zoo's transformer blocks (profiler/sharding.py)."""
+
+from __future__ import annotations
+
+import examples.gpt as gpt
+from planner.costmodel import estimate
+from planner.schema import parse_document
+from profiler.measure import profile
+
+
+def test_gpt_blocks_embedding_and_head_shard() -> None:
+    model, inputs, _ = gpt.tiny()
+    prof = profile(model, inputs, microbatch_sizes=(1,), warmup=0, repeats=1)
+    kinds = [layer.tensor_parallel for layer in prof.layers]
+    # the zoo's GPT ties the head to the embedding: the head's unit does not own its weight, so
+    # it stays replicated (the embedding, which owns it, shards)
+    assert kinds[0] == "vocab-embedding" and kinds[-1] == "replicated"
+    blocks = [layer for layer in prof.layers if layer.name.startswith("blocks.")]
+    assert blocks and all(b.tensor_parallel == "block" for b in blocks)
+    for b in blocks:
+        # the linear layers shard, the norms do not; each forward all-reduces 2 outputs
+        assert 0 < (b.tp_param_bytes or 0) < b.param_bytes
+        assert b.tp_forward_bytes == [2 * x for x in b.output_bytes]
+        assert b.tp_replicated_activation_bytes is not None
+        assert 0 < b.tp_replicated_activation_bytes[0] < b.activation_bytes[0]
+    # a measured profile plans with T > 1: blocks take less memory per device
+    cl = parse_document("cluster", {"devices": 2, "memory": "1GiB"})
+    tr = parse_document("training", {"global_batch_size": 1})
+    n = prof.num_layers
+    one = estimate(prof, cl, tr, [(0, n)], num_microbatches=1)
+    two = estimate(prof, cl, tr, [(0, n)], num_microbatches=1, tensor_parallel=2)
+    assert two.stages[0].param_bytes < one.stages[0].param_bytes
+    assert two.stages[0].memory_bytes < one.stages[0].memory_bytes
+
+
+def test_untied_head_is_column_parallel() -> None:
+    import dataclasses
+
+    model, inputs = gpt.build(dataclasses.replace(gpt.GPTConfig(), tied=False, layers=2))
+    prof = profile(model, inputs, microbatch_sizes=(1,), warmup=0, repeats=1)
+    head = prof.layers[-1]
+    assert head.tensor_parallel == "column-head" and 0 < (head.tp_param_bytes or 0) <= head.param_bytes
