@@ -76,7 +76,11 @@ def test_rules_find_hf_decoder_and_encoder_layers() -> None:
         entry = load_entrypoint(spec)
         split = split_model(entry.model, entry.example_inputs, keywords=entry.keywords)
         i = split.names.index(layer)
-        assert match_rule(split.units[i]) is not None, (spec, layer)
+        found = match_rule(split.units[i])
+        assert found is not None, (spec, layer)
+        # recognised but not executed yet: refused before training, naming the layer
+        with pytest.raises(InputError, match=f"layer {i} '{layer}' is a .*recognised, but the runtime does not execute"):
+            refuse_unexecutable(split.units, split.names, MeshSpec(tensor_parallel_degree=2))
 
 
 def test_refusals_name_the_layer(gpt_split: Any) -> None:
