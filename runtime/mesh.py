@@ -14,8 +14,8 @@ torch; :func:`build_mesh` makes the ``DeviceMesh``.
 into what the pipeline stage runs, one function per axis in a fixed order:
 
 1. :func:`apply_tensor_parallel` (T > 1): each unit the runtime has a sharding rule for
-   (:data:`RULES`: the zoo GPT block, Hugging Face Llama/Qwen2-style decoder layers, BERT/ViT
-   style encoder layers) gets its linear weights distributed as DTensors over the "tp" axis,
+   (:data:`RULES`: the zoo GPT block; Hugging Face Llama/Qwen2-style decoder layers and
+   BERT/ViT-style encoder layers are recognised but refused, see their ``why_not``) gets its linear weights distributed as DTensors over the "tp" axis,
    Megatron style (column-parallel: ``Shard(0)`` of weight and bias; row-parallel:
    ``Shard(1)`` of the weight, bias replicated), every other tensor of the unit replicated.
    The units are the splitter's flattened graphs (aten operators, not module calls), so the
@@ -134,6 +134,9 @@ class Rule:
     name: str
     column: tuple[str, ...]
     row: tuple[str, ...]
+    #: False: recognised, but executing it is not verified: refused (see ``why_not``)
+    executable: bool = True
+    why_not: str = ""
 
 
 #: the blocks the runtime can shard, in the order they are tried
@@ -143,16 +146,23 @@ RULES: tuple[Rule, ...] = (
         "decoder layer (Llama/Qwen2 style)",
         column=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
         row=("self_attn.o_proj", "mlp.down_proj"),
+        executable=False,
+        why_not="its exported graph hung under DTensor on 2 gloo ranks (examples.hf:llama)",
     ),
     Rule(
         "encoder layer (BERT style)",
         column=("attention.self.query", "attention.self.key", "attention.self.value", "intermediate.dense"),
         row=("attention.output.dense", "output.dense"),
+        executable=False,
+        why_not="its training-mode dropout after a row-parallel linear is an in-place op on a partial sum, "
+        "which DTensor refuses (examples.hf:bert)",
     ),
     Rule(
         "encoder layer (ViT style)",
         column=("attention.attention.query", "attention.attention.key", "attention.attention.value", "intermediate.dense"),
         row=("attention.output.dense", "output.dense"),
+        executable=False,
+        why_not="as the BERT-style layer (dropout after a row-parallel linear)",
     ),
 )
 
@@ -165,6 +175,8 @@ class UnitSharding:
     rule: str
     column: tuple[str, ...]
     row: tuple[str, ...]
+    executable: bool = True
+    why_not: str = ""
 
 
 def _linear_modules(unit: Any) -> dict[str, tuple[int, int]]:
@@ -187,7 +199,7 @@ def match_rule(unit: Any) -> UnitSharding | None:
             col = tuple(prefix + s for s in rule.column)
             row = tuple(prefix + s for s in rule.row)
             if all(n in linears for n in col + row):
-                return UnitSharding(rule.name, col, row)
+                return UnitSharding(rule.name, col, row, rule.executable, rule.why_not)
     return None
 
 
@@ -251,6 +263,12 @@ def refuse_unexecutable(
                 continue
             if sharding is None or kind == "replicated":
                 continue
+            if not sharding.executable:
+                problems.append(
+                    f"layer {i} '{name}' is a {sharding.rule}: recognised, but the runtime does not execute "
+                    f"tensor parallelism on it yet ({sharding.why_not})"
+                )
+                continue
             shardable += 1
             linears = _linear_modules(unit)
             for mod in sharding.column:
@@ -263,7 +281,7 @@ def refuse_unexecutable(
                     problems.append(
                         f"layer {i} '{name}': {mod} has {linears[mod][1]} input features, not divisible by T={t_deg}"
                     )
-        if shardable == 0 and units:
+        if shardable == 0 and units and not problems:
             problems.append(
                 f"tensor_parallel_degree {t_deg}: no layer of this model has a sharding rule (rules: "
                 f"{', '.join(r.name for r in RULES)}; layers {layer_names[0]!r}..{layer_names[-1]!r})"
@@ -308,6 +326,22 @@ def _tp_unit_class() -> Any:
     return _TensorParallelUnit
 
 
+def _drop_metadata_asserts(unit: Any) -> None:
+    """Remove ``aten._assert_tensor_metadata`` checks from a unit's graph: torch.export adds them
+    (dtype/device asserts, no output) and DTensor has no sharding rule for them."""
+    import torch
+
+    graph = getattr(unit, "graph", None)
+    if graph is None:
+        return
+    target = torch.ops.aten._assert_tensor_metadata.default
+    nodes = [n for n in graph.nodes if n.op == "call_function" and n.target is target and not n.users]
+    for n in nodes:
+        graph.erase_node(n)
+    if nodes:
+        unit.recompile()
+
+
 def apply_tensor_parallel(stage_module: Any, shardings: Mapping[int, UnitSharding], tp_mesh: Any) -> Any:
     """Shard the units of ``stage_module`` (a ``StageModule``) listed in ``shardings`` (by unit
     index *within the stage*) over ``tp_mesh``; returns ``stage_module``."""
@@ -335,6 +369,7 @@ def apply_tensor_parallel(stage_module: Any, shardings: Mapping[int, UnitShardin
                 if b is not None:
                     mod._buffers[bname] = distribute_tensor(b, mesh, [Replicate()])
 
+        _drop_metadata_asserts(unit)
         distribute_module(unit, tp_mesh, partition)
         stage_module.units[i] = cls(unit, tp_mesh)
     return stage_module

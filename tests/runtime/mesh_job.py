@@ -170,5 +170,73 @@ def launch(cfg: dict[str, Any], out: str) -> list[dict[str, Any]]:
     return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(cfg["world"])]
 
 
+
+
+def run_unit(rank: int, cfg: dict[str, Any]) -> None:
+    """One layer of ``cfg["model"]`` sharded over T = world ranks, forward and backward on its
+    example activations, against the same layer whole in this process: the largest relative
+    difference of outputs, input gradients and parameter gradients."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(cfg["world"]), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(cfg["port"]))
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from profiler.loading import load_entrypoint
+    from profiler.split import split_model
+    from runtime.mesh import MeshSpec, apply_mesh, build_mesh, plan_sharding, stage_shardings
+    from runtime.modules import stage_examples
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        spec = MeshSpec(tensor_parallel_degree=cfg["world"])
+        mesh = build_mesh(spec)
+        torch.manual_seed(0)
+        entry = load_entrypoint(cfg["model"])
+        split = split_model(entry.model, entry.example_inputs, keywords=entry.keywords)
+        u = split.names.index(cfg["layer"])
+        examples = stage_examples(split, entry.example_inputs, 2, torch.device("cpu"))
+        inputs = examples[u][0]
+        whole = copy.deepcopy(split.stage_module(u, u + 1, pipeline=True))
+        shardings = plan_sharding(split.units, split.names, spec)
+        sharded = apply_mesh(split.stage_module(u, u + 1, pipeline=True), spec, mesh, shardings=stage_shardings(shardings, u, u + 1))
+
+        def run(mod: Any) -> tuple[Any, list[Any]]:
+            xs = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+            out = mod(*xs)
+            sum(o.float().square().sum() for o in out if o.is_floating_point()).backward()
+            return out, [x.grad for x in xs if x.grad is not None]
+
+        ref_out, ref_grads = run(whole)
+        out, grads = run(sharded)
+
+        def rel(a: Any, b: Any) -> float:
+            return float((a - b).abs().max() / max(float(b.abs().max()), 1e-3))
+
+        worst = max(rel(a, b) for a, b in zip([*out, *grads], [*ref_out, *ref_grads], strict=True))
+        ref_params = dict(whole.named_parameters())
+        n_sharded = 0
+        for name, p in sharded.named_parameters():
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            key = name.replace(".inner", "")
+            worst = max(worst, rel(g, ref_params[key].grad))
+            n_sharded += isinstance(p, DTensor) and any(not pl.is_replicate() for pl in p.placements)
+        Path(cfg["out"], f"rank{rank}.json").write_text(json.dumps({"worst": worst, "sharded": n_sharded}))
+    finally:
+        dist.destroy_process_group()
+
+
+def launch_unit(cfg: dict[str, Any], out: str) -> list[dict[str, Any]]:
+    import torch.multiprocessing as mp
+
+    cfg = dict(cfg, out=out, port=free_port())
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.start_processes(run_unit, args=(cfg,), nprocs=cfg["world"], join=True, start_method="spawn")
+    return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(cfg["world"])]
+
+
 if __name__ == "__main__":
-    print(json.dumps(launch(json.loads(sys.argv[1]), sys.argv[2]), indent=1))
+    cfg = json.loads(sys.argv[1])
+    print(json.dumps((launch_unit if "layer" in cfg else launch)(cfg, sys.argv[2]), indent=1))
