@@ -37,7 +37,7 @@ def profiles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
-CASES = [(GPT, s, 2) for s in SCHEDULES] + [(SEQ, s, 2) for s in SCHEDULES] + [(SEQ, s, 4) for s in ("zbv", "planned")]
+CASES = [(GPT, s, 2) for s in SCHEDULES] + [(SEQ, s, 2) for s in SCHEDULES] + [(SEQ, s, 4) for s in ("zb-h1", "zbv", "planned")]
 
 
 @pytest.mark.parametrize(("spec", "schedule", "k"), CASES, ids=[f"{s.split(':')[0].split('.')[-1]}-{x}-K{k}" for s, x, k in CASES])
