@@ -1,7 +1,7 @@
 """Runtime benchmark of the zero-bubble schedules: measured step times on 2 gloo ranks.
 
 A model whose two stages each take >= 20 ms a forward (eight 1024-wide Linear + Tanh blocks,
-micro-batch 16, one intra-op thread per rank) is profiled here, then run by ``pipeplan run``
+micro-batch 48, one intra-op thread per rank) is profiled here, then run by ``pipeplan run``
 on the same even split and the same M with ``1f1b``, ``zb-h1`` and ``planned`` (M = 2 and 4 by
 default).  Per run: the predicted step (the plan's, from the profile's measured I and W) and the
 measured one (median over the steps after the warm-up step, slowest rank); then per schedule
@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-WIDTH, BLOCKS, MICROBATCH = 1024, 8, 16
+WIDTH, BLOCKS, MICROBATCH = 1024, 8, 48
 SCHEDULES = ("1f1b", "zb-h1", "planned")
 
 

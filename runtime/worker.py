@@ -450,7 +450,8 @@ def _train(
     )
     schedule, _runner = build_schedule(plan.schedule, stages, actions, template, m, loss_fn=loss_fn)
     params = unique_parameters(modules)
-    opt = make_optimizer(opts.optimizer, params, lr=opts.lr)
+    # a rank whose stages hold no parameter (a Tanh alone) has nothing to update
+    opt = make_optimizer(opts.optimizer, params, lr=opts.lr) if params else None
     has_first = 0 in my_stages
     has_last = (num_stages - 1) in my_stages
     b = plan.microbatch_size
@@ -545,11 +546,12 @@ def _train(
                 for g in grads:
                     g.mul_(coef)
         lr = opts.lr_at(step)
-        for group in opt.param_groups:
+        for group in opt.param_groups if opt is not None else ():
             group["lr"] = lr
-        if not skip:
+        if not skip and opt is not None:
             opt.step()
-        opt.zero_grad(set_to_none=True)
+        if opt is not None:
+            opt.zero_grad(set_to_none=True)
         _sync(device)
         t_end = time.perf_counter()
         step_ms.append((t_end - t0) * 1e3)
