@@ -35,6 +35,8 @@ from planner.export.common import (
 TARGET = "deepspeed"
 DEFAULT_FILE = "ds_config.json"
 EXAMPLE = "examples/deepspeed_pipeline.py"
+#: what a new plan needs to stay within DeepSpeed pipeline's ZeRO stages (added to every replan hint)
+REPLAN_SCHEDULES = "--zero 0"
 
 
 def problems(d: Decisions, names: Sequence[str]) -> list[Problem]:

@@ -49,7 +49,7 @@ DEFAULT_FILE = "megatron_args.sh"
 LAYER_CHARS = {"embedding": "E", "decoder": "t", "head": "L"}
 ARRAY = "PIPEPLAN_MEGATRON_ARGS"
 #: what a new plan needs to stay within Megatron's schedules (added to every replan hint)
-REPLAN_SCHEDULES = "--schedules 1f1b,interleaved-1f1b"
+REPLAN_SCHEDULES = "--schedules 1f1b,interleaved-1f1b --zero 0"
 
 
 def problems(d: Decisions, names: Sequence[str]) -> list[Problem]:

@@ -555,12 +555,14 @@ def test_the_replan_hint_gives_plans_the_target_can_express() -> None:
 
     profile = _profile(BUNDLED)
     training = TrainingSetup(global_batch_size=64)
-    interleaved = solve(profile, Cluster.model_validate({"devices": 8, "device_type": "h100-80g"}), TrainingSetup(global_batch_size=256), PlanOptions(time_limit_s=1))
+    classic = ["1f1b", "interleaved-1f1b"]
+    interleaved = solve(profile, Cluster.model_validate({"devices": 8, "device_type": "h100-80g"}), TrainingSetup(global_batch_size=256),
+                        PlanOptions(zero_stage=0, schedules=classic, time_limit_s=1))  # fmt: skip
     mixed = solve(profile, Cluster.model_validate({"devices": 8, "device_type": "a100-40g"}), training, PlanOptions(time_limit_s=1))
     for plan, target, flag, options in (
-        (interleaved, "deepspeed", "--schedule 1f1b", PlanOptions(schedule="1f1b", time_limit_s=1)),
-        (mixed, "megatron", "--no-recompute --schedules 1f1b,interleaved-1f1b",
-         PlanOptions(recompute=False, schedules=["1f1b", "interleaved-1f1b"], time_limit_s=1)),
+        (interleaved, "deepspeed", "--schedule 1f1b --zero 0", PlanOptions(schedule="1f1b", zero_stage=0, time_limit_s=1)),
+        (mixed, "megatron", "--no-recompute --schedules 1f1b,interleaved-1f1b --zero 0",
+         PlanOptions(recompute=False, schedules=classic, zero_stage=0, time_limit_s=1)),
     ):
         with pytest.raises(ExportRefused) as err:
             export_plan(plan, target, profile=profile)
