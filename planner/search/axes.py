@@ -240,6 +240,10 @@ def solve(
             if best is not None and best.tensor_parallel_degree == fam.tensor_parallel:
                 ds.insert(0, best.data_parallel_degree)
         groups = cluster.num_devices // fam.tensor_parallel
+        if 0 not in zeros and options.data_parallel is None:
+            # ZeRO fixed by the user: the relaxation's D may be 1 (nothing to shard), so every
+            # other replica count is a candidate too, after the promising ones (late() bounds it)
+            ds += [d for d in range(2, groups + 1) if groups % d == 0]
         ds = [d for d in dict.fromkeys(ds) if (d > 1 or 0 not in zeros) and d <= groups and training.global_batch_size % d == 0]
         for z in (z for z in zeros if z > 0):
             for d in ds:

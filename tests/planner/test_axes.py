@@ -191,3 +191,14 @@ def test_cli_flags_on_plan_and_estimate(tmp_path, capsys) -> None:  # type: igno
     rc = main(["plan", str(prof), "--devices", "8", "--tensor-parallel", "16"])
     err = capsys.readouterr().err
     assert rc == 1 and "error: --tensor-parallel 16" in err and "Traceback" not in err
+
+
+def test_a_fixed_zero_stage_tries_every_replica_count() -> None:
+    """Regression: with --zero 1 and D free, the relaxation chose D = 1 (nothing to shard) and
+    the search tried no other D, so the bundled model on 8 H100s was reported infeasible."""
+    from pathlib import Path
+
+    bundled = Profile.model_validate_json((Path(__file__).resolve().parents[2] / "planner/data/gpt-48l-10b.json").read_text())
+    cluster = Cluster.model_validate({"devices": 8, "device_type": "h100-80g"})
+    plan = solve(bundled, cluster, TrainingSetup(global_batch_size=256), PlanOptions(schedule="1f1b", zero_stage=1, time_limit_s=1))
+    assert plan.zero_stage == 1 and plan.data_parallel_degree > 1 and plan_fits(plan)
