@@ -87,7 +87,7 @@ def test_mesh_search_bound_is_valid_against_brute_force(seed: int, memory_mib: i
     cl = _cluster(4, memory_mib * MiB)
     training = TrainingSetup(global_batch_size=4, zero_overlap=overlap)
     optimum = brute_force_mesh(profile, cl, training)
-    options = PlanOptions(schedule="1f1b", time_limit_s=0.5)
+    options = PlanOptions(schedule="1f1b", time_limit_s=2.0)  # the wall-clock net (3x) must not bind on a busy CI machine
     if optimum == math.inf:
         with pytest.raises(InfeasibleError):
             solve(profile, cl, training, options)

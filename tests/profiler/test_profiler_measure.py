@@ -41,8 +41,11 @@ def test_profile_is_a_valid_document_with_the_model_fingerprint() -> None:
     assert p.measured_on.device == "cpu" and p.measured_on.num_threads == 1
     assert p.measured_on.dtype == "float32" and p.measured_on.torch_version == torch.__version__
     assert p.input_bytes == [32 * 8, 2 * 32 * 8]
+    # a layer of a tiny model may time at 0 on a coarse clock (the cost model's fit keeps it
+    # positive); the model as a whole takes time
+    assert sum(layer.forward_ms[0] for layer in p.layers) > 0 and sum(layer.backward_ms[0] for layer in p.layers) > 0
     for layer in p.layers:
-        assert all(t > 0 for t in layer.forward_ms + layer.backward_ms)
+        assert all(t >= 0 for t in layer.forward_ms + layer.backward_ms)
         assert layer.forward_ms_spread is not None and all(s >= 0 for s in layer.forward_ms_spread)
         assert layer.activation_bytes[1] > layer.activation_bytes[0]
     blocks = [layer for layer in p.layers if layer.name.startswith("blocks.")]

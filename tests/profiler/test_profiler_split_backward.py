@@ -56,8 +56,11 @@ def test_the_cost_model_uses_the_measured_split(prof) -> None:  # type: ignore[n
                     [(0, 2), (2, 4)], num_microbatches=2, schedule="zb-h1")  # fmt: skip
     for stage in plan.stages:
         layers = prof.layers[stage.start : stage.stop]
-        i = sum(la.backward_input_ms[0] for la in layers)  # type: ignore[index]
-        w = sum(la.backward_weight_ms[0] for la in layers)  # type: ignore[index]
+        i = w = 0.0
+        for la in layers:  # each layer's measured parts, scaled up together when they sum to less than its backward
+            li, lw, lb = la.backward_input_ms[0], la.backward_weight_ms[0], la.backward_ms[0]  # type: ignore[index]
+            scale = lb / (li + lw) if 0 < li + lw < lb else 1.0
+            i, w = i + li * scale, w + lw * scale
         assert stage.backward_input_ms is not None and stage.backward_weight_ms is not None
         # the measured parts, scaled up together when they sum to less than the backward
         assert stage.backward_input_ms / (stage.backward_input_ms + stage.backward_weight_ms) == pytest.approx(i / (i + w), rel=1e-6)
