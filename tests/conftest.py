@@ -8,10 +8,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import settings
 
 from planner.schema import Profile, load_document
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# Property tests draw the same examples on every run, so that a red CI run is the code's doing
+# and reproduces anywhere.  HYPOTHESIS_PROFILE=explore draws fresh random examples instead (and
+# prints the blob that replays a failure): run it when you change the planner.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.register_profile("explore", derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture()

@@ -88,7 +88,10 @@ def test_the_table_never_excludes_a_time_some_split_reaches(
     groups = make_groups(cl, training, 1, k)
     best = brute_force(profile, cl, training, k=k, m=m, schedule=schedule)  # type: ignore[arg-type]
     if math.isinf(best):
-        assert chain_split(sm, groups, cl, training, PlanOptions(), 1e12) is None
+        if schedule in ("1f1b", "gpipe"):  # exact memory: the table must see that nothing fits
+            assert chain_split(sm, groups, cl, training, PlanOptions(), 1e12) is None
+        # (the others' memory in the table is a lower bound: it may keep a split the walk
+        # refuses; the direction that matters, never excluding a split that fits, is below)
         return
     found = chain_split(sm, groups, cl, training, PlanOptions(), best * (1 + 1e-9))
     assert found is not None
