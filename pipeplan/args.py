@@ -83,6 +83,10 @@ def add_mesh_args(p: argparse.ArgumentParser, *, fixed_default: bool) -> None:
                    help="Megatron sequence parallelism inside the tensor-parallel group" + (free or " (default off)"))
     g.add_argument("--tensor-parallel-across-nodes", action="store_true",
                    help="allow a tensor-parallel group to span nodes (T beyond the devices per node)")
+    g.add_argument("--selective-recompute", action=argparse.BooleanOptionalAction, default=None,
+                   help="Megatron's selective recompute of attention's scores, softmax and dropout on every "
+                   "block, instead of full recompute (needs a profile with selective_recompute_bytes, "
+                   "e.g. from synth)" + (free or " (default off)"))
 
 
 def add_output_args(p: argparse.ArgumentParser) -> None:

@@ -59,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
         zero_stage=args.zero or 0,
         sequence_parallel=bool(args.sequence_parallel),
         tensor_parallel_across_nodes=args.tensor_parallel_across_nodes,
+        selective_recompute=bool(args.selective_recompute),
     )
     emit_plan(plan, args)
     return 0

@@ -130,6 +130,8 @@ def options_from_args(args: argparse.Namespace) -> PlanOptions:
         data["sequence_parallel"] = args.sequence_parallel
     if getattr(args, "tensor_parallel_across_nodes", False):
         data["tensor_parallel_across_nodes"] = True
+    if getattr(args, "selective_recompute", None) is not None:
+        data["selective_recompute"] = args.selective_recompute
     options: PlanOptions = parse_document("options", data, source="(from the command line)")
     return options
 

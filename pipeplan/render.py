@@ -86,6 +86,7 @@ def summary_lines(plan: Plan, comparisons: Sequence[Comparison] = ()) -> list[st
             else ""
         )
         + (f", ZeRO-{plan.zero_stage}" if plan.zero_stage else "")
+        + (", selective recompute" if plan.selective_recompute else "")
         + (f" ({plan.world_size} devices)" if plan.tensor_parallel_degree > 1 else "")
         + (f", {plan.idle_devices} device(s) idle" if plan.idle_devices else ""),
         f"micro-batches M={plan.num_microbatches} of {plan.microbatch_size} "

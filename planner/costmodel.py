@@ -490,13 +490,15 @@ def estimate(
     zero_stage: int = 0,
     sequence_parallel: bool = False,
     tensor_parallel_across_nodes: bool = False,
+    selective_recompute: bool = False,
 ) -> Plan:
     """Predict step time and memory of a fully specified plan and return it as a :class:`Plan`.
 
     ``tensor_parallel`` T, ``zero_stage`` and ``sequence_parallel`` are the mesh axes beyond
     D x K (:mod:`planner.mesh`): the plan is priced as the plan of one tensor-parallel rank,
     each group of T consecutive devices acting as one; ``devices`` then name the first device
-    of each group.
+    of each group.  ``selective_recompute`` prices Megatron's selective recompute on every
+    block (:func:`planner.mesh.selective_layer`); it excludes full ``recompute``.
 
     ``stages`` are ``[start, stop)`` layer ranges in order.  ``pipeline_degree`` K defaults to
     the number of stages (half of them for the two-chunk V schedules; with the interleaved
@@ -507,7 +509,12 @@ def estimate(
     """
     profile = profile_in_dtype(profile, training.dtype)
     ranges = [(s.start, s.stop) if isinstance(s, StageRange) else (int(s[0]), int(s[1])) for s in stages]
-    mesh = Mesh(tensor_parallel, zero_stage, sequence_parallel)
+    mesh = Mesh(tensor_parallel, zero_stage, sequence_parallel, selective_recompute)
+    if selective_recompute and (recompute is True or (not isinstance(recompute, bool) and any(recompute))):
+        raise InputError(
+            f"selective recompute and full recompute ({recompute!r}) exclude each other (one recompute "
+            "granularity per plan, as in Megatron): drop one of them"
+        )
     if not mesh.trivial:
         return _mesh_estimate(
             profile, cluster, training, ranges, mesh,
@@ -757,6 +764,7 @@ def _mesh_estimate(
         "tensor_parallel_degree": t,
         "zero_stage": mesh.zero_stage,
         "sequence_parallel": mesh.sequence_parallel,
+        "selective_recompute": mesh.selective_recompute,
         "notes": notes,
         "predicted": inner.predicted.model_copy(update={"lower_bound_ms": lower_bound_ms(profile, cluster, training)}),
     })
@@ -825,6 +833,7 @@ def reestimate(
         zero_stage=plan.zero_stage,
         sequence_parallel=plan.sequence_parallel,
         tensor_parallel_across_nodes=plan.tensor_parallel_degree > plan.cluster.devices_per_node,
+        selective_recompute=plan.selective_recompute,
     )
 
 

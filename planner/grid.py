@@ -125,6 +125,8 @@ def text_grid(
                 what += f" T={plan.tensor_parallel_degree}" + ("+SP" if plan.sequence_parallel else "")
             if plan.zero_stage:
                 what += f" ZeRO-{plan.zero_stage}"
+            if plan.selective_recompute:
+                what += " selective-recompute"
             what += ", "
         lines.append(
             f"{what}makespan {sim.makespan_ms:.4g} ms, bubble {sim.bubble_fraction:.1%}, "

@@ -46,6 +46,13 @@ data-parallel group uses:
   step is not overlapped with the last backward (as the gradient all-reduce never is here).
 
 Gathered parameters and gradients are counted at the gradient's bytes per parameter byte.
+
+**Selective recompute** (Korthikanti et al. 2022) is priced the same way, as a transformation of
+the layers (:func:`selective_layer`): every attention block drops its
+``selective_recompute_bytes`` (scores, softmax, dropout mask: 5·a·s²·b / T) and recomputes them
+in its backward for ``selective_recompute_ms``.  As in Megatron (``--recompute-granularity``),
+a plan recomputes either selectively or in full, not both: a selective plan's stages never
+recompute in full.
 """
 
 from __future__ import annotations
@@ -69,14 +76,20 @@ class Mesh:
     tensor_parallel: int = 1
     zero_stage: int = 0
     sequence_parallel: bool = False
+    #: Megatron's selective recompute on every layer that gives its bytes (see :func:`selective_layer`)
+    selective_recompute: bool = False
 
     @property
     def trivial(self) -> bool:
-        return self.tensor_parallel == 1 and self.zero_stage == 0 and not self.sequence_parallel
+        return (
+            self.tensor_parallel == 1 and self.zero_stage == 0 and not self.sequence_parallel
+            and not self.selective_recompute
+        )
 
     def describe(self) -> str:
         sp = "+SP" if self.sequence_parallel else ""
-        return f"T={self.tensor_parallel}{sp} zero={self.zero_stage}"
+        sr = " selective-recompute" if self.selective_recompute else ""
+        return f"T={self.tensor_parallel}{sp} zero={self.zero_stage}{sr}"
 
 
 @dataclass(frozen=True)
@@ -234,6 +247,46 @@ def _tp_layer(layer: LayerProfile, mesh: Mesh, training: TrainingSetup, link: In
     )
 
 
+def selective_layer(layer: LayerProfile) -> LayerProfile:
+    """``layer`` under Megatron's selective recompute (Korthikanti et al. 2022, section 4.2).
+
+    The backward does not find attention's scores, softmax output and dropout mask kept: it
+    recomputes them from the kept query and key first.  So the layer keeps
+    ``activation_bytes - selective_recompute_bytes`` and its backward (and input-gradient part,
+    which the recompute precedes) takes ``selective_recompute_ms`` longer.  Nothing it drops is an
+    input of a weight's gradient, so what the weight-gradient pass holds is capped at what the
+    layer keeps.  A layer without the two fields (not an attention block) is unchanged.
+    """
+    drop, extra = layer.selective_recompute_bytes, layer.selective_recompute_ms
+    if drop is None or extra is None:
+        return layer
+    acts = [max(0, a - x) for a, x in zip(layer.activation_bytes, drop, strict=True)]
+    bin_ = layer.backward_input_ms
+    if bin_ is not None:
+        bin_ = [b + e for b, e in zip(bin_, extra, strict=True)]
+    elif layer.backward_weight_ms is None:  # the default split: half of the backward, then the recompute
+        bin_ = [b / 2 + e for b, e in zip(layer.backward_ms, extra, strict=True)]
+    bwt = layer.backward_weight_ms
+    if bwt is None and layer.backward_input_ms is None:
+        bwt = [b / 2 for b in layer.backward_ms]
+    return layer.model_copy(update={
+        "activation_bytes": acts,
+        "backward_ms": [b + e for b, e in zip(layer.backward_ms, extra, strict=True)],
+        "backward_input_ms": bin_,
+        "backward_weight_ms": bwt,
+        "weight_grad_bytes": None if layer.weight_grad_bytes is None
+        else [min(w, a) for w, a in zip(layer.weight_grad_bytes, acts, strict=True)],
+        "selective_recompute_bytes": None,
+        "selective_recompute_ms": None,
+    })
+
+
+def recomputes_selectively(profile: Profile) -> bool:
+    """True when some layer of ``profile`` gives selective recompute's bytes and time."""
+    return any(x.selective_recompute_bytes is not None and x.selective_recompute_ms is not None
+               for x in profile.layers)
+
+
 def _zero_layer(layer: LayerProfile, zero: int, d: int, training: TrainingSetup, link: Interconnect) -> LayerProfile:
     """``layer`` with ZeRO-2/3's per-micro-batch collectives in its times (hidden behind
     ``zero_overlap`` of its own compute)."""
@@ -302,8 +355,15 @@ def mesh_problem(
     if mesh.trivial:
         return MeshProblem(profile, cluster, training, tuple(x.param_bytes for x in profile.layers), 0)
     t, z, d = mesh.tensor_parallel, mesh.zero_stage, data_parallel
+    if mesh.selective_recompute and not recomputes_selectively(profile):
+        raise InputError(
+            "selective recompute needs the profile's selective_recompute_bytes and selective_recompute_ms "
+            "(synth gives them for transformer blocks): drop --selective-recompute, or use full recompute"
+        )
     layers = [_tp_layer(layer, mesh, training, cluster.intra_node) for layer in profile.layers]
     tp_params = tuple(x.param_bytes for x in layers)
+    if mesh.selective_recompute:
+        layers = [selective_layer(x) for x in layers]
     if z >= 2 and d > 1:
         if pipeline_degree is None and d * t < cluster.devices_per_node:
             raise ValueError("ZeRO-2/3 with D x T inside a node needs the pipeline degree (its link)")

@@ -618,6 +618,12 @@ class PlanOptions(_Model):
     tensor_parallel_across_nodes: bool = Field(
         default=False, description="allow a tensor-parallel group to span nodes (T > devices per node)"
     )
+    selective_recompute: bool | None = Field(
+        default=None,
+        description="Megatron's selective recompute of attention's scores, softmax and dropout on every "
+        "block (true: always, with no stage recomputed in full; false: never; default: the solver "
+        "chooses, when the profile gives selective_recompute_bytes)",
+    )
     time_limit_s: Annotated[float, Field(gt=0, le=MAX_TIME_LIMIT_S, allow_inf_nan=False)] = 5.0
 
 
@@ -692,6 +698,12 @@ class Plan(_Model):
     sequence_parallel: bool = Field(
         default=False, description="Megatron sequence parallelism inside the tensor-parallel group"
     )
+    selective_recompute: bool = Field(
+        default=False,
+        description="Megatron's selective recompute (--recompute-granularity selective): every block "
+        "drops attention's scores, softmax and dropout mask and recomputes them in the backward; "
+        "no stage then recomputes in full",
+    )
     virtual_stages: PosInt = Field(default=1, description="chunks (stages) per device")
     num_microbatches: PosInt
     microbatch_size: PosInt
@@ -749,6 +761,12 @@ class Plan(_Model):
             raise ValueError("schedule 'planned' needs its actions: the plan must list what each rank runs")
         if self.sequence_parallel and self.tensor_parallel_degree == 1:
             raise ValueError("sequence_parallel needs tensor_parallel_degree > 1 (it shards inside the tensor-parallel group)")
+        if self.selective_recompute and any(st.recompute for st in self.stages):
+            full = [st.index for st in self.stages if st.recompute]
+            raise ValueError(
+                f"selective_recompute and full recompute of stages {full} exclude each other (one "
+                "recompute granularity per plan, as in Megatron): set one of them false"
+            )
         expected = self.microbatch_size * self.num_microbatches * self.data_parallel_degree
         if expected != self.global_batch_size:
             raise ValueError(

@@ -73,8 +73,9 @@ class TransferBounds:
         inter = (cluster.inter_node.bandwidth_bytes_per_s, cluster.inter_node.latency_s)
         links: list[tuple[tuple[float, float], ...]] = []
         hops = []
+        homogeneous = cluster.homogeneous  # (once: it reads every device)
         for s in range(k - 1):
-            if cluster.homogeneous:
+            if homogeneous:
                 per_node = cluster.devices_per_node
                 pairs = zip(groups[s].devices, groups[s + 1].devices, strict=True)
                 crossed = {intra if x // per_node == y // per_node else inter for x, y in pairs}

@@ -70,6 +70,7 @@ class Decisions:
     zero_stage: int = 0
     sequence_parallel: bool = False
     actions: tuple[tuple[str, ...], ...] | None = None
+    selective_recompute: bool = False
 
     @classmethod
     def from_plan(cls, plan: Plan) -> Decisions:
@@ -85,6 +86,7 @@ class Decisions:
             zero_stage=int(getattr(plan, "zero_stage", 0) or 0),
             sequence_parallel=bool(getattr(plan, "sequence_parallel", False)),
             actions=own_actions(plan),
+            selective_recompute=bool(getattr(plan, "selective_recompute", False)),
         )
 
     def replace(self, **changes: object) -> Decisions:
@@ -337,6 +339,11 @@ def price(plan: Plan, d: Decisions, profile: Profile) -> Plan:
         data_parallel=d.data_parallel,
         pipeline_degree=d.pipeline_degree,
         devices=[s.devices for s in plan.stages] if same_stages else None,
+        tensor_parallel=d.tensor_parallel,
+        zero_stage=d.zero_stage if d.data_parallel > 1 else 0,
+        sequence_parallel=d.sequence_parallel,
+        tensor_parallel_across_nodes=d.tensor_parallel > plan.cluster.devices_per_node,
+        selective_recompute=d.selective_recompute,
     )
 
 
@@ -370,9 +377,6 @@ def nearest(
     if profile is None:
         d, changes = done[0]
         return Nearest(d, changes, None, "give the model's profile (--profile PROFILE) to price it")
-    if _mesh_unpriced(done[0][0]):
-        d, changes = done[0]
-        return Nearest(d, changes, None, "the cost model does not price tensor parallelism or ZeRO yet")
     priced: list[Nearest] = []
     errors: list[str] = []
     for d, changes in done:
@@ -384,10 +388,6 @@ def nearest(
         d, changes = done[0]
         return Nearest(d, changes, None, f"the cost model refuses it: {errors[0]}")
     return min(priced, key=lambda n: (not plan_fits(n.plan), n.plan.predicted.step_time_ms))  # type: ignore[arg-type,union-attr]
-
-
-def _mesh_unpriced(d: Decisions) -> bool:
-    return d.tensor_parallel != 1 or d.zero_stage != 0 or d.sequence_parallel
 
 
 class ExportRefused(InputError):

@@ -62,6 +62,16 @@ def problems(d: Decisions, names: Sequence[str]) -> list[Problem]:
         out.append(
             Problem("schedule 'gpipe': DeepSpeed's pipeline engine runs only its 1F1B TrainSchedule", to_1f1b, "--schedule 1f1b")
         )
+    if d.selective_recompute:
+        out.append(
+            Problem(
+                "selective recompute: DeepSpeed's activation checkpointing recomputes whole layers",
+                lambda x: [("full recompute on every stage", x.replace(selective_recompute=False,
+                                                                       recompute=(True,) * len(x.stages))),
+                           ("no recompute", x.replace(selective_recompute=False))],
+                "--no-selective-recompute",
+            )
+        )
     if d.zero_stage >= 2:
         out.append(
             Problem(

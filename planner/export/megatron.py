@@ -163,7 +163,9 @@ def argv(d: Decisions, names: Sequence[str]) -> list[str]:
     elif d.virtual_stages > 1:
         args += ["--num-virtual-stages-per-pipeline-rank", str(d.virtual_stages)]
     args += ["--micro-batch-size", str(d.microbatch_size), "--global-batch-size", str(d.global_batch_size)]
-    if any(d.recompute):
+    if d.selective_recompute:
+        args += ["--recompute-granularity", "selective"]
+    elif any(d.recompute):
         args += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     if d.zero_stage >= 1:
         args.append("--use-distributed-optimizer")

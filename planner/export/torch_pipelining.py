@@ -106,6 +106,8 @@ def render(d: Decisions, info: PlanInfo, *, output: str = DEFAULT_FILE) -> Expor
         f'SCHEDULE_KWARGS = {{"n_microbatches": {d.num_microbatches}}}',
         f"RECOMPUTE_STAGES = {[s for s, r in enumerate(d.recompute) if r]}",
     ]
+    if d.selective_recompute:  # Megatron's selective recompute on every block (yours to apply)
+        lines.append("SELECTIVE_RECOMPUTE = True  # recompute attention's scores, softmax and dropout in the backward")
     files: list[ExportFile] = []
     if runs_list:
         lines.append(f"SCHEDULE_CSV = {json.dumps(output + SCHEDULE_CSV_SUFFIX)}")

@@ -108,7 +108,10 @@ def settings(
             "local_batch_size": d.microbatch_size * d.num_microbatches,
             "global_batch_size": d.global_batch_size,
         },
-        "activation_checkpoint": {"mode": "full" if any(d.recompute) else "none"},
+        "activation_checkpoint": (
+            {"mode": "selective", "selective_ac_option": "op"} if d.selective_recompute
+            else {"mode": "full" if any(d.recompute) else "none"}
+        ),
     }
 
 

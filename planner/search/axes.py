@@ -23,6 +23,12 @@ First every family's ZeRO-0 solve (1), then the ZeRO solves (2, 3):
    relaxed one, one driver solve each with D fixed: plans, not bounds (skipped once the
    relaxed bound reaches the best plan).
 
+Selective recompute (:func:`planner.mesh.selective_layer`) doubles the families when it is free
+and the profile gives its bytes: a selective family is solved with full recompute forbidden (one
+granularity per plan, as in Megatron).  Like ZeRO it only trades time for memory, so when it is
+free its families are solved after the others and only if one of their plans is memory-bound (or
+one had no plan); otherwise the message says the gap covers plans without it.
+
 Every candidate is re-priced by :func:`planner.costmodel.estimate` on the real mesh and the
 fastest that fits is returned.  The proven bound is the least of the families' bounds (1 and
 2; a family not solved contributes its work bound), so the gap is valid over the whole space;
@@ -41,7 +47,7 @@ from dataclasses import dataclass
 from planner.costmodel import estimate, lower_bound_ms, profile_in_dtype
 from planner.errors import InfeasibleError, InputError
 from planner.infeasible import any_fits
-from planner.mesh import Mesh, check_mesh, mesh_problem
+from planner.mesh import Mesh, check_mesh, mesh_problem, recomputes_selectively
 from planner.schema import Cluster, Plan, PlanOptions, Profile, SolverInfo, TrainingSetup
 from planner.search.driver import solve as solve_mesh_family
 
@@ -60,6 +66,14 @@ ZERO_STAGES = (1, 2, 3)
 class _Family:
     tensor_parallel: int
     sequence_parallel: bool
+    selective_recompute: bool = False
+
+    def mesh(self, zero: int = 0) -> Mesh:
+        return Mesh(self.tensor_parallel, zero, self.sequence_parallel, self.selective_recompute)
+
+    def describe(self) -> str:
+        return (f"T={self.tensor_parallel}{'+SP' if self.sequence_parallel else ''}"
+                f"{' selective' if self.selective_recompute else ''}")
 
 
 def tensor_parallel_degrees(profile: Profile, cluster: Cluster, options: PlanOptions) -> list[int]:
@@ -78,14 +92,32 @@ def tensor_parallel_degrees(profile: Profile, cluster: Cluster, options: PlanOpt
     return out
 
 
+def selective_choices(profile: Profile, options: PlanOptions) -> list[bool]:
+    """Whether the search tries Megatron's selective recompute: the fixed choice, else both when
+    the profile gives its bytes and no stage's full recompute is asked for."""
+    if options.selective_recompute is not None:
+        if options.selective_recompute and (options.recompute is True or (
+                isinstance(options.recompute, list) and any(options.recompute))):
+            raise InputError(
+                "--selective-recompute and full recompute exclude each other (one recompute granularity "
+                "per plan, as in Megatron): drop one of them"
+            )
+        return [options.selective_recompute]
+    if not recomputes_selectively(profile) or options.recompute is True or (
+            isinstance(options.recompute, list) and any(options.recompute)):
+        return [False]
+    return [False, True]
+
+
 def _families(profile: Profile, cluster: Cluster, options: PlanOptions) -> list[_Family]:
-    out = []
+    out: list[_Family] = []
+    selective = selective_choices(profile, options)
     for t in tensor_parallel_degrees(profile, cluster, options):
         sps = [options.sequence_parallel] if options.sequence_parallel is not None else [False, True]
         for sp in sps:
             if sp and t == 1:
                 continue
-            out.append(_Family(t, sp))
+            out.extend(_Family(t, sp, sr) for sr in selective)
     if not out:
         raise InputError("sequence parallelism needs --tensor-parallel T > 1: give T, or drop --sequence-parallel")
     return out
@@ -116,18 +148,18 @@ def solve(
     options = options or PlanOptions()
     families = _families(profile, cluster, options)
     zero_fixed = options.zero_stage
-    if len(families) == 1 and families[0] == _Family(1, False) and (
+    if len(families) == 1 and families[0] == _Family(1, False, False) and (
         zero_fixed == 0 or options.data_parallel == 1 or cluster.num_devices == 1
     ):
         return _plain(profile, cluster, training, options)
     start = time.perf_counter()
     base = profile_in_dtype(profile, training.dtype)
     for fam in families:
-        check_mesh(Mesh(fam.tensor_parallel, 0, fam.sequence_parallel), cluster,
-                   across_nodes=options.tensor_parallel_across_nodes)
+        check_mesh(fam.mesh(), cluster, across_nodes=options.tensor_parallel_across_nodes)
     per_solve = max(MIN_SOLVE_S, options.time_limit_s * SOLVE_SHARE)
     sub = options.model_copy(update={
         "time_limit_s": per_solve, "tensor_parallel": None, "zero_stage": None, "sequence_parallel": None,
+        "selective_recompute": None,
     })
     zeros: list[int] = [zero_fixed] if zero_fixed is not None else [0, *ZERO_STAGES]
     if options.data_parallel == 1 or cluster.num_devices == 1:
@@ -158,6 +190,7 @@ def solve(
             actions=plan.actions, solver=plan.solver, tensor_parallel=fam.tensor_parallel, zero_stage=zero,
             sequence_parallel=fam.sequence_parallel,
             tensor_parallel_across_nodes=options.tensor_parallel_across_nodes,
+            selective_recompute=fam.selective_recompute,
         )
 
     def run(
@@ -165,7 +198,7 @@ def solve(
     ) -> Plan | None:
         nonlocal solves
         solves += 1
-        mesh = Mesh(fam.tensor_parallel, 0 if relaxed else zero, fam.sequence_parallel)
+        mesh = fam.mesh(0 if relaxed else zero)
         train = _relaxed_training(training) if relaxed else training
         d = data_parallel if data_parallel is not None else 1
         k_hint = cluster.num_devices  # ZeRO-2/3 collectives priced on the inter-node link here; repriced after
@@ -175,6 +208,8 @@ def solve(
         if relaxed:  # ZeRO-3 holds parameters / D: the relaxation holds none
             prof = prof.model_copy(update={"layers": [x.model_copy(update={"param_bytes": 0}) for x in prof.layers]})
         opts = sub.model_copy(update={"data_parallel": data_parallel} if data_parallel is not None else {})
+        if fam.selective_recompute:  # one granularity per plan: no stage recomputes in full
+            opts = opts.model_copy(update={"recompute": False})
         if first and not relaxed:
             share = 1.0 if len(families) == 1 else FIRST_SHARE
             opts = opts.model_copy(update={"time_limit_s": max(per_solve, options.time_limit_s * share)})
@@ -197,28 +232,42 @@ def solve(
         return False
 
     order = sorted(families, key=lambda f: (_promise(base, cluster, training, f, work[f]), f.tensor_parallel,
-                                            f.sequence_parallel))
-    # phase 1: ZeRO 0 in every family (D free), most promising family first
+                                            f.sequence_parallel, f.selective_recompute))
+    # phase 1: ZeRO 0 in every family (D free), most promising family first; the selective-
+    # recompute families (when the choice is free) only where some plan is memory-bound
     zero_families: list[_Family] = []
     skip_zero = zero_fixed is None
-    for i, fam in enumerate(order):
-        if best is not None and work[fam] >= best.predicted.step_time_ms:
-            bounds.append(work[fam])  # its work alone reaches the best plan: every ZeRO stage too
-            continue
-        if late():
-            bounds.append(work[fam])
-            continue
-        zero_families.append(fam)
-        if 0 not in zeros:
-            continue
-        plan0 = run(fam, 0, options.data_parallel, first=i == 0)
-        if plan0 is not None:
-            bounds.append(_bound_of(plan0))
-            offer(reprice(plan0, fam, 0))
-            skip_zero = skip_zero and not memory_bound(plan0)
-        else:
-            bounds.append(math.inf)  # proven: nothing of ZeRO 0 fits in this family
-            skip_zero = False
+    deferred = [f for f in order if f.selective_recompute] if (
+        options.selective_recompute is None and 0 in zeros) else []
+    memory_seen = False
+
+    def phase1(fams: list[_Family], *, first_index: int) -> None:
+        nonlocal skip_zero, memory_seen
+        for i, fam in enumerate(fams, start=first_index):
+            if best is not None and work[fam] >= best.predicted.step_time_ms:
+                bounds.append(work[fam])  # its work alone reaches the best plan: every ZeRO stage too
+                continue
+            if late():
+                bounds.append(work[fam])
+                continue
+            zero_families.append(fam)
+            if 0 not in zeros:
+                continue
+            plan0 = run(fam, 0, options.data_parallel, first=i == 0)
+            if plan0 is not None:
+                bounds.append(_bound_of(plan0))
+                offer(reprice(plan0, fam, 0))
+                skip_zero = skip_zero and not memory_bound(plan0)
+                memory_seen = memory_seen or memory_bound(plan0)
+            else:
+                bounds.append(math.inf)  # proven: nothing of ZeRO 0 fits in this family
+                skip_zero = False
+                memory_seen = True
+
+    phase1([f for f in order if f not in deferred], first_index=0)
+    skipped_selective = bool(deferred) and not memory_seen and best is not None
+    if deferred and not skipped_selective:
+        phase1(deferred, first_index=1)
     # phase 2: ZeRO 1-3, unless it is free and no family's ZeRO-0 plan is memory-bound (then the
     # gap covers ZeRO 0, and the message says so)
     if not any(z > 0 for z in zeros) or skip_zero:
@@ -261,15 +310,20 @@ def solve(
     if status == "optimal":
         gap = 0.0
     wall = time.perf_counter() - start
-    mesh_desc = ", ".join(
-        f"T={f.tensor_parallel}{'+SP' if f.sequence_parallel else ''}" for f in families
-    )
+    searched = [f for f in families if not (skipped_selective and f in deferred)]
+    mesh_desc = ", ".join(f.describe() for f in searched)
     message = (
-        f"mesh search: {len(families)} tensor-parallel families ({mesh_desc}), ZeRO "
+        f"mesh search: {len(searched)} {'family' if len(searched) == 1 else 'families'} ({mesh_desc}), ZeRO "
         f"{'/'.join(map(str, zeros))}; {solves} D x K solves"
         + (
             "; ZeRO 1-3 not searched: no ZeRO-0 plan is memory-bound (the gap covers ZeRO 0; --zero N searches it)"
             if skipped_zero
+            else ""
+        )
+        + (
+            "; selective recompute not searched: no plan is memory-bound (the gap covers plans without it; "
+            "--selective-recompute searches it)"
+            if skipped_selective
             else ""
         )
         + "; " + best.solver.message + "".join(f"; {n}" for n in dict.fromkeys(notes))
@@ -312,8 +366,7 @@ def _promise(profile: Profile, cluster: Cluster, training: TrainingSetup, fam: _
 
 def _work_bound(profile: Profile, cluster: Cluster, training: TrainingSetup, fam: _Family) -> float:
     """All the family's forward and backward work spread over its groups (no plan is faster)."""
-    problem = mesh_problem(profile, cluster, _relaxed_training(training), Mesh(fam.tensor_parallel, 0, fam.sequence_parallel),
-                           data_parallel=1, across_nodes=True)
+    problem = mesh_problem(profile, cluster, _relaxed_training(training), fam.mesh(), data_parallel=1, across_nodes=True)
     return lower_bound_ms(problem.profile, problem.cluster, problem.training)
 
 
@@ -324,6 +377,7 @@ def _fits(profile: Profile, cluster: Cluster, training: TrainingSetup, options: 
     except InputError:
         return False
     opts = options.model_copy(update={"tensor_parallel": None, "zero_stage": None, "sequence_parallel": None,
+                                      "selective_recompute": None,
                                       "data_parallel": d})
     return any_fits(problem.profile, problem.cluster, problem.training, opts)
 
@@ -342,6 +396,11 @@ def _mesh_fixes(profile: Profile, cluster: Cluster, training: TrainingSetup, opt
         if _fits(profile, cluster, training, options, Mesh(t, 0, True), options.data_parallel):
             out.append(f"--tensor-parallel {t} --sequence-parallel fits")
             break
+    if options.selective_recompute is False and recomputes_selectively(profile) and _fits(
+            profile, cluster, training, options.model_copy(update={"recompute": False}),
+            Mesh(t_fixed, options.zero_stage or 0, bool(options.sequence_parallel) and t_fixed > 1, True),
+            options.data_parallel):
+        out.append("--selective-recompute fits")
     groups = cluster.num_devices // t_fixed
     ds = [options.data_parallel] if options.data_parallel else sorted(
         {d for d in (groups, groups // 2, groups // 4) if d > 1 and training.global_batch_size % d == 0}, reverse=True)
@@ -370,9 +429,10 @@ def _diagnose(profile: Profile, cluster: Cluster, training: TrainingSetup, optio
     """Nothing fits in the searched mesh space: the D x K diagnosis, with the mesh fixes."""
     from planner.infeasible import diagnose
 
-    plain = options.model_copy(update={"tensor_parallel": None, "zero_stage": None, "sequence_parallel": None})
+    plain = options.model_copy(update={"tensor_parallel": None, "zero_stage": None, "sequence_parallel": None,
+                                       "selective_recompute": None})
     err = diagnose(profile, cluster, training, plain)
-    tried = ", ".join(f"T={f.tensor_parallel}{'+SP' if f.sequence_parallel else ''}" for f in families)
+    tried = ", ".join(f.describe() for f in families)
     base = InfeasibleError(
         f"no plan fits with {tried} and ZeRO {'/'.join(map(str, zeros))}. Without tensor parallelism or ZeRO: {err}",
         err.details,

@@ -84,7 +84,7 @@ from collections.abc import Sequence
 from planner.bounds.memory import memory_bounds
 from planner.bounds.relaxed import relaxed_bound, relaxed_memory_fits
 from planner.bounds.work import cheap_bound
-from planner.costmodel import estimate, profile_in_dtype, static_bytes
+from planner.costmodel import estimate, lower_bound_ms, profile_in_dtype, static_bytes
 from planner.infeasible import diagnose
 from planner.schema import Cluster, Plan, PlanOptions, Profile, SolverInfo, TrainingSetup
 from planner.search.model import work_total
@@ -98,7 +98,7 @@ from planner.search.space import (
 )
 from planner.search.state import SearchState, consider
 from planner.search.tighten import tighten_chains, tighten_cpsat
-from planner.splits.baseline_seed import seed_with_baselines
+from planner.splits.baseline_seed import seed_with_baselines, seed_with_stack_rule
 from planner.splits.exhaustive import enumerate_splits
 from planner.splits.fixed import solve_fixed
 from planner.splits.greedy import greedy_candidates
@@ -129,6 +129,8 @@ NEW_SHARE = 0.25
 WORK_PER_SECOND = 400_000.0
 #: wall-clock safety net: stop searching after this multiple of the time limit regardless
 WALL_SAFETY = 3.0
+#: level 0 reads the clock every this many configurations (their cheap bounds, under the wall-clock net)
+LEVEL0_CLOCK_EVERY = 64
 #: least time CP-SAT gets to tighten open bounds (seconds, within the time limit)
 TIGHTEN_MIN_S = 0.25
 #: configurations whose schedule has more actions (2 x M x stages) are not simulated
@@ -160,6 +162,7 @@ def solve(
     search.wall_stop = start + WALL_SAFETY * options.time_limit_s
     _branch_and_bound(search, configs)
     seed_with_baselines(search, configs)
+    seed_with_stack_rule(search)
     polish(search)
     tighten_chains(search)
     if search.best is None:
@@ -237,7 +240,14 @@ def _branch_and_bound(search: SearchState, configs: Sequence[Config]) -> None:
 
     def level0(cfgs: Sequence[Config], *, counted: bool) -> list[tuple[float, Config, list[Group]]]:
         out = []
-        for cfg in cfgs:
+        for i, cfg in enumerate(cfgs):
+            if i % LEVEL0_CLOCK_EVERY == 0 and time.perf_counter() > search.wall_stop:
+                # out of time before every configuration has its cheap bound: the rest stay
+                # open at the bound of all the work spread over every device (valid for each)
+                floor = lower_bound_ms(search.profile, search.cluster, search.training) - search.profile.step_overhead_ms
+                search.open_bounds.append(floor)
+                search.timed_out = True
+                break
             key = (cfg.data_parallel, cfg.pipeline_degree)
             if key not in group_cache:
                 group_cache[key] = make_groups(search.cluster, search.training, *key)

@@ -1,4 +1,5 @@
-"""The baselines' splits (:mod:`planner.baselines`) as candidates, so a plan never loses to them."""
+"""The baselines' splits (:mod:`planner.baselines`) as candidates, so a plan never loses to them,
+and the configuration a Megatron-LM user writes by hand (:func:`seed_with_stack_rule`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from collections.abc import Sequence
 
 from planner.baselines import baseline_splits
 from planner.schedules import ScheduleError, check_schedule_shape
+from planner.schema import Schedule
 from planner.search.space import Config, fixed_ranges, make_groups
 from planner.search.state import SearchState, consider
 from planner.splits.recompute import with_recompute
@@ -35,3 +37,68 @@ def seed_with_baselines(search: SearchState, configs: Sequence[Config]) -> None:
         split = with_recompute(search, sm, groups, tuple(ranges), tuple(sm.owner))
         if split is not None:
             consider(search, sm, groups, split)
+
+
+#: pipeline degrees the hand rule tries: the fewest that may hold the model, and the next ones
+STACK_RULE_DEGREES = 4
+
+
+def stack_rule_ranges(num_layers: int, parts: int) -> list[tuple[int, int]] | None:
+    """Megatron's even split: the inner layers (a decoder stack's blocks) evenly over ``parts``
+    stages, the first layer (the embedding) joining the first stage and the last (the head)
+    the last stage; ``None`` when the blocks do not divide evenly."""
+    inner = num_layers - 2
+    if parts < 1 or inner < parts or inner % parts:
+        return None
+    per = inner // parts
+    bounds = [0, *(1 + i * per for i in range(1, parts)), num_layers]
+    return [(bounds[i], bounds[i + 1]) for i in range(parts)]
+
+
+def seed_with_stack_rule(search: SearchState) -> None:
+    """The configuration a Megatron-LM user picks by hand, as candidates: micro-batch 1, the
+    blocks split evenly, interleaved with v = 2 or 3 chunks (v = 1 too), recompute where memory needs
+    it, at the fewest pipeline ranks whose share of the parameter state fits and the next
+    :data:`STACK_RULE_DEGREES` - 1 degrees (the rest of the devices data-parallel).  A plan
+    then never loses to that rule (Narayanan et al. SC'21, Table 1's configurations)."""
+    opts = search.options
+    if fixed_ranges(opts) is not None or isinstance(opts.stages, int):
+        return
+    cl, tr, n = search.cluster, search.training, search.profile.num_layers
+    g = tr.global_batch_size
+    static = sum(x.param_bytes for x in search.profile.layers) * (
+        1 + tr.gradient_bytes_per_param_byte + tr.optimizer_state_factor
+    )
+    usable = min(d.memory_bytes for d in cl.devices) * (1 - tr.memory_margin)
+    allowed = opts.schedules or (["interleaved-1f1b", "1f1b"] if opts.schedule is None else [opts.schedule])
+    tried = 0
+    for k in range(1, cl.num_devices + 1):
+        if tried >= STACK_RULE_DEGREES:
+            break
+        if cl.num_devices % k or static / k > usable:
+            continue
+        d = opts.data_parallel or cl.num_devices // k
+        if d * k > cl.num_devices or g % d:
+            continue
+        m = g // d if opts.num_microbatches is None else opts.num_microbatches
+        if g % (d * m):
+            continue
+        tried += 1
+        chunks = [opts.virtual_stages] if opts.virtual_stages else [2, 3]
+        for schedule, v in [*(("interleaved-1f1b", c) for c in chunks), ("1f1b", 1)]:
+            sched: Schedule = schedule  # type: ignore[assignment]
+            if sched not in allowed or (k == 1 and v > 1) or (opts.virtual_stages not in (None, v)):
+                continue
+            ranges = stack_rule_ranges(n, k * v)
+            cfg = Config(d, k, m, sched, v)
+            if ranges is None:
+                continue
+            try:
+                check_schedule_shape(*cfg.shape)
+            except ScheduleError:
+                continue
+            groups = make_groups(cl, tr, d, k, default_layout=True)
+            sm = search.stage_model(cfg)
+            split = with_recompute(search, sm, groups, tuple(ranges), tuple(sm.owner))
+            if split is not None:
+                consider(search, sm, groups, split)

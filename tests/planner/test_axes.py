@@ -19,8 +19,9 @@ from planner.solver import solve
 from tests.planner.helpers import MiB, assert_valid
 
 
-def sharded_profile(seed: int, layers: int) -> Profile:
-    """Random layers, most of them Megatron blocks that shard (some replicated)."""
+def sharded_profile(seed: int, layers: int, *, selective: bool = False) -> Profile:
+    """Random layers, most of them Megatron blocks that shard (some replicated); with
+    ``selective``, the blocks also give selective recompute's bytes and time."""
     rng = random.Random(seed)
     sizes = (1, 2)
     out = []
@@ -36,6 +37,10 @@ def sharded_profile(seed: int, layers: int) -> Profile:
                 "tp_forward_bytes": [rng.randint(1, 8) * MiB * b for b in sizes],
                 "tp_replicated_activation_bytes": [act * b // 4 for b in sizes],
             }
+            if selective:
+                share = rng.uniform(0.2, 0.7)
+                extra["selective_recompute_bytes"] = [round(act * b * share) for b in sizes]
+                extra["selective_recompute_ms"] = [f * b * rng.uniform(0.05, 0.4) for b in sizes]
         out.append(LayerProfile(
             name=f"l{i}", param_bytes=rng.randint(1, 24) * MiB, forward_ms=[f * b for b in sizes],
             backward_ms=[2 * f * b for b in sizes], activation_bytes=[act * b for b in sizes],
@@ -50,12 +55,13 @@ def _cluster(n: int, memory: int) -> Cluster:
                                    "inter_node": "ib-hdr", "devices_per_node": n})
 
 
-def brute_force_mesh(profile: Profile, cl: Cluster, training: TrainingSetup, *, zeros: tuple[int, ...] = (0, 1, 2, 3)) -> float:
+def brute_force_mesh(profile: Profile, cl: Cluster, training: TrainingSetup, *, zeros: tuple[int, ...] = (0, 1, 2, 3),
+                     selective: tuple[bool, ...] = (False,)) -> float:
     """Best fitting 1F1B step over every T (powers of two inside the node), sequence parallelism,
-    ZeRO stage, D, K, M, split and recompute choice."""
+    ZeRO stage, D, K, M, split and recompute choice (full per stage, or ``selective`` everywhere)."""
     n_dev, n, g = cl.num_devices, profile.num_layers, training.global_batch_size
     best = math.inf
-    for t in (1, 2, 4):
+    for t, sr in itertools.product((1, 2, 4), selective):
         if t > n_dev:
             continue
         for sp in ((False, True) if t > 1 else (False,)):
@@ -69,11 +75,12 @@ def brute_force_mesh(profile: Profile, cl: Cluster, training: TrainingSetup, *, 
                                 continue
                             for cuts in itertools.combinations(range(1, n), k - 1):
                                 b = (0, *cuts, n)
-                                for rc in itertools.product((False, True), repeat=k):
+                                for rc in itertools.product((False, True), repeat=0 if sr else k):
                                     plan = estimate(
                                         profile, cl, training, [(b[i], b[i + 1]) for i in range(k)],
-                                        num_microbatches=m, schedule="1f1b", recompute=list(rc), data_parallel=d,
-                                        pipeline_degree=k, tensor_parallel=t, zero_stage=z, sequence_parallel=sp,
+                                        num_microbatches=m, schedule="1f1b", recompute=list(rc) or False,
+                                        data_parallel=d, pipeline_degree=k, tensor_parallel=t, zero_stage=z,
+                                        sequence_parallel=sp, selective_recompute=sr,
                                     )
                                     if plan_fits(plan):
                                         best = min(best, plan.predicted.step_time_ms)
@@ -102,6 +109,58 @@ def test_mesh_search_bound_is_valid_against_brute_force(seed: int, memory_mib: i
     assert bound <= optimum * (1 + 1e-9), (bound, optimum, plan.solver.message)
     if plan.solver.status == "optimal":
         assert step == pytest.approx(optimum)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 10_000), memory_mib=st.sampled_from([40, 60, 90, 400]))
+def test_selective_recompute_bound_is_valid_against_brute_force(seed: int, memory_mib: int) -> None:
+    """Selective recompute is one more mesh family: the bound covers it and full recompute (ZeRO 0)."""
+    profile = sharded_profile(seed, 4, selective=True)
+    cl = _cluster(4, memory_mib * MiB)
+    training = TrainingSetup(global_batch_size=4, optimizer="sgd")  # (memory for activations: recompute matters)
+    optimum = brute_force_mesh(profile, cl, training, zeros=(0,), selective=(False, True))
+    options = PlanOptions(schedule="1f1b", zero_stage=0, time_limit_s=2.0)
+    if optimum == math.inf:
+        with pytest.raises(InfeasibleError):
+            solve(profile, cl, training, options)
+        return
+    plan = solve(profile, cl, training, options)
+    assert_valid_mesh(plan, profile)
+    assert not (plan.selective_recompute and any(s.recompute for s in plan.stages))
+    if "selective recompute not searched" in plan.solver.message:  # the space the gap covers
+        optimum = brute_force_mesh(profile, cl, training, zeros=(0,))
+    step = plan.predicted.step_time_ms
+    assert step >= optimum * (1 - 1e-9)
+    assert step * (1 - plan.solver.gap) <= optimum * (1 + 1e-9), plan.solver.message
+    if plan.solver.status == "optimal":
+        assert step == pytest.approx(optimum)
+
+
+def test_selective_recompute_is_what_makes_it_fit() -> None:
+    # big attention scores: only dropping them (selective) or full recompute fits; selective is
+    # cheaper than recomputing the whole forward, and the search finds it
+    layers = []
+    for i in range(4):
+        layers.append(LayerProfile(
+            name=f"block{i}", param_bytes=4 * MiB, forward_ms=[4.0], backward_ms=[8.0],
+            activation_bytes=[40 * MiB], output_bytes=[MiB], selective_recompute_bytes=[30 * MiB],
+            selective_recompute_ms=[0.5],
+        ))
+    profile = Profile(model="attn", measured_on=MeasuredOn(device="cpu"), microbatch_sizes=[1], layers=layers)
+    cl = _cluster(2, 130 * MiB)
+    training = TrainingSetup(global_batch_size=4, optimizer="sgd")
+    options = PlanOptions(schedule="1f1b", data_parallel=1, stages=2, num_microbatches=4, time_limit_s=1.0)
+    with pytest.raises(InfeasibleError, match="--selective-recompute fits"):
+        solve(profile, cl, training, options.model_copy(update={"selective_recompute": False, "recompute": False}))
+    plan = solve(profile, cl, training, options)
+    assert plan.selective_recompute and not any(s.recompute for s in plan.stages) and plan_fits(plan)
+    full = solve(profile, cl, training, options.model_copy(update={"selective_recompute": False}))
+    assert any(s.recompute for s in full.stages)  # (the last stage holds one micro-batch: it fits)
+    assert plan.predicted.step_time_ms < full.predicted.step_time_ms
+    with pytest.raises(InputError, match="exclude each other"):
+        solve(profile, cl, training, options.model_copy(update={"selective_recompute": True, "recompute": True}))
+    with pytest.raises(InputError, match="selective_recompute_bytes"):
+        solve(sharded_profile(1, 4), cl, training, options.model_copy(update={"selective_recompute": True}))
 
 
 def assert_valid_mesh(plan, profile: Profile) -> None:  # type: ignore[no-untyped-def]
@@ -188,6 +247,15 @@ def test_cli_flags_on_plan_and_estimate(tmp_path, capsys) -> None:  # type: igno
     plan = _json.loads(capsys.readouterr().out)
     assert rc == 0 and plan["tensor_parallel_degree"] == 2 and not plan["sequence_parallel"]
     assert plan["zero_stage"] in (0, 2) and (plan["zero_stage"] == 2) == (plan["data_parallel_degree"] > 1)
+    rc = main(["estimate", str(prof), "--devices", "8", "--batch-size", "8", "--stages", "0:3,3:6",
+               "--microbatches", "4", "--selective-recompute", "-o", str(out)])
+    assert rc == 0 and "selective recompute" in capsys.readouterr().out
+    assert _json.loads(out.read_text())["selective_recompute"] is True
+    assert main(["show", str(out)]) == 0 and "selective-recompute" in capsys.readouterr().out
+    rc = main(["plan", str(prof), "--devices", "8", "--batch-size", "8", "--selective-recompute", "--time-limit",
+               "0.5", "--json"])
+    plan = _json.loads(capsys.readouterr().out)
+    assert rc == 0 and plan["selective_recompute"] and not any(s["recompute"] for s in plan["stages"])
     rc = main(["plan", str(prof), "--devices", "8", "--tensor-parallel", "16"])
     err = capsys.readouterr().err
     assert rc == 1 and "error: --tensor-parallel 16" in err and "Traceback" not in err

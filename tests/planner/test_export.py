@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeplan.cli import main
-from planner.costmodel import estimate, plan_fits
+from planner.costmodel import estimate, plan_fits, reestimate
 from planner.errors import InputError
 from planner.export import ExportRefused, export_plan, problems
 from planner.export import megatron as mg
@@ -438,8 +438,23 @@ def test_mesh_axes_are_read_when_the_plan_carries_them() -> None:
     with pytest.raises(ExportRefused, match="ZeRO stages 0 and 1 only") as err:
         export_plan(zero2, "deepspeed", profile=_profile(TINY))
     assert err.value.nearest is not None and err.value.nearest.decisions.zero_stage == 1
-    assert "cost model does not price tensor parallelism or ZeRO yet" in str(err.value)
+    priced = err.value.nearest.plan
+    assert priced is not None and priced.zero_stage == 1 and priced.data_parallel_degree == 2
+    assert priced == reestimate(priced, _profile(TINY))  # the nearest plan is priced with its mesh axes
     assert "--use-distributed-optimizer" in export_plan(zero2, "megatron")[0].files[0].text
+
+
+def test_selective_recompute_is_exported_or_refused() -> None:
+    profile = _profile(TINY)
+    plan = _plan(profile, [(0, 4), (4, 8)], d=2).model_copy(update={"selective_recompute": True})
+    text = export_plan(plan, "megatron")[0].files[0].text
+    assert "--recompute-granularity selective" in text and "--recompute-granularity full" not in text
+    assert tomllib.loads(export_plan(plan, "torchtitan")[0].files[0].text)["activation_checkpoint"]["mode"] == "selective"
+    assert "SELECTIVE_RECOMPUTE = True" in export_plan(plan, "torch")[0].files[0].text
+    with pytest.raises(ExportRefused, match="recomputes whole layers") as err:
+        export_plan(plan, "deepspeed")
+    assert "--no-selective-recompute" in str(err.value)
+    assert err.value.nearest is not None and not err.value.nearest.decisions.selective_recompute
 
 
 def test_an_action_list_is_written_as_a_schedule_csv() -> None:

@@ -163,3 +163,39 @@ def test_synth_block_activations_follow_korthikanti(t: int) -> None:
         assert block.activation_bytes[0] == pytest.approx(expect, abs=2)
         # each forward all-reduces the attention and the MLP outputs: 2 x s·b·h·2 bytes
         assert profile.layers[1].tp_forward_bytes == [2 * sbh * 2]
+
+
+def test_selective_recompute_by_hand() -> None:
+    # the block drops 300 of its 800 activation bytes and recomputes them for 4 ms in its backward
+    prof = _profile(selective_recompute_bytes=[300], selective_recompute_ms=[4.0])
+    base = estimate(prof, _cluster(1), _training(), [(0, 2)], num_microbatches=1, schedule="gpipe")
+    sel = estimate(prof, _cluster(1), _training(), [(0, 2)], num_microbatches=1, schedule="gpipe",
+                   selective_recompute=True)
+    assert sel.selective_recompute and not base.selective_recompute
+    assert base.stages[0].memory_bytes - sel.stages[0].memory_bytes == 300
+    assert sel.stages[0].backward_ms == pytest.approx(base.stages[0].backward_ms + 4.0)
+    # the recompute comes before the input gradient: I grows, W does not
+    assert sel.stages[0].backward_input_ms == pytest.approx(base.stages[0].backward_input_ms + 4.0)
+    assert sel.stages[0].backward_weight_ms == pytest.approx(base.stages[0].backward_weight_ms)
+    assert sel.predicted.step_time_ms == pytest.approx(base.predicted.step_time_ms + 4.0)
+    # under T=2 the dropped bytes and their recompute divide like the rest of attention
+    tp = estimate(prof, _cluster(2), _training(), [(0, 2)], num_microbatches=1, schedule="gpipe",
+                  tensor_parallel=2, selective_recompute=True)
+    tp0 = estimate(prof, _cluster(2), _training(), [(0, 2)], num_microbatches=1, schedule="gpipe", tensor_parallel=2)
+    assert tp0.stages[0].memory_bytes - tp.stages[0].memory_bytes == 150
+    assert tp.stages[0].backward_ms == pytest.approx(tp0.stages[0].backward_ms + 4.0 * 0.5 / 2)
+    back = parse_document("plan", json.loads(sel.model_dump_json()))
+    assert reestimate(back, prof).predicted.step_time_ms == pytest.approx(sel.predicted.step_time_ms)
+
+
+def test_selective_recompute_errors_name_the_fix() -> None:
+    with pytest.raises(InputError, match="selective_recompute_bytes"):
+        estimate(_profile(), _cluster(1), _training(), [(0, 2)], num_microbatches=1, selective_recompute=True)
+    prof = _profile(selective_recompute_bytes=[300], selective_recompute_ms=[4.0])
+    with pytest.raises(InputError, match="exclude each other"):
+        estimate(prof, _cluster(1), _training(), [(0, 2)], num_microbatches=1, selective_recompute=True,
+                 recompute=True)
+    plan = estimate(prof, _cluster(1), _training(), [(0, 2)], num_microbatches=1, recompute=True)
+    bad = json.loads(plan.model_dump_json()) | {"selective_recompute": True}
+    with pytest.raises(InputError, match="exclude each other"):
+        parse_document("plan", bad)
