@@ -1,0 +1,93 @@
+"""The hand rule of a Megatron-LM user (planner/splits/baseline_seed.py: micro-batch 1, blocks
+split evenly, interleaved with v = 2 or 3, recompute where memory needs it) seeds the search,
+so a plan is never slower than that rule; and a search out of time before every configuration
+has its cheap bound keeps a valid bound."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+from planner.costmodel import estimate, plan_fits
+from planner.errors import InputError
+from planner.schema import Cluster, PlanOptions, TrainingSetup
+from planner.search import driver
+from planner.search.state import SearchState
+from planner.solver import solve
+from planner.splits.baseline_seed import seed_with_stack_rule, stack_rule_ranges
+from profiler.synth import synth_transformer
+
+
+def test_stack_rule_ranges_put_the_embedding_first_and_the_head_last() -> None:
+    assert stack_rule_ranges(10, 4) == [(0, 3), (3, 5), (5, 7), (7, 10)]
+    assert stack_rule_ranges(10, 1) == [(0, 10)]
+    assert stack_rule_ranges(10, 3) is None  # 8 blocks do not split evenly in 3
+    assert stack_rule_ranges(4, 3) is None
+
+
+def _rule_steps(profile, cluster: Cluster, training: TrainingSetup) -> list[float]:  # type: ignore[no-untyped-def]
+    """Every configuration of the rule that fits, priced by the cost model (recompute none or all)."""
+    out = []
+    n = cluster.num_devices
+    for k, v in itertools.product(range(1, n + 1), (1, 2, 3)):
+        ranges = stack_rule_ranges(profile.num_layers, k * v)
+        if n % k or ranges is None or (k == 1 and v > 1):
+            continue
+        d = n // k
+        m = training.global_batch_size // d
+        for rc in (False, True):
+            try:
+                plan = estimate(profile, cluster, training, ranges, num_microbatches=m,
+                                schedule="interleaved-1f1b" if v > 1 else "1f1b", recompute=rc,
+                                data_parallel=d, pipeline_degree=k)
+            except InputError:  # (a shape the schedule refuses)
+                continue
+            if plan_fits(plan):
+                out.append(plan.predicted.step_time_ms)
+    return out
+
+
+@pytest.mark.parametrize("memory", ["12GiB", "20GiB"])
+def test_a_plan_is_never_slower_than_the_hand_rule(memory: str) -> None:
+    profile = synth_transformer(layers=24, hidden=2048, heads=16, seq=2048, vocab=51200, device_type="a100-80g",
+                                microbatch_sizes=(1, 2))
+    cluster = Cluster.model_validate({"devices": 8, "memory": memory, "device_type": "a100-80g"})
+    training = TrainingSetup(global_batch_size=64, optimizer="adam", dtype="bfloat16")
+    rule = _rule_steps(profile, cluster, training)
+    assert rule, "the rule must have a plan that fits here"
+    plan = solve(profile, cluster, training, PlanOptions(time_limit_s=0.3, tensor_parallel=1, zero_stage=0,
+                                                         selective_recompute=False))
+    assert plan.predicted.step_time_ms <= min(rule) * (1 + 1e-9)
+
+
+def test_the_seed_is_the_rule_and_as_fast_as_its_best_configuration() -> None:
+    profile = synth_transformer(layers=24, hidden=2048, heads=16, seq=2048, vocab=51200, device_type="a100-80g",
+                                microbatch_sizes=(1, 2))
+    cluster = Cluster.model_validate({"devices": 8, "memory": "12GiB", "device_type": "a100-80g"})
+    training = TrainingSetup(global_batch_size=64, optimizer="adam", dtype="bfloat16")
+    search = SearchState(profile, cluster, training, PlanOptions(), deadline=math.inf)
+    seed_with_stack_rule(search)
+    assert search.best is not None
+    cfg, split, _ = search.best
+    assert cfg.data_parallel * cfg.num_microbatches == training.global_batch_size  # micro-batch 1
+    assert list(split.ranges) == stack_rule_ranges(profile.num_layers, cfg.num_stages)
+    assert search.best_step <= min(_rule_steps(profile, cluster, training)) * (1 + 1e-9)
+
+
+def test_out_of_time_in_level0_keeps_a_valid_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    profile = synth_transformer(layers=24, hidden=2048, heads=16, seq=2048, vocab=51200, device_type="a100-80g",
+                                microbatch_sizes=(1, 2))
+    cluster = Cluster.model_validate({"devices": 8, "memory": "20GiB", "device_type": "a100-80g"})
+    training = TrainingSetup(global_batch_size=64, optimizer="adam", dtype="bfloat16")
+    options = PlanOptions(time_limit_s=0.3, tensor_parallel=1, zero_stage=0, selective_recompute=False)
+    full = solve(profile, cluster, training, options)
+    monkeypatch.setattr(driver, "WALL_SAFETY", 1e-9)  # the wall-clock net is past at once
+    cut = solve(profile, cluster, training, options)
+    assert "time limit reached" in cut.solver.message
+    assert plan_fits(cut) and cut.solver.status == "feasible"
+    # its bound never exceeds the best plan either search found (so it is below the optimum too)
+    best = min(full.predicted.step_time_ms, cut.predicted.step_time_ms)
+    assert cut.predicted.step_time_ms * (1 - cut.solver.gap) <= best * (1 + 1e-9)
+    assert not math.isnan(cut.solver.gap)
