@@ -13,8 +13,11 @@ First every family's ZeRO-0 solve (1), then the ZeRO solves (2, 3):
 1. ZeRO 0 with D free: one driver solve; its proven bound covers every ZeRO-0 plan of the family.
    When ZeRO is free and that plan is not memory-bound (no stage recomputes, every device below
    ``MEMORY_BOUND_FILL`` of its memory), ZeRO is not searched in the family: it saves memory and
-   never moves fewer bytes, so it pays only where memory binds; the message says so, and the gap
-   then covers ZeRO 0 there (``--zero N`` searches it).
+   mostly pays only where memory binds (mostly: ZeRO-2/3 trade the collective after the step
+   for per-micro-batch ones that ``zero_overlap`` may hide, so they can be faster); the message
+   says so, and the gap then covers ZeRO 0 there (``--zero N`` searches it).  A small instance
+   (at most ``SMALL_LAYERS`` layers) is never cut short this way, and solves every (ZeRO stage,
+   D) apart when there are at most ``EXACT_ZERO_SOLVES``: its gap is exact over the whole space.
 2. When ZeRO is free (and the family is memory-bound, or nothing fits) or fixed above 0: the *relaxed* problem of the family (no parameter,
    gradient or optimizer-state bytes and no gradient collective: every ZeRO stage at every D
    holds and moves at least that, and ZeRO-2/3's per-micro-batch collectives only add time), one
@@ -50,6 +53,7 @@ from planner.infeasible import any_fits
 from planner.mesh import Mesh, check_mesh, mesh_problem, recomputes_selectively
 from planner.schema import Cluster, Plan, PlanOptions, Profile, SolverInfo, TrainingSetup
 from planner.search.driver import solve as solve_mesh_family
+from planner.splits.exhaustive import SMALL_LAYERS
 
 #: share of the time limit each driver solve gets (at least MIN_SOLVE_S)
 SOLVE_SHARE = 0.125
@@ -157,6 +161,10 @@ def solve(
     for fam in families:
         check_mesh(fam.mesh(), cluster, across_nodes=options.tensor_parallel_across_nodes)
     per_solve = max(MIN_SOLVE_S, options.time_limit_s * SOLVE_SHARE)
+    if base.num_layers <= SMALL_LAYERS:
+        # a small instance's solves end when they prove their optimum, long before the limit:
+        # the whole limit is only their wall-clock net (which a loaded machine may reach)
+        per_solve = options.time_limit_s
     sub = options.model_copy(update={
         "time_limit_s": per_solve, "tensor_parallel": None, "zero_stage": None, "sequence_parallel": None,
         "selective_recompute": None,
@@ -194,14 +202,17 @@ def solve(
         )
 
     def run(
-        fam: _Family, zero: int, data_parallel: int | None, *, relaxed: bool = False, first: bool = False
+        fam: _Family, zero: int, data_parallel: int | None, *, relaxed: bool = False, first: bool = False,
+        optimistic_link: bool = False,
     ) -> Plan | None:
         nonlocal solves
         solves += 1
         mesh = fam.mesh(0 if relaxed else zero)
         train = _relaxed_training(training) if relaxed else training
         d = data_parallel if data_parallel is not None else 1
-        k_hint = cluster.num_devices  # ZeRO-2/3 collectives priced on the inter-node link here; repriced after
+        # ZeRO-2/3 collectives priced on the inter-node link here (repriced after), or on the
+        # faster link when the solve must bound every K (the intra-node one: pipeline degree 1)
+        k_hint = 1 if optimistic_link else cluster.num_devices
         problem = mesh_problem(base, cluster, train, mesh, data_parallel=d, pipeline_degree=k_hint,
                                across_nodes=options.tensor_parallel_across_nodes)
         prof = problem.profile
@@ -236,9 +247,11 @@ def solve(
     # phase 1: ZeRO 0 in every family (D free), most promising family first; the selective-
     # recompute families (when the choice is free) only where some plan is memory-bound
     zero_families: list[_Family] = []
-    skip_zero = zero_fixed is None
+    # (a small instance searches every ZeRO stage and selective recompute: exact, not skipped)
+    small = base.num_layers <= SMALL_LAYERS
+    skip_zero = zero_fixed is None and not small
     deferred = [f for f in order if f.selective_recompute] if (
-        options.selective_recompute is None and 0 in zeros) else []
+        options.selective_recompute is None and 0 in zeros and not small) else []
     memory_seen = False
 
     def phase1(fams: list[_Family], *, first_index: int) -> None:
@@ -276,6 +289,19 @@ def solve(
     for fam in zero_families:
         if late():
             bounds.append(work[fam])
+            continue
+        exact = _exact_zero_degrees(base, cluster, training, options, fam)
+        if exact:
+            # a small instance: every (ZeRO stage, D) solved with D fixed, each solve's proven
+            # bound covering its plans, so the gap over ZeRO is exact (no relaxation)
+            for z, d in ((z, d) for z in zeros if z > 0 for d in exact):
+                if late():
+                    bounds.append(work[fam])
+                    break
+                plan = run(fam, z, d, optimistic_link=True)
+                if plan is not None:
+                    bounds.append(_bound_of(plan))
+                    offer(reprice(plan, fam, z))
             continue
         relaxed = run(fam, 0, options.data_parallel, relaxed=True)
         if relaxed is None:
@@ -329,6 +355,28 @@ def solve(
         + "; " + best.solver.message + "".join(f"; {n}" for n in dict.fromkeys(notes))
     )
     return best.model_copy(update={"solver": SolverInfo(status=status, gap=gap, wall_time_s=wall, message=message)})
+
+
+#: a small instance (at most SMALL_LAYERS layers) solves every (ZeRO stage, D) when there are
+#: at most this many, instead of bounding ZeRO by its relaxation
+EXACT_ZERO_SOLVES = 12
+
+
+def _exact_zero_degrees(profile: Profile, cluster: Cluster, training: TrainingSetup, options: PlanOptions,
+                        fam: _Family) -> list[int]:
+    """The replica counts D > 1 to solve one by one for ZeRO on a small instance (empty: not a
+    small instance, or the intra-node link is not the faster one, which those solves assume)."""
+    intra, inter = cluster.intra_node, cluster.inter_node
+    if profile.num_layers > SMALL_LAYERS or (
+        intra.bandwidth_bytes_per_s < inter.bandwidth_bytes_per_s or intra.latency_s > inter.latency_s
+    ):
+        return []
+    groups = cluster.num_devices // fam.tensor_parallel
+    g = training.global_batch_size
+    ds = [options.data_parallel] if options.data_parallel else list(range(2, groups + 1))
+    ds = [d for d in ds if 1 < d <= groups and g % d == 0]  # (D need not divide the devices: some may idle)
+    stages = 3 if options.zero_stage is None else 1
+    return ds if 0 < len(ds) * stages <= EXACT_ZERO_SOLVES else []
 
 
 #: a plan is memory-bound when a stage recomputes or a device is this full

@@ -102,7 +102,7 @@ def assert_valid(plan: Plan, profile: Profile) -> None:
     assert plan.pipeline_degree * plan.data_parallel_degree <= plan.cluster.num_devices
 
 
-def brute_force_all(profile: Profile, cl: Cluster, training: TrainingSetup) -> float:
+def brute_force_all(profile: Profile, cl: Cluster, training: TrainingSetup, *, zeros: tuple[int, ...] = (0,)) -> float:
     """Best fitting step time over EVERY configuration of a homogeneous cluster: each data-parallel
     degree D and pipeline degree K with D·K <= devices, each micro-batch count M, each schedule
     and chunk count v, each split into K·v stages and each recompute choice per stage.
@@ -112,7 +112,7 @@ def brute_force_all(profile: Profile, cl: Cluster, training: TrainingSetup) -> f
     planner's documented limits of its space apply: at most MAX_VIRTUAL_STAGES chunks per
     device, interleaving only across K >= 2 ranks, and micro-batches at most
     MAX_EXTRAPOLATION times the largest profiled size.  Shapes the executor cannot run are
-    refused by the cost model itself (InputError).
+    refused by the cost model itself (InputError).  ``zeros``: the ZeRO stages tried where D > 1.
     """
     from planner.errors import InputError
     from planner.search.space import MAX_EXTRAPOLATION, MAX_VIRTUAL_STAGES
@@ -131,7 +131,7 @@ def brute_force_all(profile: Profile, cl: Cluster, training: TrainingSetup) -> f
                     shapes += [("interleaved-1f1b", v) for v in range(2, MAX_VIRTUAL_STAGES + 1)]
                     shapes += [("interleaved-zb", v) for v in range(2, MAX_VIRTUAL_STAGES + 1)]
                     shapes += [("zbv", 2), ("dualpipev", 2)]
-                for schedule, v in shapes:
+                for (schedule, v), z in itertools.product(shapes, zeros if d > 1 else (0,)):
                     stages = k * v
                     if stages > n:
                         continue
@@ -142,7 +142,7 @@ def brute_force_all(profile: Profile, cl: Cluster, training: TrainingSetup) -> f
                             try:
                                 plan = estimate(
                                     profile, cl, training, ranges, num_microbatches=m, schedule=schedule,
-                                    recompute=list(rc), data_parallel=d, pipeline_degree=k,
+                                    recompute=list(rc), data_parallel=d, pipeline_degree=k, zero_stage=z,
                                 )
                             except InputError:
                                 break  # this shape (K, M, schedule, v) is not runnable

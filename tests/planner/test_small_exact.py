@@ -76,6 +76,27 @@ def test_small_instances_are_optimal_against_brute_force(
     assert math.isclose(plan.predicted.step_time_ms, best, rel_tol=1e-9), (plan.predicted.step_time_ms, best)
 
 
+@settings(max_examples=8, deadline=None)
+@given(
+    profile=small_profiles(),
+    devices=st.integers(2, 4),
+    memory_mib=st.sampled_from([200, 400, 1000]),
+)
+def test_small_instances_are_optimal_with_zero_free(profile: Profile, devices: int, memory_mib: int) -> None:
+    """ZeRO free (the default): a small instance solves every (ZeRO stage, D) apart, so the plan
+    is proven optimal over ZeRO 0-3 too, not bounded by a relaxation."""
+    cl = cluster(devices, f"{memory_mib}MiB")
+    training = TrainingSetup(global_batch_size=4, optimizer="adam")  # (optimizer state: ZeRO matters)
+    best = brute_force_all(profile, cl, training, zeros=(0, 1, 2, 3))
+    try:
+        plan = solve(profile, cl, training, PlanOptions(time_limit_s=5.0))
+    except InfeasibleError:
+        assert best == math.inf
+        return
+    assert plan.solver.status == "optimal", plan.solver
+    assert math.isclose(plan.predicted.step_time_ms, best, rel_tol=1e-9), (plan.predicted.step_time_ms, best)
+
+
 def test_noisy_13_layer_mlp_on_two_devices_is_optimal(tmp_path: Path) -> None:
     """The issue's case: 13 tiny noisy layers, 2 devices, K = 2 fixed, every schedule free."""
     from tests.test_robust_profiles import _noisy_mlp

@@ -37,7 +37,14 @@ def profiles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
-CASES = [(GPT, s, 2) for s in SCHEDULES] + [(SEQ, s, 2) for s in SCHEDULES] + [(SEQ, s, 4) for s in ("zb-h1", "zbv", "planned")]
+#: every schedule on the zoo GPT (tied weights across ranks, or on one rank in the V placement);
+#: the plain Sequential, which has no tied weights, for one schedule of each kind at K = 2 (a
+#: fill-drain, a split-backward interleaved, a V) and for three at K = 4
+CASES = (
+    [(GPT, s, 2) for s in SCHEDULES]
+    + [(SEQ, s, 2) for s in ("gpipe", "interleaved-zb", "dualpipev")]
+    + [(SEQ, s, 4) for s in ("zb-h1", "zbv", "planned")]
+)
 
 
 @pytest.mark.parametrize(("spec", "schedule", "k"), CASES, ids=[f"{s.split(':')[0].split('.')[-1]}-{x}-K{k}" for s, x, k in CASES])
