@@ -209,7 +209,10 @@ def _where_time_went(
 
     Times become milliseconds after the step's first start over all ranks when every rank
     ran on one host (one clock), else after each rank's own start."""
+    from runtime.mesh import MeshSpec
+
     k = plan.pipeline_degree
+    spec = MeshSpec.of(plan)  # rank = (k * D + d) * T + t
     hosts = {r.host for r in ranks}
     shared = bool(ranks) and len(hosts) == 1 and "" not in hosts
     origin: list[float | None] = []
@@ -220,7 +223,7 @@ def _where_time_went(
         RankInfo(
             rank=r.rank,
             replica=r.replica,
-            pipeline_rank=r.rank % k,
+            pipeline_rank=spec.coords(r.rank)[0] if r.rank < spec.world_size else r.rank % k,
             host=r.host,
             stages=list(r.stages),
             allreduce_bytes=r.allreduce_bytes,
