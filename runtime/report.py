@@ -68,6 +68,8 @@ class RankRecord:
     allreduce_bytes: int = 0
     phases: list[list[float]] = field(default_factory=list)
     events: Mapping[int, Sequence[Sequence[Event]]] = field(default_factory=dict)
+    #: the rank's index on the pipeline axis (None: from ``rank`` by the plan's mesh layout)
+    pipeline_rank: int | None = None
 
 
 def _ratio(measured: float | None, predicted: float) -> float | None:
@@ -223,7 +225,9 @@ def _where_time_went(
         RankInfo(
             rank=r.rank,
             replica=r.replica,
-            pipeline_rank=spec.coords(r.rank)[0] if r.rank < spec.world_size else r.rank % k,
+            pipeline_rank=r.pipeline_rank
+            if r.pipeline_rank is not None
+            else (spec.coords(r.rank)[0] if r.rank < spec.world_size else r.rank % k),
             host=r.host,
             stages=list(r.stages),
             allreduce_bytes=r.allreduce_bytes,

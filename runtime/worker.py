@@ -671,6 +671,7 @@ def _train(
         "phases": phases,
         "host": socket.gethostname(),
         "tp_rank": tp_rank,
+        "pipeline_rank": pp_rank,
         "first_step": first_step,
         "allreduce_bytes": sum(
             _local(p).numel() * p.element_size() for p in params if not reduces_data_gradients(spec, p)
@@ -766,6 +767,11 @@ def _finish(
     bwd: dict[int, list[list[float]]] = {}
     peak: dict[int, int | None] = {}
     for g in gathered:
+        if g["tp_rank"] != 0:  # the other tensor-parallel ranks ran the same actions at the same time
+            if g["peak"] is not None:
+                for s in g["stages"]:
+                    peak[s] = max(peak.get(s) or 0, g["peak"])
+            continue
         for s in g["stages"]:
             t = g["timings"][s]
             # replicas of one stage: keep every replica's samples
@@ -776,6 +782,13 @@ def _finish(
             if g["peak"] is not None:
                 peak[s] = max(peak.get(s) or 0, g["peak"])
     notes = [_training_note(opts, gathered)]
+    t_deg = plan.tensor_parallel_degree
+    if t_deg > 1:
+        notes.append(
+            f"tensor parallelism T = {t_deg}: the per-rank rows and the timeline show tensor-parallel rank 0 of "
+            f"each (stage, replica), numbered k * D + d (its global rank is that number x {t_deg}); the other "
+            "tensor-parallel ranks run the same actions in step with it"
+        )
     if entry.has_data:
         readers = [g["rank"] for g in gathered if g["reads"]]
         notes.append(
@@ -807,7 +820,9 @@ def _finish(
         notes=notes,
         ranks=[
             RankRecord(
-                rank=g["rank"],
+                # T > 1: tensor-parallel rank 0 of each (stage, replica), numbered k * D + d (see the note)
+                rank=g["rank"] // t_deg,
+                pipeline_rank=g["pipeline_rank"],
                 replica=g["replica"],
                 host=g["host"],
                 stages=g["stages"],
@@ -816,6 +831,7 @@ def _finish(
                 events={s: g["timings"][s]["events"] for s in g["stages"]},
             )
             for g in gathered
+            if g["tp_rank"] == 0
         ],
     )
     failed = None
