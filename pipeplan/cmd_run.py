@@ -156,8 +156,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _checkpoint_args(args: argparse.Namespace, *, model: str, sha256: str, optimizer: str) -> list[str]:
     """``--checkpoint DIR [--every N]`` and ``--resume DIR`` for the worker, checked here first: a
-    checkpoint of another model (or optimizer) is refused before any rank starts.  The flags
-    exist once the worker declares them (notes/worker_integration.diff); until then: none."""
+    checkpoint of another model (or optimizer) is refused before any rank starts."""
     from planner.errors import InputError
     from runtime.checkpoint import check_compatible, read_info
 

@@ -331,6 +331,8 @@ def render_lines(report: RunReport) -> list[str]:
     """The report as plain text lines (two tables and a summary)."""
     out = [
         f"{report.model}: {report.schedule}, K={report.pipeline_degree} x D={report.data_parallel_degree}"
+        + (f" x T={report.plan.tensor_parallel_degree}" if report.plan.tensor_parallel_degree > 1 else "")
+        + (f", ZeRO {report.plan.zero_stage}" if report.plan.zero_stage else "")
         + (f" (v={report.virtual_stages})" if report.virtual_stages > 1 else "")
         + f", M={report.num_microbatches} x {report.microbatch_size} (global batch "
         f"{report.global_batch_size}), {report.world_size} rank(s), {report.backend} on {report.device}, "

@@ -11,11 +11,18 @@ the plan against it, builds its ``PipelineStage`` (s) and the schedule the plan 
 (:mod:`runtime.data`: the ranks that use it read it, and check at every step that they
 agree), else on synthetic batches.  Targets reach the last stage through the schedule's
 ``target=``.  With ``--dtype bf16|fp16`` the stages and the loss run under autocast with
-float32 master weights (fp16: dynamic loss scaling, one decision for the whole job).  With
-``D > 1`` the ranks form a ``DeviceMesh`` of shape ``(D, K)`` (rank = d * K + k); gradients
-are averaged over the data axis, and tied parameters whose copies sit on different pipeline
-ranks have their gradients summed between those ranks; ``--clip-grad-norm`` clips to the
-norm of that whole gradient (summed over the pipeline ranks).  Rank 0 writes the per-step
+float32 master weights (fp16: dynamic loss scaling, one decision for the whole job).  The
+ranks form the plan's ``DeviceMesh`` (:mod:`runtime.mesh`: axes ``("pp", "dp_replicate",
+"dp_shard", "tp")``, rank = (k * D + d) * T + t); each stage module gets tensor parallelism
+(T > 1, the layers with a sharding rule), recompute, autocast, then FSDP2 over the data axis
+(ZeRO 2/3); ZeRO 1 shards the optimizer state.  Gradients are averaged over the data axis
+(the flat all-reduce, for what FSDP2 does not shard), and tied parameters whose copies sit
+on different pipeline ranks have their gradients summed between those ranks;
+``--clip-grad-norm`` clips to the norm of that whole gradient (summed over the pipeline
+ranks).  ``--checkpoint DIR [--every N]`` saves model and optimizer state with
+``torch.distributed.checkpoint`` (:mod:`runtime.checkpoint`, every rank its own shards);
+``--resume DIR`` continues from its newest complete checkpoint under this or another plan
+(resharded on load).  Rank 0 writes the per-step
 ``--log``, gathers the measurements, prints the report, writes it with ``--report``, and
 with ``--check`` trains the unsplit model in its own process on the same data and compares.
 """
@@ -606,7 +613,7 @@ def _train(
         if scaler.enabled:  # one decision for the whole job: any rank's inf skips the step everywhere
             for g in grads:
                 g.div_(scale)
-            flag = torch.tensor([1.0 if has_nonfinite(grads) else 0.0], device=device)
+            flag = torch.tensor([1.0 if has_nonfinite(_local(g) for g in grads) else 0.0], device=device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             skip = bool(flag.item() > 0)
             scaler.update(skip)
@@ -671,6 +678,11 @@ def _train(
         "phases": phases,
         "host": socket.gethostname(),
         "tp_rank": tp_rank,
+        "mesh": {
+            "tp_layers": [u for s in my_stages for u in range(plan.stages[s].start, plan.stages[s].stop) if u in coords.shardings],
+            "fsdp": sum(1 for p in params if reduces_data_gradients(spec, p)),
+            "optimizer": type(opt).__name__ if opt is not None else None,
+        },
         "pipeline_rank": pp_rank,
         "first_step": first_step,
         "allreduce_bytes": sum(
@@ -782,7 +794,15 @@ def _finish(
             if g["peak"] is not None:
                 peak[s] = max(peak.get(s) or 0, g["peak"])
     notes = [_training_note(opts, gathered)]
+    if first_step:
+        notes.append(
+            f"resumed from {args.resume} at step {first_step}: this run trained steps {first_step}..{steps - 1}, "
+            f"numbered from 0 in the tables"
+        )
     t_deg = plan.tensor_parallel_degree
+    mesh_line = _mesh_note(plan, split, gathered)
+    if mesh_line:
+        notes.append(mesh_line)
     if t_deg > 1:
         notes.append(
             f"tensor parallelism T = {t_deg}: the per-rank rows and the timeline show tensor-parallel rank 0 of "
@@ -917,6 +937,36 @@ def _finish(
     if failed:
         raise CheckFailedError(failed)
     return 0
+
+
+def _mesh_note(plan: Any, split: Any, gathered: list[Any]) -> str:
+    """One line on what the mesh axes did (empty for a K x D plan with ZeRO 0)."""
+    from runtime.mesh import MeshSpec
+
+    spec = MeshSpec.of(plan)
+    parts = []
+    if spec.tensor_parallel_degree > 1:
+        sharded = sorted({u for g in gathered for u in g["mesh"]["tp_layers"]})
+        whole = [split.names[u] for u in range(len(split.names)) if u not in sharded]
+        parts.append(
+            f"tensor parallelism T = {spec.tensor_parallel_degree} on {len(sharded)} layer(s) "
+            f"({', '.join(split.names[u] for u in sharded)})"
+            + (f"; run whole on every tensor-parallel rank: {', '.join(whole)}" if whole else "")
+        )
+    if spec.zero_stage and spec.data_parallel_degree > 1:
+        if spec.zero_stage >= 2:
+            n = sum(g["mesh"]["fsdp"] for g in gathered if g["replica"] == 0 and g["tp_rank"] == 0)
+            parts.append(
+                f"ZeRO {spec.zero_stage}: FSDP2 fully_shard over the {spec.data_parallel_degree} replicas of each "
+                f"stage ({n} parameter tensor(s) sharded, reshard after forward: "
+                f"{'yes' if spec.reshard_after_forward() else 'no'}; tied weights across stages stay whole)"
+            )
+        else:
+            kinds = sorted({str(g["mesh"]["optimizer"]) for g in gathered})
+            parts.append(
+                f"ZeRO 1: optimizer state sharded over the {spec.data_parallel_degree} replicas ({', '.join(kinds)})"
+            )
+    return "mesh: " + "; ".join(parts) if parts else ""
 
 
 def _training_note(opts: Any, gathered: list[Any]) -> str:
