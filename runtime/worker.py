@@ -803,6 +803,9 @@ def _finish(
     mesh_line = _mesh_note(plan, split, gathered)
     if mesh_line:
         notes.append(mesh_line)
+    comm_line = _collectives_note(plan, gathered)
+    if comm_line:
+        notes.append(comm_line)
     if t_deg > 1:
         notes.append(
             f"tensor parallelism T = {t_deg}: the per-rank rows and the timeline show tensor-parallel rank 0 of "
@@ -967,6 +970,35 @@ def _mesh_note(plan: Any, split: Any, gathered: list[Any]) -> str:
                 f"ZeRO 1: optimizer state sharded over the {spec.data_parallel_degree} replicas ({', '.join(kinds)})"
             )
     return "mesh: " + "; ".join(parts) if parts else ""
+
+
+def _collectives_note(plan: Any, gathered: list[Any]) -> str:
+    """Measured time per step in the collectives the runtime runs between schedule steps (the
+    slowest rank's, median after the first step), beside the plan's prediction where it has one."""
+    import statistics
+
+    n = len(gathered[0]["phases"])
+    if n == 0:
+        return ""
+    first = 1 if n > 1 else 0
+
+    def median_ms(col: int) -> float:
+        return statistics.median(max(g["phases"][i][col] for g in gathered) * 1e3 for i in range(first, n))
+
+    parts = []
+    d, zero = plan.data_parallel_degree, plan.zero_stage
+    if d > 1:
+        what = "flat all-reduce" + (" of what FSDP2 does not shard" if zero >= 2 else "")
+        parts.append(
+            f"data-parallel {what}: measured {median_ms(2):.2f} ms, predicted {plan.predicted.allreduce_ms:.2f} ms"
+            + ("; FSDP2's all-gathers and reduce-scatters run inside the schedule's forward and backward" if zero >= 2 else "")
+        )
+    tied = median_ms(3)
+    if tied > 0.0 and plan.pipeline_degree > 1:
+        parts.append(f"tied-weight sums between pipeline ranks: measured {tied:.2f} ms")
+    if plan.tensor_parallel_degree > 1:
+        parts.append("tensor-parallel collectives run inside each layer's forward and backward (not timed apart)")
+    return "collectives per step: " + "; ".join(parts) if parts else ""
 
 
 def _training_note(opts: Any, gathered: list[Any]) -> str:
