@@ -983,7 +983,7 @@ def _collectives_note(plan: Any, gathered: list[Any]) -> str:
     first = 1 if n > 1 else 0
 
     def median_ms(col: int) -> float:
-        return statistics.median(max(g["phases"][i][col] for g in gathered) * 1e3 for i in range(first, n))
+        return float(statistics.median(max(g["phases"][i][col] for g in gathered) * 1e3 for i in range(first, n)))
 
     parts = []
     d, zero = plan.data_parallel_degree, plan.zero_stage
