@@ -44,10 +44,12 @@ def _plan(profile: Path, out: Path, *, devices: int, stages: int, batch: int, ex
     return plan
 
 
-def _run(plan: Path, tmp_path: Path, *args: str, timeout: float = 240) -> dict[str, Any]:
+def _run(
+    plan: Path, tmp_path: Path, *args: str, model: str = MODEL, lr: str = "0.1", timeout: float = 240
+) -> dict[str, Any]:
     report = tmp_path / f"report-{plan.stem}.json"
     proc, _ = run_cli(
-        ["run", "--plan", str(plan), "--model", MODEL, "--lr", "0.1", "--tolerance", TOL, "--report", str(report),
+        ["run", "--plan", str(plan), "--model", model, "--lr", lr, "--tolerance", TOL, "--report", str(report),
          "--timeout", "90", *args],
         timeout=timeout,
     )  # fmt: skip
@@ -127,7 +129,11 @@ def test_checkpoint_resumes_under_another_plan(profile: Path, tmp_path: Path) ->
     step 4 and trains to step 7.  B's --check trains the unsplit model from the same seed for all
     8 steps and compares B's losses (steps 4..7) and final parameters with it at 1e-5, so the
     saved state, its resharding on load and the continuation are all checked.  SGD with momentum:
-    the optimizer state travels too (from whole tensors to ZeRO 1 shards)."""
+    the optimizer state travels too (from whole tensors to ZeRO 1 shards).  The model reads an
+    iterable of batches (tests/runtime/gpt_stream.py, the tiny GPT's layers): the resumed run
+    skips the 4 batches the checkpoint trained on (measured: without the skip, or without the
+    momentum state, the parameters differ by 3e-2 and 4e-1)."""
+    model, lr = "tests/runtime/gpt_stream.py:tiny", "0.003"  # lr: losses stay well above 0 for 8 steps
     ck = tmp_path / "ck"
     flags = ["--optimizer", "sgd-momentum", "--schedule", "1f1b", "--tensor-parallel", "1"]
     a = _plan(profile, tmp_path / "a.json", devices=2, stages=2, batch=4, extra=[*flags, "--data-parallel", "1"])
@@ -135,7 +141,8 @@ def test_checkpoint_resumes_under_another_plan(profile: Path, tmp_path: Path) ->
               extra=[*flags, "--data-parallel", "2", "--zero", "1"])  # fmt: skip
     assert (a["pipeline_degree"], a["data_parallel_degree"]) == (2, 1)
     assert (b["pipeline_degree"], b["data_parallel_degree"], b["zero_stage"]) == (1, 2, 1)
-    _run(tmp_path / "a.json", tmp_path, "--steps", "4", "--checkpoint", str(ck), "--every", "2")
+    first = _run(tmp_path / "a.json", tmp_path, "--steps", "4", "--checkpoint", str(ck), "--every", "2", model=model, lr=lr)
+    assert first["steps"][-1]["loss"] > 1.0
     assert (ck / "latest").read_text().strip() == "step-000004"
     assert (ck / "step-000002" / "pipeplan.json").exists()
     # a save killed midway (shards, no pipeplan.json, not named by latest) is never resumed from
@@ -143,8 +150,9 @@ def test_checkpoint_resumes_under_another_plan(profile: Path, tmp_path: Path) ->
     half.mkdir()
     (half / "__0_0.distcp").write_bytes(b"partial")
 
-    report = _run(tmp_path / "b.json", tmp_path, "--steps", "8", "--resume", str(ck), "--check")
+    report = _run(tmp_path / "b.json", tmp_path, "--steps", "8", "--resume", str(ck), "--check", model=model, lr=lr)
     _checked(report)
+    assert "iterable" in " ".join(report["notes"])
     assert len(report["steps"]) == 4  # steps 4..7
     assert len(report["check"]["losses_reference"]) == 4
     assert any(n.startswith("check after --resume") for n in report["notes"])
