@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 from typing import Any
 
@@ -81,6 +82,13 @@ def run(args: argparse.Namespace) -> int:
             f"T={plan.tensor_parallel_degree}) "
             f"but {args.nnodes} host(s) x {nproc} per host = {nproc * args.nnodes}: choose --nnodes and "
             f"--nproc-per-node whose product is {world}"
+        )
+    t_deg = plan.tensor_parallel_degree
+    if args.nnodes > 1 and t_deg > 1 and nproc % t_deg:
+        print(
+            f"note: {nproc} ranks per host is not a multiple of T={t_deg}: tensor-parallel groups span hosts "
+            f"(rank = (k * D + d) * T + t); give --nproc-per-node a multiple of {t_deg} to keep them inside one",
+            file=sys.stderr,
         )
     model = _model_spec(args.model)
     # refuse a plan that does not fit the model before starting any process

@@ -949,8 +949,16 @@ def _mesh_note(plan: Any, split: Any, gathered: list[Any]) -> str:
     spec = MeshSpec.of(plan)
     parts = []
     if spec.tensor_parallel_degree > 1:
+        from runtime.mesh import profiled_kinds
+
         sharded = sorted({u for g in gathered for u in g["mesh"]["tp_layers"]})
-        whole = [split.names[u] for u in range(len(split.names)) if u not in sharded]
+        kinds = profiled_kinds(split)
+        whole = [
+            split.names[u] + (f" (priced as {kinds[u]}-sharded by the plan: its memory is above the prediction)"
+                              if kinds[u] != "replicated" else "")
+            for u in range(len(split.names))
+            if u not in sharded
+        ]  # fmt: skip
         parts.append(
             f"tensor parallelism T = {spec.tensor_parallel_degree} on {len(sharded)} layer(s) "
             f"({', '.join(split.names[u] for u in sharded)})"

@@ -98,9 +98,23 @@ def test_mesh_plan_matches_the_unsplit_model(case: str, profile: Path, tmp_path:
     _checked(report)
     assert report["world_size"] == stages * d * t
     assert says in _mesh_note(report)
+    if t > 1:  # the embedding the plan priced as vocabulary-parallel runs whole, and the report says so
+        assert "embed (priced as vocab-embedding-sharded by the plan" in _mesh_note(report)
     if zero == 3:  # FSDP2 averaged the sharded gradients: the flat all-reduce carried the tied weight only
         embed = 256 * 64 * 4
         assert {r["allreduce_bytes"] for r in report["ranks"]} == {embed}
+
+
+def test_the_runtime_reads_the_profiles_tensor_parallel_kinds(profile: Path) -> None:
+    from profiler.loading import load_entrypoint
+    from profiler.split import split_model
+    from runtime.mesh import profiled_kinds
+
+    entry = load_entrypoint(MODEL)
+    split = split_model(entry.model, entry.example_inputs, keywords=entry.keywords)
+    layers = json.loads(profile.read_text())["layers"]
+    assert profiled_kinds(split) == [layer.get("tensor_parallel", "replicated") for layer in layers]
+    assert profiled_kinds(split)[:2] == ["vocab-embedding", "block"]
 
 
 def test_tensor_parallel_on_a_model_without_a_rule_is_refused_before_launch(tmp_path: Path) -> None:
