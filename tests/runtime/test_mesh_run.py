@@ -100,9 +100,32 @@ def test_mesh_plan_matches_the_unsplit_model(case: str, profile: Path, tmp_path:
     assert says in _mesh_note(report)
     if t > 1:  # the embedding the plan priced as vocabulary-parallel runs whole, and the report says so
         assert "embed (priced as vocab-embedding-sharded by the plan" in _mesh_note(report)
+        comm = next(n for n in report["notes"] if n.startswith("collectives per step: "))
+        tp_ms = float(comm.split("tensor-parallel collectives")[1].split("measured ")[1].split(" ms")[0])
+        assert tp_ms > 0.0
     if zero == 3:  # FSDP2 averaged the sharded gradients: the flat all-reduce carried the tied weight only
         embed = 256 * 64 * 4
         assert {r["allreduce_bytes"] for r in report["ranks"]} == {embed}
+
+
+def test_the_private_dtensor_api_is_where_the_timing_expects_it() -> None:
+    """runtime/_dtensor_timing.py wraps torch.distributed.tensor._redistribute.redistribute_local_tensor
+    where three modules call it; when torch moves it this fails, naming what moved."""
+    import importlib
+
+    from runtime._dtensor_timing import (
+        CALLERS,
+        NAME,
+        CollectiveClock,
+        check_available,
+        timed_redistributions,
+    )
+
+    check_available()
+    before = [getattr(importlib.import_module(m), NAME) for m in CALLERS]
+    with timed_redistributions(CollectiveClock()):
+        assert all(getattr(importlib.import_module(m), NAME) is not b for m, b in zip(CALLERS, before, strict=True))
+    assert [getattr(importlib.import_module(m), NAME) for m in CALLERS] == before  # restored
 
 
 def test_the_runtime_reads_the_profiles_tensor_parallel_kinds(profile: Path) -> None:
