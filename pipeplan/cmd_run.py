@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 from typing import Any
 
@@ -59,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from profiler.loading import load_entrypoint
     from profiler.split import split_model
     from runtime.launch import Rendezvous, launch
+    from runtime.mesh import MeshSpec, plan_sharding
     from runtime.plan_check import check_optimizer_supported, check_plan_matches
     from runtime.worker import train_options
 
@@ -69,7 +71,6 @@ def run(args: argparse.Namespace) -> int:
     if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
         raise InputError(f"--node-rank {args.node_rank} with --nnodes {args.nnodes}: need 0 <= node rank < nnodes")
     plan = _load_plan(args.plan)
-    _refuse_unwired_axes(plan)
     optimizer = args.optimizer or plan.training.optimizer
     check_optimizer_supported(optimizer)
     opts = train_options(args, plan, optimizer)
@@ -77,9 +78,17 @@ def run(args: argparse.Namespace) -> int:
     nproc = args.nproc_per_node or world // args.nnodes
     if nproc * args.nnodes != world:
         raise InputError(
-            f"the plan needs {world} processes (K={plan.pipeline_degree} x D={plan.data_parallel_degree}) "
+            f"the plan needs {world} processes (K={plan.pipeline_degree} x D={plan.data_parallel_degree} x "
+            f"T={plan.tensor_parallel_degree}) "
             f"but {args.nnodes} host(s) x {nproc} per host = {nproc * args.nnodes}: choose --nnodes and "
             f"--nproc-per-node whose product is {world}"
+        )
+    t_deg = plan.tensor_parallel_degree
+    if args.nnodes > 1 and t_deg > 1 and nproc % t_deg:
+        print(
+            f"note: {nproc} ranks per host is not a multiple of T={t_deg}: tensor-parallel groups span hosts "
+            f"(rank = (k * D + d) * T + t); give --nproc-per-node a multiple of {t_deg} to keep them inside one",
+            file=sys.stderr,
         )
     model = _model_spec(args.model)
     # refuse a plan that does not fit the model before starting any process
@@ -96,16 +105,13 @@ def run(args: argparse.Namespace) -> int:
         optimizer=optimizer,
         dtype=opts.dtype,
     )
+    # refuse an axis the runtime cannot execute (e.g. tensor parallelism on a layer without a
+    # sharding rule), naming the layer, on this process's own split
+    plan_sharding(split.units, split.names, MeshSpec.of(plan))
     _check_data(entry, plan, args.steps)
     sha256 = split.sha256()
     del entry, split
-    k = plan.pipeline_degree
-    stage_of = {
-        r: f"stage{'s' if plan.virtual_stages > 1 else ''} "
-        + ",".join(str(s.index) for s in plan.stages if s.index % k == r % k)
-        + (f", replica {r // k}" if plan.data_parallel_degree > 1 else "")
-        for r in range(world)
-    }
+    stage_of = _stage_of(plan)
     with tempfile.TemporaryDirectory(prefix="pipeplan-run-") as run_dir:
         plan_path = os.path.join(run_dir, "plan.json")
         with open(plan_path, "w", encoding="utf-8") as f:
@@ -158,8 +164,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _checkpoint_args(args: argparse.Namespace, *, model: str, sha256: str, optimizer: str) -> list[str]:
     """``--checkpoint DIR [--every N]`` and ``--resume DIR`` for the worker, checked here first: a
-    checkpoint of another model (or optimizer) is refused before any rank starts.  The flags
-    exist once the worker declares them (notes/worker_integration.diff); until then: none."""
+    checkpoint of another model (or optimizer) is refused before any rank starts."""
     from planner.errors import InputError
     from runtime.checkpoint import check_compatible, read_info
 
@@ -178,23 +183,24 @@ def _checkpoint_args(args: argparse.Namespace, *, model: str, sha256: str, optim
     return out
 
 
-def _refuse_unwired_axes(plan: Any) -> None:
-    """The worker does not call runtime.mesh yet: refuse what it would silently run as T = 1,
-    ZeRO 0 (runtime/mesh.py executes these axes; see the README, "The whole mesh")."""
-    from planner.errors import InputError
+def _stage_of(plan: Any) -> dict[int, str]:
+    """What each rank runs, for the launcher's messages: its stages, replica and tensor-parallel
+    rank (the mesh's layout, pipeline axis outermost: rank = (k * D + d) * T + t)."""
+    from planner.schedules import rank_stages
+    from runtime.mesh import MeshSpec
 
-    axes = []
-    if getattr(plan, "tensor_parallel_degree", 1) > 1:
-        axes.append(f"tensor_parallel_degree {plan.tensor_parallel_degree}")
-    if getattr(plan, "zero_stage", 0) > 0:
-        axes.append(f"zero_stage {plan.zero_stage}")
-    if getattr(plan, "sequence_parallel", False):
-        axes.append("sequence_parallel")
-    if axes:
-        raise InputError(
-            f"pipeplan run does not execute {' and '.join(axes)} yet (only K x D with ZeRO 0): make the "
-            "plan with tensor parallelism T = 1 and ZeRO stage 0"
+    spec = MeshSpec.of(plan)
+    per_rank = rank_stages(plan.placement, plan.pipeline_degree, plan.virtual_stages)
+    out = {}
+    for r in range(spec.world_size):
+        k, d, t = spec.coords(r)
+        out[r] = (
+            f"stage{'s' if len(per_rank[k]) > 1 else ''} "
+            + ",".join(map(str, per_rank[k]))
+            + (f", replica {d}" if plan.data_parallel_degree > 1 else "")
+            + (f", tp rank {t}" if plan.tensor_parallel_degree > 1 else "")
         )
+    return out
 
 
 def _check_data(entry: Any, plan: Any, steps: int) -> None:

@@ -106,6 +106,8 @@ def check_compatible(info: CheckpointInfo, *, model: str, sha256: str, optimizer
 def _optimizer_state(named: Sequence[tuple[str, Any]], optimizer: Any) -> dict[str, Any]:
     """``optim.<param name>.<key>`` -> tensor, for the parameters this rank's optimizer holds
     state for (a ZeRO-1 rank: its share)."""
+    if optimizer is None:  # a rank whose stages hold no parameter
+        return {}
     inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's local optimizer
     out = {}
     for name, p in named:
@@ -120,6 +122,8 @@ def _init_optimizer_state(named: Sequence[tuple[str, Any]], optimizer: Any) -> N
     that DCP has tensors to load into."""
     import torch
 
+    if optimizer is None:
+        return
     inner = getattr(optimizer, "optim", optimizer)
     params = [p for _, p in named]
     if all(p in inner.state for p in params if any(p is q for g in inner.param_groups for q in g["params"])):

@@ -203,6 +203,26 @@ def match_rule(unit: Any) -> UnitSharding | None:
     return None
 
 
+def profiled_kinds(split: Any) -> list[str]:
+    """How the profiler classified each unit of ``split`` for tensor parallelism (the
+    ``LayerProfile.tensor_parallel`` kind the planner priced, :mod:`profiler.sharding`), by the
+    same test as the profiler: the unit's own module, when the unit is exactly that module."""
+    from profiler.sharding import module_bytes, tensor_parallel_fields
+
+    named = dict(split.model.named_modules())
+    param_bytes = split.param_bytes()
+    out = []
+    for i, name in enumerate(split.names):
+        module = named.get(name)
+        kind = "replicated"
+        if module is not None and module_bytes(module) == param_bytes[i]:
+            kind = tensor_parallel_fields(module, {"output_bytes": [0], "activation_bytes": [0]}, [0]).get(
+                "tensor_parallel", "replicated"
+            )
+        out.append(kind)
+    return out
+
+
 def plan_sharding(
     units: Sequence[Any],
     layer_names: Sequence[str],

@@ -68,6 +68,8 @@ class RankRecord:
     allreduce_bytes: int = 0
     phases: list[list[float]] = field(default_factory=list)
     events: Mapping[int, Sequence[Sequence[Event]]] = field(default_factory=dict)
+    #: the rank's index on the pipeline axis (None: from ``rank`` by the plan's mesh layout)
+    pipeline_rank: int | None = None
 
 
 def _ratio(measured: float | None, predicted: float) -> float | None:
@@ -209,7 +211,10 @@ def _where_time_went(
 
     Times become milliseconds after the step's first start over all ranks when every rank
     ran on one host (one clock), else after each rank's own start."""
+    from runtime.mesh import MeshSpec
+
     k = plan.pipeline_degree
+    spec = MeshSpec.of(plan)  # rank = (k * D + d) * T + t
     hosts = {r.host for r in ranks}
     shared = bool(ranks) and len(hosts) == 1 and "" not in hosts
     origin: list[float | None] = []
@@ -220,7 +225,9 @@ def _where_time_went(
         RankInfo(
             rank=r.rank,
             replica=r.replica,
-            pipeline_rank=r.rank % k,
+            pipeline_rank=r.pipeline_rank
+            if r.pipeline_rank is not None
+            else (spec.coords(r.rank)[0] if r.rank < spec.world_size else r.rank % k),
             host=r.host,
             stages=list(r.stages),
             allreduce_bytes=r.allreduce_bytes,
@@ -324,6 +331,8 @@ def render_lines(report: RunReport) -> list[str]:
     """The report as plain text lines (two tables and a summary)."""
     out = [
         f"{report.model}: {report.schedule}, K={report.pipeline_degree} x D={report.data_parallel_degree}"
+        + (f" x T={report.plan.tensor_parallel_degree}" if report.plan.tensor_parallel_degree > 1 else "")
+        + (f", ZeRO {report.plan.zero_stage}" if report.plan.zero_stage else "")
         + (f" (v={report.virtual_stages})" if report.virtual_stages > 1 else "")
         + f", M={report.num_microbatches} x {report.microbatch_size} (global batch "
         f"{report.global_batch_size}), {report.world_size} rank(s), {report.backend} on {report.device}, "

@@ -11,11 +11,18 @@ the plan against it, builds its ``PipelineStage`` (s) and the schedule the plan 
 (:mod:`runtime.data`: the ranks that use it read it, and check at every step that they
 agree), else on synthetic batches.  Targets reach the last stage through the schedule's
 ``target=``.  With ``--dtype bf16|fp16`` the stages and the loss run under autocast with
-float32 master weights (fp16: dynamic loss scaling, one decision for the whole job).  With
-``D > 1`` the ranks form a ``DeviceMesh`` of shape ``(D, K)`` (rank = d * K + k); gradients
-are averaged over the data axis, and tied parameters whose copies sit on different pipeline
-ranks have their gradients summed between those ranks; ``--clip-grad-norm`` clips to the
-norm of that whole gradient (summed over the pipeline ranks).  Rank 0 writes the per-step
+float32 master weights (fp16: dynamic loss scaling, one decision for the whole job).  The
+ranks form the plan's ``DeviceMesh`` (:mod:`runtime.mesh`: axes ``("pp", "dp_replicate",
+"dp_shard", "tp")``, rank = (k * D + d) * T + t); each stage module gets tensor parallelism
+(T > 1, the layers with a sharding rule), recompute, autocast, then FSDP2 over the data axis
+(ZeRO 2/3); ZeRO 1 shards the optimizer state.  Gradients are averaged over the data axis
+(the flat all-reduce, for what FSDP2 does not shard), and tied parameters whose copies sit
+on different pipeline ranks have their gradients summed between those ranks;
+``--clip-grad-norm`` clips to the norm of that whole gradient (summed over the pipeline
+ranks).  ``--checkpoint DIR [--every N]`` saves model and optimizer state with
+``torch.distributed.checkpoint`` (:mod:`runtime.checkpoint`, every rank its own shards);
+``--resume DIR`` continues from its newest complete checkpoint under this or another plan
+(resharded on load).  Rank 0 writes the per-step
 ``--log``, gathers the measurements, prints the report, writes it with ``--report``, and
 with ``--check`` trains the unsplit model in its own process on the same data and compares.
 """
@@ -23,6 +30,7 @@ with ``--check`` trains the unsplit model in its own process on the same data an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import logging
 import math
@@ -117,6 +125,21 @@ def add_worker_args(p: argparse.ArgumentParser, *, for_launcher: bool = False) -
         help=f"--check relative tolerance (default {DEFAULT_TOLERANCE:g} for fp32, 1e-2 for bf16, 2e-3 for fp16)",
     )
     p.add_argument("--report", metavar="FILE", help="write the measured-vs-predicted report JSON here")
+    p.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        help="save model and optimizer state here with torch.distributed.checkpoint (sharded, every rank "
+        "writes its own part); DIR/latest names the newest complete one",
+    )
+    p.add_argument(
+        "--every", type=int, default=0, metavar="N", help="with --checkpoint: save every N steps (default 0: at the end)"
+    )
+    p.add_argument(
+        "--resume",
+        metavar="DIR",
+        help="continue from the newest complete checkpoint in DIR, under this or another plan (other K, D, T "
+        "or ZeRO: the checkpoint is resharded on load); --steps counts from step 0",
+    )
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
     # RANK:STEP:MODE (raise|exit|hang): make one rank fail mid-step, for fault tests
     p.add_argument("--inject-fault", help=argparse.SUPPRESS)
@@ -260,11 +283,14 @@ def _run(args: argparse.Namespace, rank: int, status: RankStatus, progress: Prog
     opts = train_options(args, plan, optimizer)
     fault = Fault.parse(args.inject_fault) if args.inject_fault else None
 
+    from runtime.mesh import MeshSpec, plan_sharding
+
     k_deg, v = plan.pipeline_degree, plan.virtual_stages
-    pp_rank, replica = rank % k_deg, rank // k_deg
-    my_stages = rank_stages(plan.placement, k_deg, v)[
-        pp_rank
-    ]  # loop: s % K == rank; V: r and 2K-1-r
+    # the mesh ("pp", "dp_replicate", "dp_shard", "tp"), pipeline axis outermost:
+    # rank = (k * D + d) * T + t
+    spec = MeshSpec.of(plan)
+    pp_rank, replica, tp_rank = spec.coords(rank) if rank < spec.world_size else (rank, 0, 0)
+    my_stages = rank_stages(plan.placement, k_deg, v)[pp_rank % k_deg]  # loop: s % K == rank; V: r and 2K-1-r
     status.stages = my_stages
 
     # ---- devices
@@ -300,15 +326,33 @@ def _run(args: argparse.Namespace, rank: int, status: RankStatus, progress: Prog
         optimizer=optimizer,
         dtype=opts.dtype,
     )
+    # refuse an axis the runtime cannot execute (naming the layer) before joining the group
+    shardings = plan_sharding(split.units, split.names, spec)
     status.phase = "joining the process group"
     write_status(args.run_dir, status)
     timeout = datetime.timedelta(seconds=args.timeout)
     dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
     try:
-        return _train(args, plan, entry, split, rank, world, pp_rank, replica, my_stages, device, backend, opts, fault, status, progress)
+        return _train(
+            args, plan, entry, split, Coords(rank, world, pp_rank, replica, tp_rank, spec, shardings),
+            my_stages, device, backend, opts, fault, status, progress,
+        )  # fmt: skip
     finally:
         progress.done = True
         dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class Coords:
+    """Where this rank sits in the plan's mesh, and the tensor-parallel shardings to apply."""
+
+    rank: int
+    world: int
+    pp_rank: int
+    replica: int
+    tp_rank: int
+    spec: Any  # runtime.mesh.MeshSpec
+    shardings: Any  # unit index -> runtime.mesh.UnitSharding
 
 
 def _train(
@@ -316,10 +360,7 @@ def _train(
     plan: Any,
     entry: Any,
     split: Any,
-    rank: int,
-    world: int,
-    pp_rank: int,
-    replica: int,
+    coords: Coords,
     my_stages: list[int],
     device: Any,
     backend: str,
@@ -335,19 +376,32 @@ def _train(
     from planner.costmodel import plan_orders
     from planner.schedules import SPLIT_BACKWARD, format_actions, schedule_actions, stage_ranks
     from profiler.split import RngStreams
+    from runtime._dtensor_timing import CollectiveClock, timed_redistributions
     from runtime._torch_schedule import build_schedule
     from runtime.data import DataReport, DataSource, judge, loads_data
-    from runtime.modules import Autocast, NoViewOutputs, Recompute, stage_examples
+    from runtime.mesh import (
+        all_reduce_grad,
+        apply_mesh,
+        build_mesh,
+        data_mesh,
+        full_parameters,
+        make_sharded_optimizer,
+        reduces_data_gradients,
+        squared_grad_norm,
+        stage_shardings,
+    )
+    from runtime.modules import stage_examples
     from runtime.steplog import StepLog
     from runtime.training import (
         LossScaler,
         autocast,
         clip_coefficient,
         has_nonfinite,
-        make_optimizer,
-        squared_norm,
         unique_parameters,
     )
+
+    rank, world, pp_rank, replica, tp_rank = coords.rank, coords.world, coords.pp_rank, coords.replica, coords.tp_rank
+    spec = coords.spec
 
     if not os.environ.get("PIPEPLAN_VERBOSE"):
         # the interleaved schedule logs its whole action table when a rank fails; the status
@@ -355,17 +409,14 @@ def _train(
         for name in ("torch.distributed.pipelining", "torch.distributed.pipelining.schedules"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
-    k_deg, d_deg = plan.pipeline_degree, plan.data_parallel_degree
+    k_deg, d_deg, t_deg = plan.pipeline_degree, plan.data_parallel_degree, spec.tensor_parallel_degree
     num_stages = len(plan.stages)
     m = plan.num_microbatches
-    pp_group = None
-    dp_group = None
-    if d_deg > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(device.type, (d_deg, k_deg), mesh_dim_names=("dp", "pp"))
-        pp_group = mesh.get_group("pp")
-        dp_group = mesh.get_group("dp")
+    # the DeviceMesh ("pp", "dp_replicate", "dp_shard", "tp"); its "pp" group links the stages of
+    # one (replica, tensor-parallel rank), its data axis the replicas of one (stage, tp rank)
+    mesh = build_mesh(spec, device_type=device.type)
+    pp_group = mesh["pp"].get_group()
+    dp_group = data_mesh(mesh, spec).get_group() if d_deg > 1 else None
 
     # ---- tied parameters whose copies land on different pipeline ranks: one group per replica.
     # The lowest pipeline rank holding a copy counts it in the gradient norm.
@@ -377,9 +428,9 @@ def _train(
         ranks_k = sorted({rank_of_stage[stage_of_unit[u]] for u, _ in group})
         if len(ranks_k) < 2:
             continue  # all copies on one rank: one tensor, gradients already summed
-        for d in range(d_deg):
-            pg = dist.new_group([d * k_deg + kk for kk in ranks_k])
-            if d == replica and pp_rank in ranks_k:
+        for d, t in [(d, t) for d in range(d_deg) for t in range(t_deg)]:  # every rank creates every group
+            pg = dist.new_group([spec.rank_of(kk, d, t) for kk in ranks_k])
+            if d == replica and t == tp_rank and pp_rank in ranks_k:
                 u, name = next(
                     (u, n) for u, n in group if rank_of_stage[stage_of_unit[u]] == pp_rank
                 )
@@ -401,12 +452,17 @@ def _train(
         mod: Any = split.stage_module(sp.start, sp.stop, pipeline=True)
         mod.rng = streams
         modules.append(mod)
-        if sp.recompute:
-            mod = Recompute(mod)
-        if opts.mixed:
-            mod = Autocast(mod, device.type, opts.torch_dtype)
-        if plan.schedule in SPLIT_BACKWARD:
-            mod = NoViewOutputs(mod)
+        # tensor parallelism, recompute, autocast (and the split-backward view guard), then FSDP2
+        # outermost (ZeRO 2/3), so that PipelineStage sees the FSDP module; tied weights stay whole
+        mod = apply_mesh(
+            mod,
+            spec,
+            mesh,
+            recompute=sp.recompute,
+            shardings=stage_shardings(coords.shardings, sp.start, sp.stop),
+            wrap=lambda inner: _wrap_stage(inner, opts, device, plan.schedule in SPLIT_BACKWARD),
+            keep_whole=[p for _, p in tied],
+        )
         stage = PipelineStage(
             mod,
             s,
@@ -450,8 +506,29 @@ def _train(
     )
     schedule, _runner = build_schedule(plan.schedule, stages, actions, template, m, loss_fn=loss_fn)
     params = unique_parameters(modules)
-    # a rank whose stages hold no parameter (a Tanh alone) has nothing to update
-    opt = make_optimizer(opts.optimizer, params, lr=opts.lr) if params else None
+    # a rank whose stages hold no parameter (a Tanh alone) has nothing to update; ZeRO 1: each
+    # replica keeps the optimizer state of its share
+    opt = make_sharded_optimizer(opts.optimizer, params, lr=opts.lr, spec=spec, mesh=mesh) if params else None
+    # this rank's parameters by the model's names (a tied weight's copies on this rank: one entry)
+    named = list(
+        {
+            name: p
+            for s in my_stages
+            for u in range(plan.stages[s].start, plan.stages[s].stop)
+            for name, p in split.units[u].named_parameters()
+        }.items()
+    )
+    first_step = 0
+    if args.resume:
+        from runtime.checkpoint import load_checkpoint
+
+        status.phase = "loading the checkpoint"
+        write_status(args.run_dir, status)
+        first_step = load_checkpoint(
+            args.resume, named, opt, model=args.model, sha256=split.sha256(), optimizer_name=opts.optimizer
+        ).step
+        if first_step >= args.steps:
+            raise InputError(f"--resume {args.resume}: its checkpoint is at step {first_step}; give --steps above it")
     has_first = 0 in my_stages
     has_last = (num_stages - 1) in my_stages
     b = plan.microbatch_size
@@ -460,17 +537,22 @@ def _train(
     source = DataSource.of(entry, global_batch_size=plan.global_batch_size, steps=args.steps, seed=args.seed)
     reads = loads_data(source.kind, has_first=has_first, has_last=has_last, takes_target=entry.takes_target)
     reader = source.open(replica, d_deg) if reads else None
+    if reader is not None and source.kind in ("iterable", "per-replica"):
+        for s in range(first_step):  # resumed: skip the batches the checkpointed steps trained on
+            reader.next(s)
     dummy_target = torch.zeros(m * b, device=device)  # a loss of the output alone ignores it
     warnings: list[str] = []
     log = StepLog(args.log_file) if args.log_file and rank == 0 else None
 
     step_ms: list[float] = []
     phases: list[list[float]] = []
+    tp_clock = CollectiveClock()  # DTensor's collectives (T > 1), inside the schedule's F and B
+    tp_ms: list[float] = []
     local_losses: list[float | None] = []
     grad_norms: list[float | None] = []
     skipped: list[bool] = []
     status.state = "running"
-    for step in range(args.steps):
+    for step in range(first_step, args.steps):
         status.step = step
         status.phase = "reading data"
         write_status(args.run_dir, status)
@@ -510,20 +592,27 @@ def _train(
         t0 = time.perf_counter()
         losses: list[Any] = []
         scale = scaler.scale
-        schedule.step(*inputs, target=target, losses=losses)
+        tp_before = tp_clock.seconds
+        with timed_redistributions(tp_clock) if t_deg > 1 else contextlib.nullcontext():
+            schedule.step(*inputs, target=target, losses=losses)
         _sync(device)
         t_schedule = time.perf_counter()
+        tp_ms.append((tp_clock.seconds - tp_before) * 1e3)
         for p in params:
             if p.grad is not None:
                 p.grad.div_(m)  # mean over micro-batches, once per tensor
-        if dp_group is not None:
-            _allreduce_mean([p.grad for p in params if p.grad is not None], dp_group, d_deg)
+        if dp_group is not None:  # FSDP2 (ZeRO 2/3) averaged the gradients of what it shards itself
+            mine_to_reduce = [p for p in params if p.grad is not None and not reduces_data_gradients(spec, p)]
+            _allreduce_mean([p.grad for p in mine_to_reduce if not _is_dtensor(p.grad)], dp_group, d_deg)
+            for p in mine_to_reduce:
+                if _is_dtensor(p.grad):  # tensor-parallel shards: one all-reduce of the local shard each
+                    all_reduce_grad(p, dp_group, divide=d_deg)
         _sync(device)
         t_allreduce = time.perf_counter()
         for pg, p in tied:
             if p.grad is None:  # every holder must join the all-reduce
                 p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=pg)
+            all_reduce_grad(p, pg)
         _sync(device)
         t_tied = time.perf_counter()
         grads = [p.grad for p in params if p.grad is not None]
@@ -531,15 +620,16 @@ def _train(
         if scaler.enabled:  # one decision for the whole job: any rank's inf skips the step everywhere
             for g in grads:
                 g.div_(scale)
-            flag = torch.tensor([1.0 if has_nonfinite(grads) else 0.0], device=device)
+            flag = torch.tensor([1.0 if has_nonfinite(_local(g) for g in grads) else 0.0], device=device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             skip = bool(flag.item() > 0)
             scaler.update(skip)
         norm = None
         if (opts.clip_grad_norm is not None or args.log_file) and not skip:  # every rank joins the reduction
-            part = squared_norm(p.grad for p in params if p.grad is not None and id(p) not in not_mine_in_norm)
-            total = part.to(device)
-            dist.all_reduce(total, group=pp_group)  # replicas hold the same averaged gradient
+            # DTensor gradients (tensor-parallel or FSDP shards) count whole: a collective over their mesh
+            part = squared_grad_norm(params, skip=not_mine_in_norm)
+            total = torch.tensor(part, dtype=torch.float64, device=device)
+            dist.all_reduce(total, group=pp_group)  # replicas (and tp ranks) hold the same whole gradient
             norm = math.sqrt(float(total))
             if opts.clip_grad_norm is not None:
                 coef = clip_coefficient(norm, opts.clip_grad_norm)
@@ -554,6 +644,17 @@ def _train(
             opt.zero_grad(set_to_none=True)
         _sync(device)
         t_end = time.perf_counter()
+        if args.checkpoint and ((args.every and (step + 1) % args.every == 0) or step + 1 == args.steps):
+            from runtime.checkpoint import save_checkpoint
+
+            status.phase = "saving a checkpoint"
+            write_status(args.run_dir, status)
+            save_checkpoint(
+                args.checkpoint, step + 1, named, opt, model=args.model, sha256=split.sha256(),
+                plan=f"K={k_deg} D={d_deg} T={t_deg} zero={spec.zero_stage} {plan.schedule}",
+                optimizer_name=opts.optimizer,
+            )  # fmt: skip
+            progress.beat = time.monotonic()
         step_ms.append((t_end - t0) * 1e3)
         # where the step went, for calibration (runtime/report.py): start on the host's clock,
         # then schedule, data-parallel all-reduce, tied-weight all-reduce, optimizer (ms)
@@ -583,7 +684,20 @@ def _train(
         "timings": timings,
         "phases": phases,
         "host": socket.gethostname(),
-        "allreduce_bytes": sum(p.numel() * p.element_size() for p in params) if dp_group is not None else 0,
+        "tp_rank": tp_rank,
+        "mesh": {
+            "tp_layers": [u for s in my_stages for u in range(plan.stages[s].start, plan.stages[s].stop) if u in coords.shardings],
+            "fsdp": sum(1 for p in params if reduces_data_gradients(spec, p)),
+            "optimizer": type(opt).__name__ if opt is not None else None,
+        },
+        "pipeline_rank": pp_rank,
+        "tp_ms": tp_ms,
+        "first_step": first_step,
+        "allreduce_bytes": sum(
+            _local(p).numel() * p.element_size() for p in params if not reduces_data_gradients(spec, p)
+        )
+        if dp_group is not None
+        else 0,
         "peak": peak,
         "threads": torch.get_num_threads(),
         "params": None,
@@ -593,13 +707,10 @@ def _train(
         "skipped": skipped,
         "warnings": warnings,
     }
-    if args.check and replica == 0:
-        mine["params"] = {
-            name: p.detach().cpu().clone()
-            for s in my_stages
-            for u in range(plan.stages[s].start, plan.stages[s].stop)
-            for name, p in split.units[u].named_parameters()
-        }
+    if args.check:  # every rank gathers its DTensors whole (a collective); replica 0, tp rank 0 sends them
+        full = full_parameters(named)
+        if replica == 0 and tp_rank == 0:
+            mine["params"] = full
     gathered: list[Any] = [None] * world if rank == 0 else []
     dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
     dist.barrier()
@@ -665,15 +776,22 @@ def _finish(
     from runtime.training import compare, train_reference
 
     steps = args.steps
-    step_ms = [max(g["step_ms"][i] for g in gathered) for i in range(steps)]
+    first_step = gathered[0]["first_step"]  # > 0 when resumed from a checkpoint
+    run_steps = steps - first_step
+    step_ms = [max(g["step_ms"][i] for g in gathered) for i in range(run_steps)]
     losses: list[float | None] = []
-    for i in range(steps):
+    for i in range(run_steps):
         vals = [g["losses"][i] for g in gathered if g["losses"][i] is not None]
         losses.append(sum(vals) / len(vals) if vals else None)
     fwd: dict[int, list[list[float]]] = {}
     bwd: dict[int, list[list[float]]] = {}
     peak: dict[int, int | None] = {}
     for g in gathered:
+        if g["tp_rank"] != 0:  # the other tensor-parallel ranks ran the same actions at the same time
+            if g["peak"] is not None:
+                for s in g["stages"]:
+                    peak[s] = max(peak.get(s) or 0, g["peak"])
+            continue
         for s in g["stages"]:
             t = g["timings"][s]
             # replicas of one stage: keep every replica's samples
@@ -684,6 +802,24 @@ def _finish(
             if g["peak"] is not None:
                 peak[s] = max(peak.get(s) or 0, g["peak"])
     notes = [_training_note(opts, gathered)]
+    if first_step:
+        notes.append(
+            f"resumed from {args.resume} at step {first_step}: this run trained steps {first_step}..{steps - 1}, "
+            f"numbered from 0 in the tables"
+        )
+    t_deg = plan.tensor_parallel_degree
+    mesh_line = _mesh_note(plan, split, gathered)
+    if mesh_line:
+        notes.append(mesh_line)
+    comm_line = _collectives_note(plan, gathered)
+    if comm_line:
+        notes.append(comm_line)
+    if t_deg > 1:
+        notes.append(
+            f"tensor parallelism T = {t_deg}: the per-rank rows and the timeline show tensor-parallel rank 0 of "
+            f"each (stage, replica), numbered k * D + d (its global rank is that number x {t_deg}); the other "
+            "tensor-parallel ranks run the same actions in step with it"
+        )
     if entry.has_data:
         readers = [g["rank"] for g in gathered if g["reads"]]
         notes.append(
@@ -715,7 +851,9 @@ def _finish(
         notes=notes,
         ranks=[
             RankRecord(
-                rank=g["rank"],
+                # T > 1: tensor-parallel rank 0 of each (stage, replica), numbered k * D + d (see the note)
+                rank=g["rank"] // t_deg,
+                pipeline_rank=g["pipeline_rank"],
                 replica=g["replica"],
                 host=g["host"],
                 stages=g["stages"],
@@ -724,6 +862,7 @@ def _finish(
                 events={s: g["timings"][s]["events"] for s in g["stages"]},
             )
             for g in gathered
+            if g["tp_rank"] == 0
         ],
     )
     failed = None
@@ -756,6 +895,15 @@ def _finish(
             if g["params"]:
                 params.update(g["params"])
         got_losses = [x if x is not None else float("nan") for x in losses]
+        if first_step:  # resumed: the reference trained every step from the seed's weights
+            import dataclasses
+
+            reference = dataclasses.replace(reference, losses=reference.losses[first_step:])
+            report.notes.append(
+                f"check after --resume: the unsplit reference trains all {steps} steps from the seed's initial "
+                f"weights and is compared at steps {first_step}..{steps - 1} and at the end; it holds when the "
+                "checkpoint came from a run with the same --seed, data, learning-rate schedule and batch"
+            )
         cmp = compare(got_losses, params, reference)
         passed = cmp.max_loss_rel_diff <= tol and cmp.max_param_rel_diff <= tol
         check = check_report(
@@ -802,6 +950,77 @@ def _finish(
     return 0
 
 
+def _mesh_note(plan: Any, split: Any, gathered: list[Any]) -> str:
+    """One line on what the mesh axes did (empty for a K x D plan with ZeRO 0)."""
+    from runtime.mesh import MeshSpec
+
+    spec = MeshSpec.of(plan)
+    parts = []
+    if spec.tensor_parallel_degree > 1:
+        from runtime.mesh import profiled_kinds
+
+        sharded = sorted({u for g in gathered for u in g["mesh"]["tp_layers"]})
+        kinds = profiled_kinds(split)
+        whole = [
+            split.names[u] + (f" (priced as {kinds[u]}-sharded by the plan: its memory is above the prediction)"
+                              if kinds[u] != "replicated" else "")
+            for u in range(len(split.names))
+            if u not in sharded
+        ]  # fmt: skip
+        parts.append(
+            f"tensor parallelism T = {spec.tensor_parallel_degree} on {len(sharded)} layer(s) "
+            f"({', '.join(split.names[u] for u in sharded)})"
+            + (f"; run whole on every tensor-parallel rank: {', '.join(whole)}" if whole else "")
+        )
+    if spec.zero_stage and spec.data_parallel_degree > 1:
+        if spec.zero_stage >= 2:
+            n = sum(g["mesh"]["fsdp"] for g in gathered if g["replica"] == 0 and g["tp_rank"] == 0)
+            parts.append(
+                f"ZeRO {spec.zero_stage}: FSDP2 fully_shard over the {spec.data_parallel_degree} replicas of each "
+                f"stage ({n} parameter tensor(s) sharded, reshard after forward: "
+                f"{'yes' if spec.reshard_after_forward() else 'no'}; tied weights across stages stay whole)"
+            )
+        else:
+            kinds = sorted({str(g["mesh"]["optimizer"]) for g in gathered})
+            parts.append(
+                f"ZeRO 1: optimizer state sharded over the {spec.data_parallel_degree} replicas ({', '.join(kinds)})"
+            )
+    return "mesh: " + "; ".join(parts) if parts else ""
+
+
+def _collectives_note(plan: Any, gathered: list[Any]) -> str:
+    """Measured time per step in the collectives the runtime runs between schedule steps (the
+    slowest rank's, median after the first step), beside the plan's prediction where it has one."""
+    import statistics
+
+    n = len(gathered[0]["phases"])
+    if n == 0:
+        return ""
+    first = 1 if n > 1 else 0
+
+    def median_ms(col: int) -> float:
+        return float(statistics.median(max(g["phases"][i][col] for g in gathered) * 1e3 for i in range(first, n)))
+
+    parts = []
+    d, zero = plan.data_parallel_degree, plan.zero_stage
+    if d > 1:
+        what = "flat all-reduce" + (" of what FSDP2 does not shard" if zero >= 2 else "")
+        parts.append(
+            f"data-parallel {what}: measured {median_ms(2):.2f} ms, predicted {plan.predicted.allreduce_ms:.2f} ms"
+            + ("; FSDP2's all-gathers and reduce-scatters run inside the schedule's forward and backward" if zero >= 2 else "")
+        )
+    tied = median_ms(3)
+    if tied > 0.0 and plan.pipeline_degree > 1:
+        parts.append(f"tied-weight sums between pipeline ranks: measured {tied:.2f} ms")
+    if plan.tensor_parallel_degree > 1:
+        tp = statistics.median(max(g["tp_ms"][i] for g in gathered) for i in range(first, n))
+        parts.append(
+            f"tensor-parallel collectives (DTensor's, inside the layers' forward and backward, counted in the "
+            f"stage times): measured {tp:.2f} ms (the plan predicts no separate figure for them)"
+        )
+    return "collectives per step: " + "; ".join(parts) if parts else ""
+
+
 def _training_note(opts: Any, gathered: list[Any]) -> str:
     """One line: dtype, learning-rate schedule, clipping (and how often it clipped), loss scaling."""
     parts = [
@@ -826,6 +1045,28 @@ def _training_note(opts: Any, gathered: list[Any]) -> str:
     if skipped:
         parts.append(f"{skipped} step(s) skipped for inf/NaN gradients")
     return "training: " + ", ".join(parts)
+
+
+def _wrap_stage(mod: Any, opts: Any, device: Any, split_backward: bool) -> Any:
+    """Autocast for a 16-bit run; the view guard of the split-backward schedules."""
+    from runtime.modules import Autocast, NoViewOutputs
+
+    if opts.mixed:
+        mod = Autocast(mod, device.type, opts.torch_dtype)
+    if split_backward:
+        mod = NoViewOutputs(mod)
+    return mod
+
+
+def _is_dtensor(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _local(p: Any) -> Any:
+    """A parameter's local part (a DTensor's shard)."""
+    return p.to_local() if _is_dtensor(p) else p
 
 
 def _sync(device: Any) -> None:

@@ -1,5 +1,5 @@
 """A small pipelined training job on the mesh of :mod:`runtime.mesh`, for the mesh and
-checkpoint tests (the bundled worker does not call runtime.mesh yet).
+checkpoint tests, without the worker (tests/runtime/test_mesh_run.py runs the worker itself on the mesh).
 
 Every rank: split ``examples.gpt:tiny`` with the profiler's splitter, build its stage with
 :func:`runtime.mesh.apply_mesh`, run ``torch.distributed.pipelining``'s 1F1B (or GPipe) on

@@ -203,14 +203,15 @@ def test_a_damaged_checkpoint_gets_a_clear_error(tmp_path: Path) -> None:
         read_info(tmp_path)
 
 
-def test_pipeplan_run_refuses_axes_it_does_not_execute_yet(tmp_path: Path) -> None:
+def test_pipeplan_run_refuses_zero_with_tensor_parallelism_before_launch(tmp_path: Path) -> None:
     from tests.runtime.helpers import make_plan, run_cli, structure_profile, write_plan
 
-    plan = make_plan(structure_profile("examples.gpt:tiny"), [(0, 3), (3, 6)], microbatches=2)
+    plan = make_plan(structure_profile("examples.gpt:tiny"), [(0, 3), (3, 6)], microbatches=2, data_parallel=2, devices=4)
     path = write_plan(plan.model_copy(update={"tensor_parallel_degree": 2, "zero_stage": 1}), tmp_path / "p.json")
     proc, _ = run_cli(["run", "--plan", str(path), "--model", "examples.gpt:tiny", "--steps", "1"])
     assert proc.returncode != 0
-    assert "error: pipeplan run does not execute tensor_parallel_degree 2 and zero_stage 1 yet" in proc.stderr
+    assert "error: the runtime cannot execute this plan's mesh" in proc.stderr
+    assert "zero_stage 1 with tensor_parallel_degree 2: the runtime does not combine ZeRO with tensor parallelism" in proc.stderr
 
 
 def test_resume_is_checked_before_any_rank_starts(tmp_path: Path) -> None:
