@@ -107,7 +107,9 @@ def allreduce_per_rank(plan: Plan) -> list[float]:
         cluster = plan.cluster
         same = all(cluster.same_node(replicas[0], x) for x in replicas)
         link = cluster.intra_node if same else cluster.inter_node
-        out.append(allreduce_ms(grad_bytes, d, link.bandwidth_bytes_per_s, link.latency_s))
+        # what adds to the step: the share that does not overlap the last backward
+        out.append(allreduce_ms(grad_bytes, d, link.bandwidth_bytes_per_s, link.latency_s)
+                   * (1.0 - plan.training.gradient_overlap))
     return out
 
 

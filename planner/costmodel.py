@@ -627,7 +627,9 @@ def estimate(
         ar_rank.append(allreduce_ms(grad_bytes, data_parallel, link.bandwidth_bytes_per_s, link.latency_s))
     # the calibrated fixed cost of a step (optimizer, launch: planner/calibrate.py), 0 as profiled
     overhead = profile.step_overhead_ms
-    step = max(f + a for f, a in zip(finish, ar_rank, strict=True)) + overhead
+    # the share of each rank's collective that overlaps its last backward does not add to the step
+    exposed = 1.0 - training.gradient_overlap
+    step = max(f + a * exposed for f, a in zip(finish, ar_rank, strict=True)) + overhead
 
     stage_plans = [
         StagePlan(

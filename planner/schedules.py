@@ -717,19 +717,25 @@ def _undominated(points: list[MemoryPoint]) -> list[MemoryPoint]:
         return kept
     import numpy as np  # only here: long walks
 
-    rows = np.array([p.coef for p in order])
-    lives = np.array([p.live for p in order])
-    n = len(order)
-    dominated = np.zeros(n, dtype=bool)
-    for lo in range(0, n, 128):
-        block = rows[lo : lo + 128]
-        # ge[i, j]: point j has at least point i's counts (exact duplicates were merged)
-        ge = (rows[None, :, :] >= block[:, None, :]).all(axis=2)
-        same = (lives[None, :] == lives[lo : lo + 128, None]) | (lives[lo : lo + 128, None] == -1)
-        ge &= same
-        ge[np.arange(len(block)), np.arange(lo, lo + len(block))] = False
-        dominated[lo : lo + 128] = ge.any(axis=1)
-    return [p for p, d in zip(order, dominated.tolist(), strict=True) if not d]
+    # the same scan against the kept points only (few), as arrays: a point any other dominates
+    # is dominated by a kept one too (dominance is transitive, and the order puts every point
+    # after those that dominate it)
+    width = len(order[0].coef)
+    kept_rows = np.empty((len(order), width))
+    kept_lives = np.empty(len(order), dtype=int)
+    out: list[MemoryPoint] = []
+    for p in order:
+        n = len(out)
+        if n:
+            ge = (kept_rows[:n] >= np.asarray(p.coef)).all(axis=1)
+            if p.live != -1:
+                ge &= kept_lives[:n] == p.live
+            if ge.any():
+                continue
+        kept_rows[n] = p.coef
+        kept_lives[n] = p.live
+        out.append(p)
+    return out
 
 
 def peak_bytes(

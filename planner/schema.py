@@ -542,6 +542,12 @@ class TrainingSetup(_Model):
         "reduce-scatters) hide behind this fraction of the layer's own compute (prefetch); the "
         "rest adds to its time.  0: never overlapped",
     )
+    gradient_overlap: Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)] = Field(
+        default=0.0,
+        description="share of the gradient collective after a rank's last backward (the data-parallel "
+        "all-reduce, or ZeRO's reduce-scatter + all-gather) that overlaps that backward, as DDP's "
+        "bucketed all-reduce does; the rest adds to the step.  0 (default): none overlaps",
+    )
 
     @model_validator(mode="after")
     def _check_optimizer(self) -> TrainingSetup:

@@ -169,6 +169,7 @@ def chain_split(
                 steps = 2 * (d - 1)
                 gr = grads[:, cols]
                 ar = np.where(gr > 0, (steps / d * gr / link.bandwidth_bytes_per_s + steps * link.latency_s) * 1e3, 0.0)
+                ar = ar * (1.0 - training.gradient_overlap)
             else:
                 ar = np.zeros_like(fw)
             back = (g_pre + up[s])[st]

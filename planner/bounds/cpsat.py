@@ -76,8 +76,8 @@ def config_bound(
     # all-reduce is linear in gradient bytes: ar = alpha * bytes + beta
     if d > 1:
         steps = 2 * (d - 1)
-        alpha_ms = steps / d / link.bandwidth_bytes_per_s * 1e3 * sm.grad_factor
-        beta = steps * link.latency_s * 1e3
+        alpha_ms = steps / d / link.bandwidth_bytes_per_s * 1e3 * sm.grad_factor * sm.ar_exposed
+        beta = steps * link.latency_s * 1e3 * sm.ar_exposed
     else:
         alpha_ms = beta = 0.0
     arpre = [math.floor(p * alpha_ms / unit) for p in sm.PP]

@@ -137,7 +137,7 @@ def split_lower_bound(sm: StageModel, cluster: Cluster, groups: Sequence[Group],
         else:
             grad_bytes = sum(sm.PP[ranges[s][1]] - sm.PP[ranges[s][0]] for s in own) * sm.grad_factor
             link = groups[split.groups[first]].link
-            ar = allreduce_ms(grad_bytes, cfg.data_parallel, link.bandwidth_bytes_per_s, link.latency_s)
+            ar = allreduce_ms(grad_bytes, cfg.data_parallel, link.bandwidth_bytes_per_s, link.latency_s) * sm.ar_exposed
         idle = 0.0
         if cfg.schedule == "1f1b":
             w = min(k - r - 1, m)

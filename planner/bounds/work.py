@@ -54,6 +54,7 @@ def cheap_bound(search: SearchState, cfg: Config, groups: Sequence[Group]) -> fl
         link = max((g.link for g in groups), key=lambda li: (li.bandwidth_bytes_per_s, -li.latency_s))
         grads = costs.prefix_param[-1] * search.training.gradient_bytes_per_param_byte
         ar_all = (2 * (d - 1) / d * grads / link.bandwidth_bytes_per_s + k * 2 * (d - 1) * link.latency_s) * 1e3
+        ar_all *= 1.0 - search.training.gradient_overlap
         bound = max(bound, m * w / ssum + smin * ar_all / ssum)
     # (both shared by the schedules of one shape: cached on what they read)
     groups_key = tuple(g.devices for g in groups)
@@ -182,7 +183,7 @@ def rank_allreduce_bound(search: SearchState, cfg: Config, groups: Sequence[Grou
 
     def rank_bound(path_f: float, path_b: float, work_params: tuple[float, float]) -> float:
         grads = work_params[1] * factor
-        ar = allreduce_ms(grads, d, link.bandwidth_bytes_per_s, link.latency_s)
+        ar = allreduce_ms(grads, d, link.bandwidth_bytes_per_s, link.latency_s) * (1.0 - search.training.gradient_overlap)
         return path_f + m * work_params[0] / smax + max(path_b, ar)
 
     if k == 1:  # one rank holds every layer

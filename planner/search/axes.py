@@ -16,7 +16,7 @@ First every family's ZeRO-0 solve (1), then the ZeRO solves (2, 3):
    mostly pays only where memory binds (mostly: ZeRO-2/3 trade the collective after the step
    for per-micro-batch ones that ``zero_overlap`` may hide, so they can be faster); the message
    says so, and the gap then covers ZeRO 0 there (``--zero N`` searches it).  A small instance
-   (at most ``SMALL_LAYERS`` layers) is never cut short this way, and solves every (ZeRO stage,
+   (:func:`small_instance`) is never cut short this way, and solves every (ZeRO stage,
    D) apart when there are at most ``EXACT_ZERO_SOLVES``: its gap is exact over the whole space.
 2. When ZeRO is free (and the family is memory-bound, or nothing fits) or fixed above 0: the *relaxed* problem of the family (no parameter,
    gradient or optimizer-state bytes and no gradient collective: every ZeRO stage at every D
@@ -161,7 +161,8 @@ def solve(
     for fam in families:
         check_mesh(fam.mesh(), cluster, across_nodes=options.tensor_parallel_across_nodes)
     per_solve = max(MIN_SOLVE_S, options.time_limit_s * SOLVE_SHARE)
-    if base.num_layers <= SMALL_LAYERS:
+    small = small_instance(base, cluster, training)
+    if small:
         # a small instance's solves end when they prove their optimum, long before the limit:
         # the whole limit is only their wall-clock net (which a loaded machine may reach)
         per_solve = options.time_limit_s
@@ -248,7 +249,6 @@ def solve(
     # recompute families (when the choice is free) only where some plan is memory-bound
     zero_families: list[_Family] = []
     # (a small instance searches every ZeRO stage and selective recompute: exact, not skipped)
-    small = base.num_layers <= SMALL_LAYERS
     skip_zero = zero_fixed is None and not small
     deferred = [f for f in order if f.selective_recompute] if (
         options.selective_recompute is None and 0 in zeros and not small) else []
@@ -357,9 +357,20 @@ def solve(
     return best.model_copy(update={"solver": SolverInfo(status=status, gap=gap, wall_time_s=wall, message=message)})
 
 
-#: a small instance (at most SMALL_LAYERS layers) solves every (ZeRO stage, D) when there are
-#: at most this many, instead of bounding ZeRO by its relaxation
+#: a small instance (:func:`small_instance`) solves every (ZeRO stage, D) when there are at
+#: most this many, instead of bounding ZeRO by its relaxation
 EXACT_ZERO_SOLVES = 12
+#: a small instance has at most SMALL_LAYERS layers, this many devices and this global batch
+SMALL_DEVICES = 8
+SMALL_BATCH = 64
+
+
+def small_instance(profile: Profile, cluster: Cluster, training: TrainingSetup) -> bool:
+    """Small enough to search exactly (every ZeRO stage and D apart, nothing skipped): at most
+    ``SMALL_LAYERS`` layers, ``SMALL_DEVICES`` devices and a global batch of ``SMALL_BATCH``
+    (the issue's "L <= 16 with K <= 4", with room; a large batch means long schedules)."""
+    return (profile.num_layers <= SMALL_LAYERS and cluster.num_devices <= SMALL_DEVICES
+            and training.global_batch_size <= SMALL_BATCH)
 
 
 def _exact_zero_degrees(profile: Profile, cluster: Cluster, training: TrainingSetup, options: PlanOptions,
@@ -367,7 +378,7 @@ def _exact_zero_degrees(profile: Profile, cluster: Cluster, training: TrainingSe
     """The replica counts D > 1 to solve one by one for ZeRO on a small instance (empty: not a
     small instance, or the intra-node link is not the faster one, which those solves assume)."""
     intra, inter = cluster.intra_node, cluster.inter_node
-    if profile.num_layers > SMALL_LAYERS or (
+    if not small_instance(profile, cluster, training) or (
         intra.bandwidth_bytes_per_s < inter.bandwidth_bytes_per_s or intra.latency_s > inter.latency_s
     ):
         return []

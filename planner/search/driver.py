@@ -89,6 +89,7 @@ from planner.infeasible import diagnose
 from planner.schema import Cluster, Plan, PlanOptions, Profile, SolverInfo, TrainingSetup
 from planner.search.model import work_total
 from planner.search.space import (
+    SIM_ACTION_LIMIT,
     Config,
     Group,
     device_orders,
@@ -133,8 +134,6 @@ WALL_SAFETY = 3.0
 LEVEL0_CLOCK_EVERY = 64
 #: least time CP-SAT gets to tighten open bounds (seconds, within the time limit)
 TIGHTEN_MIN_S = 0.25
-#: configurations whose schedule has more actions (2 x M x stages) are not simulated
-SIM_ACTION_LIMIT = 300_000
 
 
 def solve(

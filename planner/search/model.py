@@ -93,6 +93,8 @@ class StageModel:
         self.G = costs.prefix_grad
         self.PP = costs.prefix_param
         self.grad_factor = training.gradient_bytes_per_param_byte
+        #: the share of the gradient collective that adds to the step (the rest overlaps the backward)
+        self.ar_exposed = 1.0 - training.gradient_overlap
         # prefix minimum of the stage-input bytes over starts 1..a (starts >= 1 only):
         # a lower bound of the recompute stash that shrinks as the start moves right.
         pmin = [costs.input_bytes] * (self.L + 1)
@@ -187,7 +189,7 @@ class StageModel:
     def allreduce(self, a: int, b: int, group: Group) -> float:
         grad = (self.PP[b] - self.PP[a]) * self.grad_factor
         link = group.link
-        return allreduce_ms(grad, self.cfg.data_parallel, link.bandwidth_bytes_per_s, link.latency_s)
+        return allreduce_ms(grad, self.cfg.data_parallel, link.bandwidth_bytes_per_s, link.latency_s) * self.ar_exposed
 
     # ------------------------------------------------------------------ memory
 
@@ -435,7 +437,7 @@ def quick_step(
         own = sm.rank_stages[r]
         grad = sum(sm.PP[ranges[s][1]] - sm.PP[ranges[s][0]] for s in own) * sm.grad_factor
         link = groups[split.groups[own[0]]].link
-        ar = allreduce_ms(grad, cfg.data_parallel, link.bandwidth_bytes_per_s, link.latency_s)
+        ar = allreduce_ms(grad, cfg.data_parallel, link.bandwidth_bytes_per_s, link.latency_s) * sm.ar_exposed
         step = max(step, finish[r] + ar)
     return step
 

@@ -36,6 +36,8 @@ from planner.schema import (
 MAX_VIRTUAL_STAGES = 4
 #: micro-batch sizes beyond this multiple of the largest measured one are not tried (unless M is fixed)
 MAX_EXTRAPOLATION = 2
+#: configurations whose schedule has more actions (2 x M x stages) are not simulated
+SIM_ACTION_LIMIT = 300_000
 
 
 @dataclass(frozen=True, order=True)

@@ -3,12 +3,13 @@ and the configuration a Megatron-LM user writes by hand (:func:`seed_with_stack_
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from planner.baselines import baseline_splits
 from planner.schedules import ScheduleError, check_schedule_shape
 from planner.schema import Schedule
-from planner.search.space import Config, fixed_ranges, make_groups
+from planner.search.space import SIM_ACTION_LIMIT, Config, fixed_ranges, make_groups
 from planner.search.state import SearchState, consider
 from planner.splits.recompute import with_recompute
 
@@ -73,7 +74,7 @@ def seed_with_stack_rule(search: SearchState) -> None:
     allowed = opts.schedules or (["interleaved-1f1b", "1f1b"] if opts.schedule is None else [opts.schedule])
     tried = 0
     for k in range(1, cl.num_devices + 1):
-        if tried >= STACK_RULE_DEGREES:
+        if tried >= STACK_RULE_DEGREES or time.perf_counter() > search.wall_stop:
             break
         if cl.num_devices % k or static / k > usable:
             continue
@@ -91,8 +92,8 @@ def seed_with_stack_rule(search: SearchState) -> None:
                 continue
             ranges = stack_rule_ranges(n, k * v)
             cfg = Config(d, k, m, sched, v)
-            if ranges is None:
-                continue
+            if ranges is None or 2 * m * k * v > SIM_ACTION_LIMIT:
+                continue  # (a step too long to simulate: the driver leaves such shapes out too)
             try:
                 check_schedule_shape(*cfg.shape)
             except ScheduleError:

@@ -83,19 +83,21 @@ SHAPES = [
     slow=st.booleans(),
     recompute=st.sampled_from([None, False, True]),
     d=st.sampled_from([1, 1, 2]),
+    overlap=st.sampled_from([0.0, 0.0, 0.6]),
 )
 def test_cheap_bound_never_exceeds_the_exhaustive_optimum(
-    seed: int, shape: tuple[int, int, str], m: int, memory: str, slow: bool, recompute: bool | None, d: int
+    seed: int, shape: tuple[int, int, str], m: int, memory: str, slow: bool, recompute: bool | None, d: int,
+    overlap: float,
 ) -> None:
     """``d = 2`` runs two data-parallel replicas, so every rank all-reduces its gradients
-    (what :func:`planner.bounds.work.rank_allreduce_bound` counts)."""
+    (what :func:`planner.bounds.work.rank_allreduce_bound` counts), ``overlap`` of it hidden."""
     k, v, schedule = shape
     m = runnable_m(schedule, k, m, v)  # type: ignore[arg-type]
     layers = 6 if k * v < 6 else 7
     profile = random_profile(seed, layers, split_backward=seed % 2 == 1)
     speeds = [1.0] + [0.5] * (k * d - 1) if slow else None
     cl = cluster(k * d, memory, speeds=speeds)
-    training = TrainingSetup(global_batch_size=8 * m * d, optimizer="sgd")
+    training = TrainingSetup(global_batch_size=8 * m * d, optimizer="sgd", gradient_overlap=overlap)
     cfg = Config(d, k, m, schedule, v)  # type: ignore[arg-type]
     search = SearchState(profile, cl, training, PlanOptions(recompute=recompute), deadline=math.inf)
     groups = make_groups(cl, training, d, k)
@@ -246,9 +248,10 @@ def _uniform_profile(layers: int, *, f: float = 1.0, b: float = 2.0) -> Profile:
     d=st.sampled_from([1, 2]),
     slow=st.booleans(),
     rc_share=st.sampled_from([0.0, 0.3, 1.0]),
+    overlap=st.sampled_from([0.0, 0.5]),
 )
 def test_split_bound_with_fill_and_drain_is_below_the_simulated_step(
-    seed: int, k: int, extra: int, d: int, slow: bool, rc_share: float
+    seed: int, k: int, extra: int, d: int, slow: bool, rc_share: float, overlap: float
 ) -> None:
     """Random 1F1B splits from M = K (where the two waits overlap) upwards, any speeds,
     recompute and data parallelism: the split bound never exceeds the simulated step."""
@@ -264,7 +267,7 @@ def test_split_bound_with_fill_and_drain_is_below_the_simulated_step(
     profile = random_profile(seed, layers)
     n_dev = d * k
     cl = cluster(n_dev, "64GiB", speeds=[rng.choice([0.5, 1.0]) for _ in range(n_dev)] if slow else None)
-    training = TrainingSetup(global_batch_size=d * m * 2, optimizer="sgd")
+    training = TrainingSetup(global_batch_size=d * m * 2, optimizer="sgd", gradient_overlap=overlap)
     cfg = Config(d, k, m, "1f1b")
     groups = make_groups(cl, training, d, k)
     sm = StageModel(layer_costs(profile, 2), cfg, training)
@@ -520,9 +523,10 @@ def test_chunk_bound_counts_whole_layers_and_a_head_only_one_chunk_can_keep(
     shape=st.sampled_from(SHAPES),
     m=st.sampled_from([2, 4]),
     bandwidth=st.sampled_from([5e8, 2e9, 1e11]),
+    overlap=st.sampled_from([0.0, 0.7]),
 )
 def test_pinned_ranks_with_their_allreduce_stay_below_the_optimum(
-    seed: int, shape: tuple[int, int, str], m: int, bandwidth: float
+    seed: int, shape: tuple[int, int, str], m: int, bandwidth: float, overlap: float
 ) -> None:
     """Two replicas on a slow link, so the all-reduce after each rank's work is a large part
     of the step: the bound on ranks 0, K-1 and the busiest, with their all-reduce, must
@@ -537,7 +541,7 @@ def test_pinned_ranks_with_their_allreduce_stay_below_the_optimum(
         "devices": k * d, "memory": "1GiB", "devices_per_node": 2 * k,
         "intra_node": {"bandwidth_bytes_per_s": bandwidth, "latency_s": 1e-4},
     })
-    training = TrainingSetup(global_batch_size=2 * m * d, optimizer="sgd")
+    training = TrainingSetup(global_batch_size=2 * m * d, optimizer="sgd", gradient_overlap=overlap)
     cfg = Config(d, k, m, schedule, v)  # type: ignore[arg-type]
     search = SearchState(profile, cl, training, PlanOptions(), deadline=math.inf)
     bound = rank_allreduce_bound(search, cfg, make_groups(cl, training, d, k))

@@ -44,14 +44,16 @@ def two_tier(n: int, memory: str, *, per_node: int) -> Cluster:
     extra=st.integers(0, 6),
     d=st.sampled_from([1, 2]),
     per_node=st.sampled_from([1, 2, 4]),
+    overlap=st.sampled_from([0.0, 0.5]),
 )
-def test_pair_path_never_exceeds_the_simulated_step(seed: int, k: int, extra: int, d: int, per_node: int) -> None:
+def test_pair_path_never_exceeds_the_simulated_step(seed: int, k: int, extra: int, d: int, per_node: int,
+                                                    overlap: float) -> None:
     rng = random.Random(seed)
     m = k + extra
     layers = k + rng.randint(0, 6)
     profile = random_profile(seed, layers)
     cl = two_tier(k * d, "64GiB", per_node=per_node)
-    training = TrainingSetup(global_batch_size=2 * m * d, optimizer="sgd")
+    training = TrainingSetup(global_batch_size=2 * m * d, optimizer="sgd", gradient_overlap=overlap)
     cfg = Config(d, k, m, "1f1b")
     sm = StageModel(SearchState(profile, cl, training, PlanOptions(), deadline=math.inf).costs_at(2), cfg, training)
     groups = make_groups(cl, training, d, k)

@@ -199,3 +199,15 @@ def test_selective_recompute_errors_name_the_fix() -> None:
     bad = json.loads(plan.model_dump_json()) | {"selective_recompute": True}
     with pytest.raises(InputError, match="exclude each other"):
         parse_document("plan", bad)
+
+
+def test_gradient_overlap_hides_its_share_of_the_collective() -> None:
+    # D=2 on a 1 GB/s link: the all-reduce of 1,400 gradient bytes takes 1.4e-3 ms; half of it
+    # overlaps the last backward, so half adds to the step; the plan still reports all of it
+    plans = [estimate(_profile(), _cluster(2), _training(batch=2, gradient_overlap=w), [(0, 2)], num_microbatches=1,
+                      schedule="gpipe", data_parallel=2) for w in (0.0, 0.5)]
+    ar = 1400 / BW * 1e3
+    assert plans[0].predicted.allreduce_ms == pytest.approx(ar) == plans[1].predicted.allreduce_ms
+    assert plans[0].predicted.step_time_ms - plans[1].predicted.step_time_ms == pytest.approx(ar / 2)
+    with pytest.raises(Exception, match="less than 1"):
+        _training(gradient_overlap=1.0)
