@@ -153,25 +153,25 @@ def main() -> int:
                 continue
             k, d, t = plan["pipeline_degree"], plan["data_parallel_degree"], plan["tensor_parallel_degree"]
             mem = {s["index"]: s["memory_bytes"] for s in plan["stages"]}
-            ranks = []
-            for r in parse_rss_note(report["notes"]):
-                predicted = sum(mem[s] for s in r.stages)
+            ranks: list[dict[str, Any]] = []
+            for rss in parse_rss_note(report["notes"]):
+                predicted = sum(mem[s] for s in rss.stages)
 
-                def over(base: int | None, r: Any = r, predicted: int = predicted) -> float | None:
-                    return None if base is None or not predicted else (r.peak_bytes - base) / predicted
+                def over(base: int | None, peak: int = rss.peak_bytes, predicted: int = predicted) -> float | None:
+                    return None if base is None or not predicted else (peak - base) / predicted
 
                 ranks.append(
                     {
-                        "rank": r.rank,
-                        "stages": list(r.stages),
-                        "peak_rss_mib": r.peak_bytes / MIB,
-                        "peak_in_training": r.peak_in_training,
-                        "first_step_mib": None if r.first_step_bytes is None else r.first_step_bytes / MIB,
-                        "before_model_mib": None if r.before_model_bytes is None else r.before_model_bytes / MIB,
+                        "rank": rss.rank,
+                        "stages": list(rss.stages),
+                        "peak_rss_mib": rss.peak_bytes / MIB,
+                        "peak_in_training": rss.peak_in_training,
+                        "first_step_mib": None if rss.first_step_bytes is None else rss.first_step_bytes / MIB,
+                        "before_model_mib": None if rss.before_model_bytes is None else rss.before_model_bytes / MIB,
                         "predicted_mib": predicted / MIB,
                         "peak_over_predicted": over(0),
-                        "growth_over_predicted": over(r.before_model_bytes),
-                        "training_growth_over_predicted": over(r.first_step_bytes),
+                        "growth_over_predicted": over(rss.before_model_bytes),
+                        "training_growth_over_predicted": over(rss.first_step_bytes),
                     }
                 )
             rows.append(
@@ -189,6 +189,7 @@ def main() -> int:
                     # per stage: measured / predicted forward and backward (median per micro-batch)
                     "stage_ratios": [(s["forward_ratio"], s["backward_ratio"]) for s in report["stages"]],
                     "ranks": ranks,
+                    "collectives": next((n for n in report["notes"] if n.startswith("collectives per step")), None),
                     "wall_s": time.perf_counter() - t0,
                 }
             )
@@ -212,11 +213,11 @@ def main() -> int:
     print(header)
     print("-" * len(header))
     for r in rows:
-        mem = "  ".join(
+        memory = "  ".join(
             f"r{x['rank']}: {x['peak_rss_mib']:.0f}/{x['predicted_mib']:.0f} MiB = "
             + "/".join(
-                "-" if x[k] is None else f"{x[k]:.2f}"
-                for k in ("peak_over_predicted", "growth_over_predicted", "training_growth_over_predicted")
+                "-" if x[key] is None else f"{x[key]:.2f}"
+                for key in ("peak_over_predicted", "growth_over_predicted", "training_growth_over_predicted")
             )
             for x in r["ranks"]
         )
@@ -224,7 +225,7 @@ def main() -> int:
         ratio = "-" if r["measured_over_predicted"] is None else f"{r['measured_over_predicted']:.2f}"
         print(
             f"{r['plan']:<18} {r['world']:>5} {r['stages']:<10} {r['microbatches']:>2}x{r['microbatch_size']:<2} "
-            f"{r['predicted_ms']:>8.1f} {r['measured_ms'] or 0:>8.1f} {ratio:>9} {fb:<18} {mem}"
+            f"{r['predicted_ms']:>8.1f} {r['measured_ms'] or 0:>8.1f} {ratio:>9} {fb:<18} {memory}"
         )
     for key, what in (
         ("growth_over_predicted", "peak - RSS before the model"),
