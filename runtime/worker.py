@@ -274,7 +274,9 @@ def _run(args: argparse.Namespace, rank: int, status: RankStatus, progress: Prog
     from profiler.loading import load_entrypoint
     from profiler.split import split_model
     from runtime.plan_check import check_optimizer_supported, check_plan_matches
+    from runtime.report import current_rss_bytes
 
+    rss_before_model = current_rss_bytes()  # the interpreter and torch: the report's memory note subtracts it
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     plan: Plan = load_document("plan", args.plan)
@@ -335,7 +337,7 @@ def _run(args: argparse.Namespace, rank: int, status: RankStatus, progress: Prog
     try:
         return _train(
             args, plan, entry, split, Coords(rank, world, pp_rank, replica, tp_rank, spec, shardings),
-            my_stages, device, backend, opts, fault, status, progress,
+            my_stages, device, backend, opts, fault, status, progress, rss_before_model=rss_before_model,
         )  # fmt: skip
     finally:
         progress.done = True
@@ -368,6 +370,8 @@ def _train(
     fault: Fault | None,
     status: RankStatus,
     progress: Progress,
+    *,
+    rss_before_model: int | None = None,
 ) -> int:
     import torch
     import torch.distributed as dist
@@ -391,6 +395,7 @@ def _train(
         stage_shardings,
     )
     from runtime.modules import stage_examples
+    from runtime.report import current_rss_bytes, peak_rss_bytes, reset_peak_rss
     from runtime.steplog import StepLog
     from runtime.training import (
         LossScaler,
@@ -552,6 +557,8 @@ def _train(
     grad_norms: list[float | None] = []
     skipped: list[bool] = []
     status.state = "running"
+    # the resident set with the model, its stages and the process group built; the peak from here on
+    rss_first_step, peak_in_training = current_rss_bytes(), reset_peak_rss()
     for step in range(first_step, args.steps):
         status.step = step
         status.phase = "reading data"
@@ -676,6 +683,7 @@ def _train(
     progress.beat = time.monotonic()
     peak = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
     mine: dict[str, Any] = {
+        "rss": (peak_rss_bytes(), rss_first_step, rss_before_model, peak_in_training),
         "rank": rank,
         "replica": replica,
         "stages": my_stages,
@@ -772,7 +780,14 @@ def _finish(
 ) -> int:
     import torch
 
-    from runtime.report import RankRecord, build_report, check_report, render_lines
+    from runtime.report import (
+        RankRecord,
+        RssRow,
+        build_report,
+        check_report,
+        render_lines,
+        rss_note,
+    )
     from runtime.training import compare, train_reference
 
     steps = args.steps
@@ -814,6 +829,9 @@ def _finish(
     comm_line = _collectives_note(plan, gathered)
     if comm_line:
         notes.append(comm_line)
+    rss = [RssRow(g["rank"], tuple(g["stages"]), *g["rss"]) for g in gathered if g["rss"][0] is not None]
+    if rss:
+        notes.append(rss_note(rss))
     if t_deg > 1:
         notes.append(
             f"tensor parallelism T = {t_deg}: the per-rank rows and the timeline show tensor-parallel rank 0 of "

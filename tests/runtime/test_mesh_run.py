@@ -97,6 +97,12 @@ def test_mesh_plan_matches_the_unsplit_model(case: str, profile: Path, tmp_path:
     report = _run(path, tmp_path, "--steps", "2", "--check")
     _checked(report)
     assert report["world_size"] == stages * d * t
+    from runtime.report import parse_rss_note
+
+    # every rank's resident set: before the model, at the first step, its peak in training
+    rss = parse_rss_note(report["notes"])
+    assert [r.rank for r in rss] == list(range(stages * d * t))
+    assert all(r.peak_in_training and r.peak_bytes >= (r.first_step_bytes or 0) > (r.before_model_bytes or 0) > 0 for r in rss)
     assert says in _mesh_note(report)
     if t > 1:  # the embedding the plan priced as vocabulary-parallel runs whole, and the report says so
         assert "embed (priced as vocab-embedding-sharded by the plan" in _mesh_note(report)

@@ -98,3 +98,29 @@ def test_fold_loss_counts_it_in_the_last_forward() -> None:
     _fold_loss(record, 0, 0.0041, 0.0051)
     assert record["forward"][0] == pytest.approx([1.0, 3.0])
     assert record["events"][0][-1] == ("F", 1, 0.002, 0.0051)
+
+
+def test_rss_note_round_trips_and_the_peak_rss_sees_an_allocation() -> None:
+    from runtime.report import (
+        RssRow,
+        current_rss_bytes,
+        parse_rss_note,
+        peak_rss_bytes,
+        reset_peak_rss,
+        rss_note,
+    )
+
+    mib = 1 << 20
+    rows = [RssRow(1, (1,), 700 * mib, 500 * mib, 400 * mib), RssRow(0, (0, 3), 512 * mib, None, None, False)]
+    note = rss_note(rows)
+    assert parse_rss_note(["other note", note]) == sorted(rows, key=lambda r: r.rank)
+    assert parse_rss_note(["other note"]) == []
+    before, peak0 = current_rss_bytes(), peak_rss_bytes()
+    assert before is not None and peak0 is not None and peak0 >= before > 0
+    block = bytearray(b"\1" * (peak0 + 64 * mib - before))  # touched: resident, above the old peak
+    peak1 = peak_rss_bytes()
+    assert peak1 is not None and peak1 >= peak0 + 32 * mib
+    del block
+    if reset_peak_rss():  # Linux: the peak starts again from the resident set now, below the block's
+        peak2 = peak_rss_bytes()
+        assert peak2 is not None and peak2 < peak1 - 32 * mib
