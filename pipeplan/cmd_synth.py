@@ -31,6 +31,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     t.add_argument("--microbatch-sizes", default="1,2,4,8", help="comma-separated (default 1,2,4,8)")
     t.add_argument("--tied-embeddings", action="store_true", help="LM head shares the embedding weights")
     t.add_argument("--no-dropout", action="store_true", help="the model trains without dropout")
+    t.add_argument("--attention", choices=("fused", "materialized"), default="fused",
+                   help="fused (flash attention: the score matrix never reaches memory; default) or "
+                   "materialized (Megatron-LM before flash attention: the softmax and dropout passes over "
+                   "the scores are timed at the device's memory bandwidth)")
     t.add_argument("--name", help="model name in the profile")
     t.add_argument("-q", "--quiet", action="store_true", help="no summary table")
     t.add_argument("-o", "--output", metavar="FILE", help="write the profile here (default: print it)")
@@ -60,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
             microbatch_sizes=tuple(sizes),
             tied_embeddings=args.tied_embeddings,
             dropout=not args.no_dropout,
+            attention=args.attention,
             name=args.name,
         )
     except PipeplanError:

@@ -11,7 +11,11 @@ micro-batch b and dtype of p bytes:
 * bytes held between I and W (what torch.distributed.pipelining keeps for the weight pass):
   the inputs of the weight layers (the four matrix products, the two LayerNorms) and the
   gradients at their outputs, s·b·(10h + 2f)·p;
-* time: FLOPs ÷ (peak FLOP/s of the device and dtype × MFU);
+* time: FLOPs ÷ (peak FLOP/s of the device and dtype × MFU); with ``attention="materialized"``
+  (Megatron-LM before flash attention) also the softmax's and the dropout's passes over the
+  a·s²·b score matrix, timed at the device's memory bandwidth (:func:`score_pass_bytes`:
+  forward 4p + 1 bytes per score, backward 5p + 1, without dropout 2p and 3p), which weigh
+  most on models with few hidden units per sequence position (s / h large);
 * activations kept for backward: s·b·h·(34 + 5·a·s/h) bytes for 16-bit training
   (Korthikanti et al. 2022, eq. 1).  Term by term that is s·b·h·(16p + 2) + a·s²·b·(2p + 1):
   the 2·sbh and a·s²·b one-byte terms are dropout masks, and one p·a·s²·b term is the
@@ -67,10 +71,15 @@ def synth_transformer(
     tied_embeddings: bool = False,
     name: str | None = None,
     dropout: bool = True,
+    attention: str = "fused",
 ) -> Profile:
     """A GPT-style decoder profile: embedding, ``layers`` blocks, LM head.
 
     ``dropout``: whether the model trains with dropout (its masks are kept for backward).
+    ``attention``: ``"fused"`` (the score matrix never reaches memory, as with flash attention)
+    or ``"materialized"`` (as in Megatron-LM before flash attention: the a·s² scores per sample
+    are written to memory and read back by the softmax and the dropout, memory-bound passes
+    timed at the device's memory bandwidth; see :func:`score_pass_bytes`).
     """
     if device_type not in DEVICES:
         raise unknown_preset("device_type", device_type, DEVICES)
@@ -83,6 +92,8 @@ def synth_transformer(
         raise ValueError(f"--mfu must be in (0, 1], got {mfu}")
     if hidden % heads:
         raise ValueError(f"--hidden {hidden} must be a multiple of --heads {heads}")
+    if attention not in ATTENTION_KINDS:
+        raise ValueError(f"unknown attention {attention!r}: choose one of {', '.join(ATTENTION_KINDS)}")
     dtype = _CANONICAL.get(dtype, dtype)
     f = ffn if ffn is not None else 4 * hidden
     h, s, a, v = hidden, seq, heads, vocab
@@ -124,16 +135,21 @@ def synth_transformer(
             sp_replicated_activation_bytes=[b * s * 8 + s * 8 for b in sizes],
         )
     )
+    # the attention scores' memory-bound passes (0 when fused), forward and backward
+    score_fwd_bytes, score_bwd_bytes = score_pass_bytes(p, dropout=dropout, attention=attention)
+    score_fwd = [a * s * s * b * score_fwd_bytes / membw * 1e3 for b in sizes]
+    score_bwd = [a * s * s * b * score_bwd_bytes / membw * 1e3 for b in sizes]
     for i in range(layers):
-        fwd = [ms(2 * b * s * (4 * h * h + 2 * h * f) + 4 * b * s * s * h) for b in sizes]
+        fwd = [ms(2 * b * s * (4 * h * h + 2 * h * f) + 4 * b * s * s * h) + sf for b, sf in zip(sizes, score_fwd, strict=True)]
+        bwd = [2 * (t - sf) + sb for t, sf, sb in zip(fwd, score_fwd, score_bwd, strict=True)]
         wgt = [ms(2 * b * s * (4 * h * h + 2 * h * f)) for b in sizes]
         out.append(
             LayerProfile(
                 name=f"blocks.{i}",
                 param_bytes=block_params,
                 forward_ms=fwd,
-                backward_ms=[2 * t for t in fwd],
-                backward_input_ms=[2 * t - w_ for t, w_ in zip(fwd, wgt, strict=True)],
+                backward_ms=bwd,
+                backward_input_ms=[t - w_ for t, w_ in zip(bwd, wgt, strict=True)],
                 backward_weight_ms=wgt,
                 weight_grad_bytes=[s * b * (10 * h + 2 * f) * p for b in sizes],
                 activation_bytes=[block_activation_bytes(b, s, h, a, p, dropout=dropout) for b in sizes],
@@ -148,7 +164,7 @@ def synth_transformer(
                 tp_replicated_activation_bytes=[s * b * h * (4 * p + (2 if dropout else 0)) for b in sizes],
                 sp_replicated_activation_bytes=[0 for _ in sizes],
                 selective_recompute_bytes=[a * s * s * b * ((2 * p + 1) if dropout else p) for b in sizes],
-                selective_recompute_ms=[ms(4 * b * s * s * h) for b in sizes],
+                selective_recompute_ms=[ms(4 * b * s * s * h) + sf for b, sf in zip(sizes, score_fwd, strict=True)],
             )
         )
     head_fwd = [ms(2 * b * s * h * v) for b in sizes]
@@ -194,9 +210,32 @@ def synth_transformer(
                 "vocab": v,
                 "mfu": mfu,
                 "device_type": device_type,
+                "attention": attention,
             }
         },
     )
+
+
+#: how attention's score matrix is computed: see :func:`synth_transformer`
+ATTENTION_KINDS = ("fused", "materialized")
+
+
+def score_pass_bytes(p: int, *, dropout: bool = True, attention: str = "fused") -> tuple[int, int]:
+    """Bytes moved per attention score (one head, one query, one key) by the memory-bound
+    operators on a materialized score matrix, forward and backward; ``(0, 0)`` when fused.
+
+    Forward: the softmax reads the scores and writes the probabilities (2p); the dropout
+    reads them and writes its output and a one-byte mask (2p + 1).  Backward: the dropout's
+    gradient reads the mask and the output gradient and writes the input gradient (2p + 1);
+    the softmax's reads the probabilities and the output gradient and writes the input
+    gradient (3p).  The two batched matrix products (scores and context) are counted as
+    FLOPs, 4·b·s²·h, as in the paper's formula.
+    """
+    if attention == "fused":
+        return 0, 0
+    forward = 2 * p + (2 * p + 1 if dropout else 0)
+    backward = 3 * p + (2 * p + 1 if dropout else 0)
+    return forward, backward
 
 
 def block_activation_bytes(b: int, s: int, h: int, a: int, p: int, *, dropout: bool = True) -> int:
