@@ -52,6 +52,7 @@ from planner.errors import InfeasibleError, InputError
 from planner.infeasible import any_fits
 from planner.mesh import Mesh, check_mesh, mesh_problem, recomputes_selectively
 from planner.schema import Cluster, Plan, PlanOptions, Profile, SolverInfo, TrainingSetup
+from planner.search.driver import seed_plan
 from planner.search.driver import solve as solve_mesh_family
 from planner.splits.exhaustive import SMALL_LAYERS
 
@@ -234,6 +235,18 @@ def solve(
                 return None  # a D the search chose, or a family that cannot host the fixed options
             raise
 
+    def seed(fam: _Family, zero: int) -> Plan | None:
+        """The family's baselines and Megatron hand rule, no search (a few estimates)."""
+        mesh = fam.mesh(zero)
+        problem = mesh_problem(base, cluster, training, mesh, data_parallel=options.data_parallel or 1,
+                               pipeline_degree=cluster.num_devices,
+                               across_nodes=options.tensor_parallel_across_nodes)
+        opts = sub.model_copy(update={"data_parallel": options.data_parallel})
+        try:
+            return seed_plan(problem.profile, problem.cluster, problem.training, opts)
+        except (InfeasibleError, InputError):
+            return None
+
     work = {fam: _work_bound(base, cluster, training, fam) for fam in families}
     deadline = start + WALL_SAFETY * options.time_limit_s
 
@@ -260,7 +273,7 @@ def solve(
             if best is not None and work[fam] >= best.predicted.step_time_ms:
                 bounds.append(work[fam])  # its work alone reaches the best plan: every ZeRO stage too
                 continue
-            if late():
+            if i > 0 and late():  # (the first family is solved whatever the clock says)
                 bounds.append(work[fam])
                 continue
             zero_families.append(fam)
@@ -277,6 +290,14 @@ def solve(
                 skip_zero = False
                 memory_seen = True
 
+    # every family's hand-rule configurations first (cheap): whatever the clock allows later,
+    # the plan is never slower than what a Megatron user would write for any T
+    seed_zero = zero_fixed if zero_fixed is not None else 0
+    for fam in order:
+        if not fam.selective_recompute:
+            seeded = seed(fam, seed_zero)
+            if seeded is not None:
+                offer(reprice(seeded, fam, seed_zero))
     phase1([f for f in order if f not in deferred], first_index=0)
     skipped_selective = bool(deferred) and not memory_seen and best is not None
     if deferred and not skipped_selective:

@@ -169,7 +169,6 @@ def solve(
     # CP-SAT gets what is left of the budget (at least TIGHTEN_MIN_S), in its deterministic time
     left = max(0.0, search.work_budget - search.work) / WORK_PER_SECOND
     tighten_cpsat(search, budget_s=max(TIGHTEN_MIN_S, min(left, options.time_limit_s)))
-    cfg, split, groups = search.best
     bound = min([search.best_step, *search.open_bounds, *(b for b, _ in search.open_configs.values())])
     # the search compares plans without the calibrated fixed overhead (every plan pays it);
     # the gap is relative to the full step
@@ -193,19 +192,7 @@ def solve(
         )
         + ("; time limit reached" if search.timed_out else "")
     )
-    plan = estimate(
-        profile,
-        cluster,
-        training,
-        list(split.ranges),
-        num_microbatches=cfg.num_microbatches,
-        schedule=cfg.schedule,
-        recompute=list(split.recompute),
-        data_parallel=cfg.data_parallel,
-        pipeline_degree=cfg.pipeline_degree,
-        devices=[list(groups[g].devices) for g in split.groups],
-        solver=SolverInfo(status=status, gap=gap, wall_time_s=0.0, message=message),
-    )
+    plan = _best_plan(search, SolverInfo(status=status, gap=gap, wall_time_s=0.0, message=message))
     if abs(plan.predicted.step_time_ms - full) > 1e-6 * max(1.0, full):
         raise AssertionError(  # pragma: no cover - quick_step and estimate are tested equal
             f"internal error: the solver predicted {search.best_step} ms but estimate gives "
@@ -215,6 +202,47 @@ def solve(
     return plan.model_copy(
         update={"solver": SolverInfo(status=status, gap=gap, wall_time_s=wall, message=message)}
     )
+
+
+def _best_plan(search: SearchState, solver: SolverInfo) -> Plan:
+    """The search's best candidate as a plan (priced by :func:`estimate`)."""
+    assert search.best is not None
+    cfg, split, groups = search.best
+    return estimate(
+        search.profile,
+        search.cluster,
+        search.training,
+        list(split.ranges),
+        num_microbatches=cfg.num_microbatches,
+        schedule=cfg.schedule,
+        recompute=list(split.recompute),
+        data_parallel=cfg.data_parallel,
+        pipeline_degree=cfg.pipeline_degree,
+        devices=[list(groups[g].devices) for g in split.groups],
+        solver=solver,
+    )
+
+
+def seed_plan(
+    profile: Profile,
+    cluster: Cluster,
+    training: TrainingSetup,
+    options: PlanOptions | None = None,
+) -> Plan | None:
+    """Megatron's hand rule (:func:`planner.splits.baseline_seed.seed_with_stack_rule`), with
+    no search: a few estimates, so that the mesh
+    search holds a plan of a family before a loaded machine's clock runs out.  ``None`` when
+    none of them fits.  It proves nothing: its solver info says ``feasible`` with gap 1."""
+    options = options or PlanOptions()
+    start = time.perf_counter()
+    profile = profile_in_dtype(profile, training.dtype)
+    search = SearchState(profile, cluster, training, options, deadline=start + options.time_limit_s)
+    search.work_budget = options.time_limit_s * WORK_PER_SECOND
+    search.wall_stop = start + WALL_SAFETY * options.time_limit_s
+    seed_with_stack_rule(search)
+    if search.best is None:
+        return None
+    return _best_plan(search, SolverInfo(status="feasible", gap=1.0, message="plan: Megatron-LM's hand rule for its T (no faster plan found within the limit)"))
 
 
 def _branch_and_bound(search: SearchState, configs: Sequence[Config]) -> None:

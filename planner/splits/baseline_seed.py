@@ -59,7 +59,8 @@ def stack_rule_ranges(num_layers: int, parts: int) -> list[tuple[int, int]] | No
 def seed_with_stack_rule(search: SearchState) -> None:
     """The configuration a Megatron-LM user picks by hand, as candidates: micro-batch 1, the
     blocks split evenly, interleaved with v = 2 or 3 chunks (v = 1 too), recompute where memory needs
-    it, at the fewest pipeline ranks whose share of the parameter state fits and the next
+    it, at the fewest pipeline ranks whose share of the parameter state fits (and that split the
+    blocks evenly) and the next
     :data:`STACK_RULE_DEGREES` - 1 degrees (the rest of the devices data-parallel).  A plan
     then never loses to that rule (Narayanan et al. SC'21, Table 1's configurations)."""
     opts = search.options
@@ -74,7 +75,8 @@ def seed_with_stack_rule(search: SearchState) -> None:
     allowed = opts.schedules or (["interleaved-1f1b", "1f1b"] if opts.schedule is None else [opts.schedule])
     tried = 0
     for k in range(1, cl.num_devices + 1):
-        if tried >= STACK_RULE_DEGREES or time.perf_counter() > search.wall_stop:
+        # (the fewest degrees that fit are tried whatever the clock says: a few estimates)
+        if tried >= STACK_RULE_DEGREES or (tried and time.perf_counter() > search.wall_stop):
             break
         if cl.num_devices % k or static / k > usable:
             continue
@@ -84,7 +86,7 @@ def seed_with_stack_rule(search: SearchState) -> None:
         m = g // d if opts.num_microbatches is None else opts.num_microbatches
         if g % (d * m):
             continue
-        tried += 1
+        evenly = False  # (a degree that splits the blocks evenly no way does not count)
         chunks = [opts.virtual_stages] if opts.virtual_stages else [2, 3]
         for schedule, v in [*(("interleaved-1f1b", c) for c in chunks), ("1f1b", 1)]:
             sched: Schedule = schedule  # type: ignore[assignment]
@@ -92,7 +94,10 @@ def seed_with_stack_rule(search: SearchState) -> None:
                 continue
             ranges = stack_rule_ranges(n, k * v)
             cfg = Config(d, k, m, sched, v)
-            if ranges is None or 2 * m * k * v > SIM_ACTION_LIMIT:
+            if ranges is None:
+                continue
+            evenly = True
+            if 2 * m * k * v > SIM_ACTION_LIMIT:
                 continue  # (a step too long to simulate: the driver leaves such shapes out too)
             try:
                 check_schedule_shape(*cfg.shape)
@@ -103,3 +108,4 @@ def seed_with_stack_rule(search: SearchState) -> None:
             split = with_recompute(search, sm, groups, tuple(ranges), tuple(sm.owner))
             if split is not None:
                 consider(search, sm, groups, split)
+        tried += evenly

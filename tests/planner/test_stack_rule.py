@@ -91,3 +91,48 @@ def test_out_of_time_in_level0_keeps_a_valid_bound(monkeypatch: pytest.MonkeyPat
     best = min(full.predicted.step_time_ms, cut.predicted.step_time_ms)
     assert cut.predicted.step_time_ms * (1 - cut.solver.gap) <= best * (1 + 1e-9)
     assert not math.isnan(cut.solver.gap)
+
+
+def _rule_steps_with_t(profile, cluster: Cluster, training: TrainingSetup, t: int) -> list[float]:  # type: ignore[no-untyped-def]
+    """The rule's configurations at tensor-parallel degree ``t`` (K·D·t devices), priced by the
+    cost model with every stage recomputed (as Megatron's Table 1) or none."""
+    out = []
+    groups = cluster.num_devices // t
+    for k, v in itertools.product(range(1, groups + 1), (1, 2, 3)):
+        ranges = stack_rule_ranges(profile.num_layers, k * v)
+        if groups % k or ranges is None or (k == 1 and v > 1):
+            continue
+        d = groups // k
+        if training.global_batch_size % d:
+            continue
+        for rc in (False, True):
+            try:
+                plan = estimate(profile, cluster, training, ranges, num_microbatches=training.global_batch_size // d,
+                                schedule="interleaved-1f1b" if v > 1 else "1f1b", recompute=rc,
+                                data_parallel=d, pipeline_degree=k, tensor_parallel=t, zero_stage=0)
+            except InputError:
+                continue
+            if plan_fits(plan):
+                out.append(plan.predicted.step_time_ms)
+    return out
+
+
+def test_a_mesh_plan_out_of_time_is_never_slower_than_the_hand_rule_of_any_t(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mesh search prices every family's hand rule before it searches: with the wall clock
+    past at once (a loaded machine), only the first family is solved, and the plan is still no
+    slower than what a Megatron user writes at any T."""
+    from planner.search import axes
+
+    profile = synth_transformer(layers=24, hidden=4096, heads=32, seq=2048, vocab=51200, device_type="a100-80g",
+                                microbatch_sizes=(1, 2), attention="materialized")
+    cluster = Cluster.model_validate({"devices": 32, "memory": "40GiB", "device_type": "a100-80g"})
+    training = TrainingSetup(global_batch_size=128, optimizer="adam", dtype="bfloat16")
+    monkeypatch.setattr(axes, "WALL_SAFETY", 1e-9)
+    plan = solve(profile, cluster, training, PlanOptions(time_limit_s=0.2, zero_stage=0, selective_recompute=False))
+    assert "1 D x K solves" in plan.solver.message and "time limit reached" in plan.solver.message
+    rules = {t: _rule_steps_with_t(profile, cluster, training, t) for t in (1, 2, 4, 8)}
+    assert sum(bool(r) for r in rules.values()) >= 2, "the rule must fit at several T here"
+    for t, steps in rules.items():
+        if steps:
+            assert plan.predicted.step_time_ms <= min(steps) * (1 + 1e-9), (t, plan.predicted.step_time_ms, min(steps))
+    assert plan_fits(plan) and plan.solver.status == "feasible"
