@@ -5,7 +5,8 @@ Layout of a checkpoint directory ``DIR``::
     DIR/step-000004/            one checkpoint: DCP's files (every rank writes its own shards,
         __0_0.distcp ...        nothing is gathered to rank 0) and DCP's .metadata
         .metadata
-        pipeplan.json           what was saved: model, structure fingerprint, step, plan, optimizer
+        pipeplan.json           what was saved: model, structure fingerprint, step, plan, optimizer,
+                                float16's loss scale
     DIR/latest                  the name of the newest *complete* checkpoint
 
 Keys are the model's own parameter names (``blocks.0.attn.qkv.weight``) and
@@ -23,6 +24,7 @@ complete checkpoint.  A checkpoint of another model is refused before training
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -47,6 +49,9 @@ class CheckpointInfo:
     plan: str
     optimizer: str
     path: str = ""
+    #: float16 training: the dynamic loss scale and its count of good steps (None otherwise)
+    loss_scale: float | None = None
+    loss_scale_good_steps: int = 0
 
 
 def _dcp() -> Any:
@@ -77,6 +82,15 @@ def read_info(directory: str | os.PathLike[str]) -> CheckpointInfo:
     try:
         data = json.loads(info_file.read_text(encoding="utf-8"))
         info = CheckpointInfo(**{k: data[k] for k in ("format", "model", "sha256", "step", "plan", "optimizer")})
+        scale, good = data.get("loss_scale"), data.get("loss_scale_good_steps", 0)
+        if scale is not None and (
+            isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0
+        ):
+            raise ValueError(f"loss_scale {scale!r} is not a positive number")
+        if isinstance(good, bool) or not isinstance(good, int) or good < 0:
+            raise ValueError(f"loss_scale_good_steps {good!r} is not a count")
+        info = CheckpointInfo(**{**asdict(info), "loss_scale": None if scale is None else float(scale),
+                                 "loss_scale_good_steps": good})
     except FileNotFoundError:
         raise InputError(f"checkpoint {path} is damaged: {INFO_FILE} is missing (named by {latest})") from None
     except (ValueError, KeyError, TypeError) as err:
@@ -150,9 +164,11 @@ def save_checkpoint(
     sha256: str,
     plan: str,
     optimizer_name: str,
+    loss_scale: tuple[float, int] | None = None,
 ) -> Path:
     """Every rank calls this with its parameters (by the model's names; tied copies under one
-    name) and its optimizer; returns the checkpoint's path.  Collective over the default group."""
+    name) and its optimizer; returns the checkpoint's path.  Collective over the default group.
+    ``loss_scale``: float16's dynamic loss scale and its good-step count, restored on resume."""
     import torch.distributed as dist
 
     dcp = _dcp()
@@ -163,7 +179,11 @@ def save_checkpoint(
     dcp.save(state, checkpoint_id=str(path))
     dist.barrier()
     if dist.get_rank() == 0:
-        info = CheckpointInfo(format=FORMAT, model=model, sha256=sha256, step=step, plan=plan, optimizer=optimizer_name)
+        info = CheckpointInfo(
+            format=FORMAT, model=model, sha256=sha256, step=step, plan=plan, optimizer=optimizer_name,
+            loss_scale=None if loss_scale is None else float(loss_scale[0]),
+            loss_scale_good_steps=0 if loss_scale is None else int(loss_scale[1]),
+        )
         tmp = path / (INFO_FILE + ".tmp")
         tmp.write_text(json.dumps(asdict(info) | {"path": ""}, indent=1) + "\n", encoding="utf-8")
         os.replace(tmp, path / INFO_FILE)

@@ -163,6 +163,15 @@ class LossScaler:
         self.growth_interval = growth_interval
         self._good = 0
 
+    def state(self) -> tuple[float, int] | None:
+        """``(scale, good steps in a row)`` to checkpoint; ``None`` when disabled."""
+        return (self.scale, self._good) if self.enabled else None
+
+    def restore(self, scale: float | None, good_steps: int) -> None:
+        """Continue from a checkpoint's :meth:`state` (nothing when disabled or not saved)."""
+        if self.enabled and scale is not None:
+            self.scale, self._good = float(scale), int(good_steps)
+
     def update(self, found_inf: bool) -> None:
         if not self.enabled:
             return

@@ -529,9 +529,11 @@ def _train(
 
         status.phase = "loading the checkpoint"
         write_status(args.run_dir, status)
-        first_step = load_checkpoint(
+        resumed = load_checkpoint(
             args.resume, named, opt, model=args.model, sha256=split.sha256(), optimizer_name=opts.optimizer
-        ).step
+        )
+        first_step = resumed.step
+        scaler.restore(resumed.loss_scale, resumed.loss_scale_good_steps)
         if first_step >= args.steps:
             raise InputError(f"--resume {args.resume}: its checkpoint is at step {first_step}; give --steps above it")
     has_first = 0 in my_stages
@@ -659,7 +661,7 @@ def _train(
             save_checkpoint(
                 args.checkpoint, step + 1, named, opt, model=args.model, sha256=split.sha256(),
                 plan=f"K={k_deg} D={d_deg} T={t_deg} zero={spec.zero_stage} {plan.schedule}",
-                optimizer_name=opts.optimizer,
+                optimizer_name=opts.optimizer, loss_scale=scaler.state(),
             )  # fmt: skip
             progress.beat = time.monotonic()
         step_ms.append((t_end - t0) * 1e3)
