@@ -100,16 +100,15 @@ def tensor_parallel_degrees(profile: Profile, cluster: Cluster, options: PlanOpt
 def selective_choices(profile: Profile, options: PlanOptions) -> list[bool]:
     """Whether the search tries Megatron's selective recompute: the fixed choice, else both when
     the profile gives its bytes and no stage's full recompute is asked for."""
+    full = options.recompute is True or (isinstance(options.recompute, list) and any(options.recompute))
     if options.selective_recompute is not None:
-        if options.selective_recompute and (options.recompute is True or (
-                isinstance(options.recompute, list) and any(options.recompute))):
+        if options.selective_recompute and full:
             raise InputError(
                 "--selective-recompute and full recompute exclude each other (one recompute granularity "
                 "per plan, as in Megatron): drop one of them"
             )
         return [options.selective_recompute]
-    if not recomputes_selectively(profile) or options.recompute is True or (
-            isinstance(options.recompute, list) and any(options.recompute)):
+    if not recomputes_selectively(profile) or full:
         return [False]
     return [False, True]
 
