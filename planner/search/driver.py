@@ -132,6 +132,8 @@ WORK_PER_SECOND = 400_000.0
 WALL_SAFETY = 3.0
 #: level 0 reads the clock every this many configurations (their cheap bounds, under the wall-clock net)
 LEVEL0_CLOCK_EVERY = 64
+#: pipeline degrees :func:`seed_plan` tries (the fewest that fit; the solve tries more)
+SEED_DEGREES = 2
 #: least time CP-SAT gets to tighten open bounds (seconds, within the time limit)
 TIGHTEN_MIN_S = 0.25
 
@@ -239,7 +241,7 @@ def seed_plan(
     search = SearchState(profile, cluster, training, options, deadline=start + options.time_limit_s)
     search.work_budget = options.time_limit_s * WORK_PER_SECOND
     search.wall_stop = start + WALL_SAFETY * options.time_limit_s
-    seed_with_stack_rule(search)
+    seed_with_stack_rule(search, degrees=SEED_DEGREES)
     if search.best is None:
         return None
     return _best_plan(search, SolverInfo(status="feasible", gap=1.0, message="plan: Megatron-LM's hand rule for its T (no faster plan found within the limit)"))

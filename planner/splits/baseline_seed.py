@@ -56,12 +56,11 @@ def stack_rule_ranges(num_layers: int, parts: int) -> list[tuple[int, int]] | No
     return [(bounds[i], bounds[i + 1]) for i in range(parts)]
 
 
-def seed_with_stack_rule(search: SearchState) -> None:
+def seed_with_stack_rule(search: SearchState, *, degrees: int = STACK_RULE_DEGREES) -> None:
     """The configuration a Megatron-LM user picks by hand, as candidates: micro-batch 1, the
     blocks split evenly, interleaved with v = 2 or 3 chunks (v = 1 too), recompute where memory needs
     it, at the fewest pipeline ranks whose share of the parameter state fits (and that split the
-    blocks evenly) and the next
-    :data:`STACK_RULE_DEGREES` - 1 degrees (the rest of the devices data-parallel).  A plan
+    blocks evenly) and the next ``degrees`` - 1 (the rest of the devices data-parallel).  A plan
     then never loses to that rule (Narayanan et al. SC'21, Table 1's configurations)."""
     opts = search.options
     if fixed_ranges(opts) is not None or isinstance(opts.stages, int):
@@ -76,7 +75,7 @@ def seed_with_stack_rule(search: SearchState) -> None:
     tried = 0
     for k in range(1, cl.num_devices + 1):
         # (the fewest degrees that fit are tried whatever the clock says: a few estimates)
-        if tried >= STACK_RULE_DEGREES or (tried and time.perf_counter() > search.wall_stop):
+        if tried >= degrees or (tried and time.perf_counter() > search.wall_stop):
             break
         if cl.num_devices % k or static / k > usable:
             continue
