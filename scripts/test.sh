@@ -7,4 +7,4 @@ ruff check .
 echo "== mypy (strict for planner/ and api/)"
 mypy planner api pipeplan
 echo "== pytest"
-python -m pytest -q "$@"
+python -m pytest -q --durations=20 "$@"
