@@ -137,11 +137,14 @@ class Rule:
     #: False: recognised, but executing it is not verified: refused (see ``why_not``)
     executable: bool = True
     why_not: str = ""
+    #: the sequence dimension of the block's activations, for sequence parallelism (None: the
+    #: runtime does not run this block sequence-parallel)
+    sequence_dim: int | None = None
 
 
 #: the blocks the runtime can shard, in the order they are tried
 RULES: tuple[Rule, ...] = (
-    Rule("zoo GPT block", column=("attn.qkv", "mlp.fc"), row=("attn.proj", "mlp.out")),
+    Rule("zoo GPT block", column=("attn.qkv", "mlp.fc"), row=("attn.proj", "mlp.out"), sequence_dim=1),
     Rule(
         "decoder layer (Llama/Qwen2 style)",
         column=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
@@ -177,6 +180,7 @@ class UnitSharding:
     row: tuple[str, ...]
     executable: bool = True
     why_not: str = ""
+    sequence_dim: int | None = None
 
 
 def _linear_modules(unit: Any) -> dict[str, tuple[int, int]]:
@@ -199,7 +203,7 @@ def match_rule(unit: Any) -> UnitSharding | None:
             col = tuple(prefix + s for s in rule.column)
             row = tuple(prefix + s for s in rule.row)
             if all(n in linears for n in col + row):
-                return UnitSharding(rule.name, col, row, rule.executable, rule.why_not)
+                return UnitSharding(rule.name, col, row, rule.executable, rule.why_not, rule.sequence_dim)
     return None
 
 
@@ -252,7 +256,7 @@ def refuse_unexecutable(
     layer_kinds: Mapping[str, str] | None = None,
 ) -> None:
     """Raise :class:`InputError` before training when the runtime cannot execute an axis of
-    the plan: sequence parallelism; ZeRO with tensor parallelism; T > 1 on a layer the plan (its
+    the plan: sequence parallelism on a sharded layer without a sequence rule; T > 1 on a layer the plan (its
     profile's ``tensor_parallel`` kind per layer, ``layer_kinds``) shards but the runtime has
     no rule for, or on a model with no shardable layer at all; a sharded width T does not
     divide.  Every problem is listed, each naming its layer."""
@@ -260,15 +264,6 @@ def refuse_unexecutable(
     problems: list[str] = []
     if spec.zero_stage not in (0, 1, 2, 3):
         problems.append(f"zero_stage {spec.zero_stage}: choose 0, 1, 2 or 3")
-    if t_deg > 1 and spec.sequence_parallel:
-        problems.append(
-            "sequence_parallel: the runtime does not execute sequence parallelism yet; make the plan without it"
-        )
-    if t_deg > 1 and spec.zero_stage >= 1 and spec.data_parallel_degree > 1:
-        problems.append(
-            f"zero_stage {spec.zero_stage} with tensor_parallel_degree {t_deg}: the runtime does not combine "
-            "ZeRO with tensor parallelism yet; make the plan with zero_stage 0 or T = 1"
-        )
     if t_deg > 1:
         shardable = 0
         for i, unit in enumerate(units):
@@ -290,6 +285,10 @@ def refuse_unexecutable(
                 )
                 continue
             shardable += 1
+            if spec.sequence_parallel:
+                why = _sequence_parallel_problem(unit, sharding)
+                if why:
+                    problems.append(f"layer {i} '{name}' ({sharding.rule}): sequence parallelism: {why}")
             linears = _linear_modules(unit)
             for mod in sharding.column:
                 if linears[mod][0] % t_deg:
@@ -314,31 +313,132 @@ def refuse_unexecutable(
         )
 
 
+def _linear_sites(unit: Any, weights: Iterable[str]) -> list[Any] | str:
+    """The ``aten.linear`` node of each weight (qualified names inside the unit) in a unit's
+    graph, in order, or why they cannot be found (one linear call per weight expected)."""
+    import torch
+
+    graph = getattr(unit, "graph", None)
+    if graph is None:
+        return "the layer is not a traced graph"
+    attrs = {n.target: n for n in graph.nodes if n.op == "get_attr"}
+    out = []
+    for weight in weights:
+        node = attrs.get(weight)
+        users = [u for u in node.users if u.op == "call_function"] if node is not None else []
+        if len(users) != 1 or users[0].target is not torch.ops.aten.linear.default or users[0].args[1] is not node:
+            return f"{weight} is not used by exactly one aten.linear call in the layer's graph"
+        out.append(users[0])
+    return out
+
+
+def _sequence_parallel_problem(unit: Any, sharding: UnitSharding) -> str:
+    """Why ``unit`` cannot run sequence-parallel (empty: it can)."""
+    if sharding.sequence_dim is None:
+        return "the runtime has no sequence-parallel rule for this kind of layer"
+    for names in (sharding.column, sharding.row):
+        sites = _linear_sites(unit, [f"{n}.weight" for n in names])
+        if isinstance(sites, str):
+            return sites
+    return ""
+
+
+def gather_sequence(x: Any) -> Any:
+    """Megatron's sequence-parallel ``g``: the whole sequence of a sequence-sharded DTensor
+    (all-gather; its gradient is reduce-scattered back).  Called from a unit's graph before each
+    column-parallel linear."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(x, DTensor) or all(p.is_replicate() for p in x.placements):
+        return x
+    return x.redistribute(x.device_mesh, [Replicate()] * x.device_mesh.ndim)
+
+
+def scatter_sequence(y: Any, dim: int) -> Any:
+    """Megatron's sequence-parallel ``g-bar``: a row-parallel linear's partial sums, summed
+    and left sharded along the sequence dimension ``dim`` (reduce-scatter; its gradient is
+    all-gathered).  Called from a unit's graph after each row-parallel linear."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(y, DTensor):
+        return y
+    return y.redistribute(y.device_mesh, [Shard(dim)] * y.device_mesh.ndim)
+
+
+def replicate_grad(p: Any) -> None:
+    """A replicated parameter used on sequence shards (a norm's weight) gets partial sums as
+    its gradient, one per rank: sum them (all-reduce over "tp") so that the gradient is
+    replicated like the parameter.  A post-accumulate-grad hook: once per micro-batch."""
+    from torch.distributed.tensor import DTensor
+
+    g = p.grad
+    if isinstance(g, DTensor) and tuple(g.placements) != tuple(p.placements):
+        p.grad = g.redistribute(p.device_mesh, p.placements)
+
+
+def _make_sequence_parallel(unit: Any, sharding: UnitSharding) -> None:
+    """Rewrite a unit's graph for sequence parallelism: the activation entering each
+    column-parallel linear is gathered along the sequence (:func:`gather_sequence`), the
+    output of each row-parallel linear reduce-scattered along it (:func:`scatter_sequence`);
+    everything between (norms, dropout, residual adds) then runs on sequence shards."""
+    column = _linear_sites(unit, [f"{n}.weight" for n in sharding.column])
+    row = _linear_sites(unit, [f"{n}.weight" for n in sharding.row])
+    if isinstance(column, str) or isinstance(row, str) or sharding.sequence_dim is None:
+        raise InputError(f"sequence parallelism: {_sequence_parallel_problem(unit, sharding)}")
+    graph = unit.graph
+    for node in column:
+        with graph.inserting_before(node):
+            whole = graph.call_function(gather_sequence, (node.args[0],))
+        node.args = (whole, *node.args[1:])
+    for node in row:
+        with graph.inserting_after(node):
+            scattered = graph.call_function(scatter_sequence, (node, sharding.sequence_dim))
+        node.replace_all_uses_with(scattered, delete_user_cb=lambda user, s=scattered: user is not s)
+    graph.lint()
+    unit.recompile()
+
+
 def _tp_unit_class() -> Any:
     import torch
     from torch import nn
-    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.experimental import implicit_replication
 
     class _TensorParallelUnit(nn.Module):
-        """Runs a unit whose tensors are DTensors over the "tp" mesh: floating inputs enter as
+        """Runs a unit whose tensors are DTensors over the "tp" mesh: plain inputs enter as
         replicated DTensors (their gradients are summed over the group on the way back),
-        integer inputs too; outputs leave replicated, as plain tensors."""
+        integer inputs too; outputs leave replicated, as plain tensors.
 
-        def __init__(self, inner: nn.Module, mesh: Any) -> None:
+        Sequence-parallel (``sequence_dim`` set): floating inputs with a sequence dimension are
+        split along it on entry (each rank keeps its slice, no communication); DTensor inputs
+        (from the previous sequence-parallel unit of the stage) enter as they are.  With
+        ``keep_sharded`` (the next unit of the stage is sequence-parallel too) the outputs stay
+        DTensors, sharded along the sequence; else they are gathered and leave whole."""
+
+        def __init__(
+            self, inner: nn.Module, mesh: Any, *, sequence_dim: int | None = None, keep_sharded: bool = False
+        ) -> None:
             super().__init__()
             self.inner = inner
             self.tp_mesh = mesh
+            self.sequence_dim = sequence_dim
+            self.keep_sharded = keep_sharded
+
+        def _enter(self, a: Any) -> Any:
+            if not isinstance(a, torch.Tensor) or isinstance(a, DTensor):
+                return a
+            d = DTensor.from_local(a, self.tp_mesh, [Replicate()], run_check=False)
+            seq = self.sequence_dim
+            if seq is not None and a.is_floating_point() and a.dim() > seq:
+                d = d.redistribute(self.tp_mesh, [Shard(seq)])  # a local slice: no communication
+            return d
 
         def forward(self, *args: Any) -> Any:
-            xs = tuple(
-                DTensor.from_local(a, self.tp_mesh, [Replicate()], run_check=False)
-                if isinstance(a, torch.Tensor) and not isinstance(a, DTensor)
-                else a
-                for a in args
-            )
+            xs = tuple(self._enter(a) for a in args)
             with implicit_replication():  # constants the graph makes (masks, positions)
                 out = self.inner(*xs)
+            if self.keep_sharded:
+                return tuple(out)
             return tuple(
                 o.redistribute(self.tp_mesh, [Replicate()]).to_local() if isinstance(o, DTensor) else o for o in out
             )
@@ -362,11 +462,18 @@ def _drop_metadata_asserts(unit: Any) -> None:
         unit.recompile()
 
 
-def apply_tensor_parallel(stage_module: Any, shardings: Mapping[int, UnitSharding], tp_mesh: Any) -> Any:
+def apply_tensor_parallel(
+    stage_module: Any, shardings: Mapping[int, UnitSharding], tp_mesh: Any, *, sequence_parallel: bool = False
+) -> Any:
     """Shard the units of ``stage_module`` (a ``StageModule``) listed in ``shardings`` (by unit
-    index *within the stage*) over ``tp_mesh``; returns ``stage_module``."""
+    index *within the stage*) over ``tp_mesh``; returns ``stage_module``.
+
+    ``sequence_parallel``: Megatron's sequence parallelism on top (:func:`_make_sequence_parallel`):
+    each sharded unit runs its norms, dropout and residual adds on sequence shards; between two
+    consecutive sharded units of the stage the activations stay sequence-sharded DTensors, and
+    they are gathered whole where the stage ends or a unit without a rule follows."""
     import torch
-    from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 
     cls = _tp_unit_class()
     for i, sharding in shardings.items():
@@ -391,7 +498,16 @@ def apply_tensor_parallel(stage_module: Any, shardings: Mapping[int, UnitShardin
 
         _drop_metadata_asserts(unit)
         distribute_module(unit, tp_mesh, partition)
-        stage_module.units[i] = cls(unit, tp_mesh)
+        if sequence_parallel:
+            _make_sequence_parallel(unit, sharding)
+            for p in unit.parameters():
+                if isinstance(p, DTensor) and all(pl.is_replicate() for pl in p.placements):
+                    p.register_post_accumulate_grad_hook(replicate_grad)
+            nxt = shardings.get(i + 1)
+            keep = nxt is not None and i + 1 < len(stage_module.units)
+            stage_module.units[i] = cls(unit, tp_mesh, sequence_dim=sharding.sequence_dim, keep_sharded=keep)
+        else:
+            stage_module.units[i] = cls(unit, tp_mesh)
     return stage_module
 
 
@@ -428,7 +544,7 @@ def apply_mesh(
 
     mod: Any = stage_module
     if spec.tensor_parallel_degree > 1 and shardings:
-        apply_tensor_parallel(stage_module, shardings, mesh["tp"])
+        apply_tensor_parallel(stage_module, shardings, mesh["tp"], sequence_parallel=spec.sequence_parallel)
     if recompute:
         mod = Recompute(mod)
     if wrap is not None:
