@@ -365,27 +365,37 @@ def scatter_sequence(y: Any, dim: int) -> Any:
     return y.redistribute(y.device_mesh, [Shard(dim)] * y.device_mesh.ndim)
 
 
-def replicate_grad(p: Any) -> None:
-    """A replicated parameter used on sequence shards (a norm's weight) gets partial sums as
-    its gradient, one per rank: sum them (all-reduce over "tp") so that the gradient is
-    replicated like the parameter.  A post-accumulate-grad hook: once per micro-batch."""
+def summed_gradient(w: Any) -> Any:
+    """``w`` (a replicated DTensor parameter) as it is, whose gradient is summed over its mesh on
+    the way back: used on sequence shards (a norm's weight), each rank's gradient is a partial
+    sum, and the parameter's must be replicated like the parameter (Megatron all-reduces these
+    gradients over the tensor-parallel group).  ``from_local``'s backward sums a partial
+    gradient into the forward's placements; ``to_local``'s hands it on as the parameter's."""
     from torch.distributed.tensor import DTensor
 
-    g = p.grad
-    if isinstance(g, DTensor) and tuple(g.placements) != tuple(p.placements):
-        p.grad = g.redistribute(p.device_mesh, p.placements)
+    if not isinstance(w, DTensor):
+        return w
+    return DTensor.from_local(w.to_local(), w.device_mesh, w.placements, run_check=False)
 
 
 def _make_sequence_parallel(unit: Any, sharding: UnitSharding) -> None:
     """Rewrite a unit's graph for sequence parallelism: the activation entering each
     column-parallel linear is gathered along the sequence (:func:`gather_sequence`), the
     output of each row-parallel linear reduce-scattered along it (:func:`scatter_sequence`);
-    everything between (norms, dropout, residual adds) then runs on sequence shards."""
+    everything between (norms, dropout, residual adds) then runs on sequence shards, and the
+    replicated parameters used there get summed gradients (:func:`summed_gradient`)."""
     column = _linear_sites(unit, [f"{n}.weight" for n in sharding.column])
     row = _linear_sites(unit, [f"{n}.weight" for n in sharding.row])
     if isinstance(column, str) or isinstance(row, str) or sharding.sequence_dim is None:
         raise InputError(f"sequence parallelism: {_sequence_parallel_problem(unit, sharding)}")
     graph = unit.graph
+    params = dict(unit.named_parameters())
+    for node in [n for n in graph.nodes if n.op == "get_attr" and n.target in params]:
+        p = params[node.target]
+        if all(pl.is_replicate() for pl in getattr(p, "placements", ())) and hasattr(p, "placements"):
+            with graph.inserting_after(node):
+                summed = graph.call_function(summed_gradient, (node,))
+            node.replace_all_uses_with(summed, delete_user_cb=lambda user, s=summed: user is not s)
     for node in column:
         with graph.inserting_before(node):
             whole = graph.call_function(gather_sequence, (node.args[0],))
@@ -473,7 +483,7 @@ def apply_tensor_parallel(
     consecutive sharded units of the stage the activations stay sequence-sharded DTensors, and
     they are gathered whole where the stage ends or a unit without a rule follows."""
     import torch
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 
     cls = _tp_unit_class()
     for i, sharding in shardings.items():
@@ -500,9 +510,6 @@ def apply_tensor_parallel(
         distribute_module(unit, tp_mesh, partition)
         if sequence_parallel:
             _make_sequence_parallel(unit, sharding)
-            for p in unit.parameters():
-                if isinstance(p, DTensor) and all(pl.is_replicate() for pl in p.placements):
-                    p.register_post_accumulate_grad_hook(replicate_grad)
             nxt = shardings.get(i + 1)
             keep = nxt is not None and i + 1 < len(stage_module.units)
             stage_module.units[i] = cls(unit, tp_mesh, sequence_dim=sharding.sequence_dim, keep_sharded=keep)
@@ -554,15 +561,27 @@ def apply_mesh(
     return mod
 
 
+def sequence_parallel_note(spec: MeshSpec, layers: int) -> str:
+    """What sequence parallelism shards at run time, for the report's mesh note."""
+    t = spec.tensor_parallel_degree
+    return (
+        f"sequence parallelism on the {layers} tensor-parallel layer(s): their norms, dropout and residual adds "
+        f"run on 1/{t} of the sequence (all-gather along it before each column-parallel linear, reduce-scatter "
+        "after each row-parallel one); consecutive such layers of a stage pass sequence shards, gathered whole "
+        "at the stage's end and before a layer without a rule"
+    )
+
+
 def stage_shardings(all_shardings: Mapping[int, UnitSharding], start: int, stop: int) -> dict[int, UnitSharding]:
     """The shardings of units ``start..stop`` re-indexed from 0 (a stage's own units)."""
     return {u - start: s for u, s in all_shardings.items() if start <= u < stop}
 
 
 def make_sharded_optimizer(name: str, params: Iterable[Any], *, lr: float, spec: MeshSpec, mesh: Any) -> Any:
-    """The optimizer for ``spec``: ZeRO 1 (D > 1): ``ZeroRedundancyOptimizer`` over
-    "dp_replicate", each replica keeping the state of its share of the parameters and
-    broadcasting its updated share; otherwise :func:`runtime.training.make_optimizer`."""
+    """The optimizer for ``spec``: ZeRO 1 (D > 1): each replica keeps the state of its share of
+    the parameters and broadcasts its updated share over "dp_replicate" --
+    ``ZeroRedundancyOptimizer`` for plain parameters, :class:`DTensorZeroOptimizer` when some
+    are tensor-parallel DTensors (T > 1); otherwise :func:`runtime.training.make_optimizer`."""
     import torch
 
     from runtime.training import make_optimizer
@@ -570,6 +589,10 @@ def make_sharded_optimizer(name: str, params: Iterable[Any], *, lr: float, spec:
     plist = list(params)
     if spec.zero_stage != 1 or spec.data_parallel_degree == 1:
         return make_optimizer(name, plist, lr=lr)
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in plist):
+        return DTensorZeroOptimizer(name, plist, lr=lr, group=mesh["dp_replicate"].get_group())
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     kinds: dict[str, tuple[Any, dict[str, Any]]] = {
@@ -582,6 +605,71 @@ def make_sharded_optimizer(name: str, params: Iterable[Any], *, lr: float, spec:
     return ZeroRedundancyOptimizer(
         plist, optimizer_class=cls, process_group=mesh["dp_replicate"].get_group(), lr=lr, **extra
     )
+
+
+def _local(t: Any) -> Any:
+    """The tensor this rank holds of ``t`` (a DTensor's local shard, sharing its storage)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class DTensorZeroOptimizer:
+    """ZeRO 1 over the replicas ``group`` for parameters that may be tensor-parallel DTensors
+    (``ZeroRedundancyOptimizer`` broadcasts ``param.data``, which a DTensor is not).
+
+    Each parameter has one owner replica (greedy by this rank's element count, largest first;
+    every replica of a tensor-parallel rank holds the same shards, so all agree); a replica keeps
+    optimizer state (``optim``: the ordinary optimizer over its share, whole DTensors) for its
+    share only, steps it, and broadcasts each updated shard from its owner.  Gradients stay
+    whole (averaged by the runtime's all-reduce, as ZeRO 1 does).  The optimizers here are
+    elementwise, so stepping a shard is stepping that part of the parameter."""
+
+    def __init__(self, name: str, params: Sequence[Any], *, lr: float, group: Any) -> None:
+        import torch
+        import torch.distributed as dist
+
+        from runtime.training import make_optimizer
+
+        self.params = list(params)
+        self.group = group
+        size, me = dist.get_world_size(group), dist.get_rank(group)
+        load = [0] * size
+        self.owner = [0] * len(self.params)
+        for i in sorted(range(len(self.params)), key=lambda i: -_local(self.params[i]).numel()):
+            r = min(range(size), key=lambda r: load[r])
+            self.owner[i] = r
+            load[r] += _local(self.params[i]).numel()
+        self.sources = [dist.get_global_rank(group, r) for r in range(size)]
+        self.mine = [p for p, r in zip(self.params, self.owner, strict=True) if r == me]
+        # a replica with no share still needs param_groups (the runtime sets the learning rate)
+        self.optim = make_optimizer(name, self.mine or [torch.zeros(0, requires_grad=True)], lr=lr)
+        self.param_groups = self.optim.param_groups
+
+    def step(self) -> None:
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor
+
+        for p in self.mine:  # a gradient left as partial sums: sum it first (elementwise updates need it whole)
+            g = p.grad
+            if isinstance(g, DTensor) and tuple(g.placements) != tuple(p.placements):
+                p.grad = g.redistribute(p.device_mesh, p.placements)
+        self.optim.step()
+        with torch.no_grad():
+            works = [
+                dist.broadcast(_local(p), src=self.sources[r], group=self.group, async_op=True)
+                for p, r in zip(self.params, self.owner, strict=True)
+            ]
+            for w in works:
+                w.wait()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
 
 
 def reduces_data_gradients(spec: MeshSpec, p: Any) -> bool:
