@@ -24,13 +24,22 @@ into what the pipeline stage runs, one function per axis in a fixed order:
    collectives (``_TensorParallelUnit``: the unit's inputs enter as replicated DTensors,
    its outputs leave as plain tensors, replicated).  Units without a rule run whole on every
    tensor-parallel rank (their inputs and gradients are replicated, so they stay in step).
+   With sequence parallelism (the plan's ``sequence_parallel``), Megatron style, for rules
+   with a ``sequence_dim``: the unit's graph gets an all-gather along the sequence before each
+   column-parallel linear and a reduce-scatter after each row-parallel one
+   (:func:`_make_sequence_parallel`), so its norms, dropout and residual adds run on 1/T of the
+   sequence; consecutive sharded units of a stage hand each other sequence shards, and the
+   activations are gathered whole where the stage ends or a unit without a rule follows.
 2. recompute (``torch.utils.checkpoint`` of the whole stage) when the stage plan says so.
 3. :func:`apply_data_sharding` (ZeRO 2 and 3): FSDP2 ``fully_shard`` over "dp_shard";
    ``reshard_after_forward`` is ``zero_stage == 3``, forced to False under the split-backward
-   schedules (:data:`SPLIT_BACKWARD_SCHEDULES`), which otherwise give wrong gradients.
+   schedules (:data:`SPLIT_BACKWARD_SCHEDULES`), which otherwise give wrong gradients.  With
+   T > 1 the tensor-parallel DTensors are sharded again over "dp_shard" (2-D, FSDP2 over the
+   "tp"-sharded parameters, as torchtitan does).
 
 ZeRO 1 is the optimizer: :func:`make_sharded_optimizer` (``ZeroRedundancyOptimizer`` over
-"dp_replicate"); the gradients are still averaged by the runtime's flat all-reduce.  ZeRO 0 is
+"dp_replicate"; with T > 1, :class:`DTensorZeroOptimizer`, the same scheme for DTensor
+parameters); the gradients are still averaged by the runtime's flat all-reduce.  ZeRO 0 is
 the runtime's flat all-reduce, as before (it handles tied weights).
 
 :func:`refuse_unexecutable` refuses, before training, a plan with an axis the runtime cannot
