@@ -24,13 +24,22 @@ into what the pipeline stage runs, one function per axis in a fixed order:
    collectives (``_TensorParallelUnit``: the unit's inputs enter as replicated DTensors,
    its outputs leave as plain tensors, replicated).  Units without a rule run whole on every
    tensor-parallel rank (their inputs and gradients are replicated, so they stay in step).
+   With sequence parallelism (the plan's ``sequence_parallel``), Megatron style, for rules
+   with a ``sequence_dim``: the unit's graph gets an all-gather along the sequence before each
+   column-parallel linear and a reduce-scatter after each row-parallel one
+   (:func:`_make_sequence_parallel`), so its norms, dropout and residual adds run on 1/T of the
+   sequence; consecutive sharded units of a stage hand each other sequence shards, and the
+   activations are gathered whole where the stage ends or a unit without a rule follows.
 2. recompute (``torch.utils.checkpoint`` of the whole stage) when the stage plan says so.
 3. :func:`apply_data_sharding` (ZeRO 2 and 3): FSDP2 ``fully_shard`` over "dp_shard";
    ``reshard_after_forward`` is ``zero_stage == 3``, forced to False under the split-backward
-   schedules (:data:`SPLIT_BACKWARD_SCHEDULES`), which otherwise give wrong gradients.
+   schedules (:data:`SPLIT_BACKWARD_SCHEDULES`), which otherwise give wrong gradients.  With
+   T > 1 the tensor-parallel DTensors are sharded again over "dp_shard" (2-D, FSDP2 over the
+   "tp"-sharded parameters, as torchtitan does).
 
 ZeRO 1 is the optimizer: :func:`make_sharded_optimizer` (``ZeroRedundancyOptimizer`` over
-"dp_replicate"); the gradients are still averaged by the runtime's flat all-reduce.  ZeRO 0 is
+"dp_replicate"; with T > 1, :class:`DTensorZeroOptimizer`, the same scheme for DTensor
+parameters); the gradients are still averaged by the runtime's flat all-reduce.  ZeRO 0 is
 the runtime's flat all-reduce, as before (it handles tied weights).
 
 :func:`refuse_unexecutable` refuses, before training, a plan with an axis the runtime cannot
@@ -137,11 +146,14 @@ class Rule:
     #: False: recognised, but executing it is not verified: refused (see ``why_not``)
     executable: bool = True
     why_not: str = ""
+    #: the sequence dimension of the block's activations, for sequence parallelism (None: the
+    #: runtime does not run this block sequence-parallel)
+    sequence_dim: int | None = None
 
 
 #: the blocks the runtime can shard, in the order they are tried
 RULES: tuple[Rule, ...] = (
-    Rule("zoo GPT block", column=("attn.qkv", "mlp.fc"), row=("attn.proj", "mlp.out")),
+    Rule("zoo GPT block", column=("attn.qkv", "mlp.fc"), row=("attn.proj", "mlp.out"), sequence_dim=1),
     Rule(
         "decoder layer (Llama/Qwen2 style)",
         column=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
@@ -177,6 +189,7 @@ class UnitSharding:
     row: tuple[str, ...]
     executable: bool = True
     why_not: str = ""
+    sequence_dim: int | None = None
 
 
 def _linear_modules(unit: Any) -> dict[str, tuple[int, int]]:
@@ -199,7 +212,7 @@ def match_rule(unit: Any) -> UnitSharding | None:
             col = tuple(prefix + s for s in rule.column)
             row = tuple(prefix + s for s in rule.row)
             if all(n in linears for n in col + row):
-                return UnitSharding(rule.name, col, row, rule.executable, rule.why_not)
+                return UnitSharding(rule.name, col, row, rule.executable, rule.why_not, rule.sequence_dim)
     return None
 
 
@@ -252,7 +265,7 @@ def refuse_unexecutable(
     layer_kinds: Mapping[str, str] | None = None,
 ) -> None:
     """Raise :class:`InputError` before training when the runtime cannot execute an axis of
-    the plan: sequence parallelism; ZeRO with tensor parallelism; T > 1 on a layer the plan (its
+    the plan: sequence parallelism on a sharded layer without a sequence rule; T > 1 on a layer the plan (its
     profile's ``tensor_parallel`` kind per layer, ``layer_kinds``) shards but the runtime has
     no rule for, or on a model with no shardable layer at all; a sharded width T does not
     divide.  Every problem is listed, each naming its layer."""
@@ -260,15 +273,6 @@ def refuse_unexecutable(
     problems: list[str] = []
     if spec.zero_stage not in (0, 1, 2, 3):
         problems.append(f"zero_stage {spec.zero_stage}: choose 0, 1, 2 or 3")
-    if t_deg > 1 and spec.sequence_parallel:
-        problems.append(
-            "sequence_parallel: the runtime does not execute sequence parallelism yet; make the plan without it"
-        )
-    if t_deg > 1 and spec.zero_stage >= 1 and spec.data_parallel_degree > 1:
-        problems.append(
-            f"zero_stage {spec.zero_stage} with tensor_parallel_degree {t_deg}: the runtime does not combine "
-            "ZeRO with tensor parallelism yet; make the plan with zero_stage 0 or T = 1"
-        )
     if t_deg > 1:
         shardable = 0
         for i, unit in enumerate(units):
@@ -290,6 +294,10 @@ def refuse_unexecutable(
                 )
                 continue
             shardable += 1
+            if spec.sequence_parallel:
+                why = _sequence_parallel_problem(unit, sharding)
+                if why:
+                    problems.append(f"layer {i} '{name}' ({sharding.rule}): sequence parallelism: {why}")
             linears = _linear_modules(unit)
             for mod in sharding.column:
                 if linears[mod][0] % t_deg:
@@ -314,31 +322,142 @@ def refuse_unexecutable(
         )
 
 
+def _linear_sites(unit: Any, weights: Iterable[str]) -> list[Any] | str:
+    """The ``aten.linear`` node of each weight (qualified names inside the unit) in a unit's
+    graph, in order, or why they cannot be found (one linear call per weight expected)."""
+    import torch
+
+    graph = getattr(unit, "graph", None)
+    if graph is None:
+        return "the layer is not a traced graph"
+    attrs = {n.target: n for n in graph.nodes if n.op == "get_attr"}
+    out = []
+    for weight in weights:
+        node = attrs.get(weight)
+        users = [u for u in node.users if u.op == "call_function"] if node is not None else []
+        if len(users) != 1 or users[0].target is not torch.ops.aten.linear.default or users[0].args[1] is not node:
+            return f"{weight} is not used by exactly one aten.linear call in the layer's graph"
+        out.append(users[0])
+    return out
+
+
+def _sequence_parallel_problem(unit: Any, sharding: UnitSharding) -> str:
+    """Why ``unit`` cannot run sequence-parallel (empty: it can)."""
+    if sharding.sequence_dim is None:
+        return "the runtime has no sequence-parallel rule for this kind of layer"
+    for names in (sharding.column, sharding.row):
+        sites = _linear_sites(unit, [f"{n}.weight" for n in names])
+        if isinstance(sites, str):
+            return sites
+    return ""
+
+
+def gather_sequence(x: Any) -> Any:
+    """Megatron's sequence-parallel ``g``: the whole sequence of a sequence-sharded DTensor
+    (all-gather; its gradient is reduce-scattered back).  Called from a unit's graph before each
+    column-parallel linear."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(x, DTensor) or all(p.is_replicate() for p in x.placements):
+        return x
+    return x.redistribute(x.device_mesh, [Replicate()] * x.device_mesh.ndim)
+
+
+def scatter_sequence(y: Any, dim: int) -> Any:
+    """Megatron's sequence-parallel ``g-bar``: a row-parallel linear's partial sums, summed
+    and left sharded along the sequence dimension ``dim`` (reduce-scatter; its gradient is
+    all-gathered).  Called from a unit's graph after each row-parallel linear."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(y, DTensor):
+        return y
+    return y.redistribute(y.device_mesh, [Shard(dim)] * y.device_mesh.ndim)
+
+
+def summed_gradient(w: Any) -> Any:
+    """``w`` (a replicated DTensor parameter) as it is, whose gradient is summed over its mesh on
+    the way back: used on sequence shards (a norm's weight), each rank's gradient is a partial
+    sum, and the parameter's must be replicated like the parameter (Megatron all-reduces these
+    gradients over the tensor-parallel group).  ``from_local``'s backward sums a partial
+    gradient into the forward's placements; ``to_local``'s hands it on as the parameter's."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(w, DTensor):
+        return w
+    return DTensor.from_local(w.to_local(), w.device_mesh, w.placements, run_check=False)
+
+
+def _make_sequence_parallel(unit: Any, sharding: UnitSharding) -> None:
+    """Rewrite a unit's graph for sequence parallelism: the activation entering each
+    column-parallel linear is gathered along the sequence (:func:`gather_sequence`), the
+    output of each row-parallel linear reduce-scattered along it (:func:`scatter_sequence`);
+    everything between (norms, dropout, residual adds) then runs on sequence shards, and the
+    replicated parameters used there get summed gradients (:func:`summed_gradient`)."""
+    column = _linear_sites(unit, [f"{n}.weight" for n in sharding.column])
+    row = _linear_sites(unit, [f"{n}.weight" for n in sharding.row])
+    if isinstance(column, str) or isinstance(row, str) or sharding.sequence_dim is None:
+        raise InputError(f"sequence parallelism: {_sequence_parallel_problem(unit, sharding)}")
+    graph = unit.graph
+    params = dict(unit.named_parameters())
+    for node in [n for n in graph.nodes if n.op == "get_attr" and n.target in params]:
+        p = params[node.target]
+        if all(pl.is_replicate() for pl in getattr(p, "placements", ())) and hasattr(p, "placements"):
+            with graph.inserting_after(node):
+                summed = graph.call_function(summed_gradient, (node,))
+            node.replace_all_uses_with(summed, delete_user_cb=lambda user, s=summed: user is not s)
+    for node in column:
+        with graph.inserting_before(node):
+            whole = graph.call_function(gather_sequence, (node.args[0],))
+        node.args = (whole, *node.args[1:])
+    for node in row:
+        with graph.inserting_after(node):
+            scattered = graph.call_function(scatter_sequence, (node, sharding.sequence_dim))
+        node.replace_all_uses_with(scattered, delete_user_cb=lambda user, s=scattered: user is not s)
+    graph.lint()
+    unit.recompile()
+
+
 def _tp_unit_class() -> Any:
     import torch
     from torch import nn
-    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.experimental import implicit_replication
 
     class _TensorParallelUnit(nn.Module):
-        """Runs a unit whose tensors are DTensors over the "tp" mesh: floating inputs enter as
+        """Runs a unit whose tensors are DTensors over the "tp" mesh: plain inputs enter as
         replicated DTensors (their gradients are summed over the group on the way back),
-        integer inputs too; outputs leave replicated, as plain tensors."""
+        integer inputs too; outputs leave replicated, as plain tensors.
 
-        def __init__(self, inner: nn.Module, mesh: Any) -> None:
+        Sequence-parallel (``sequence_dim`` set): floating inputs with a sequence dimension are
+        split along it on entry (each rank keeps its slice, no communication); DTensor inputs
+        (from the previous sequence-parallel unit of the stage) enter as they are.  With
+        ``keep_sharded`` (the next unit of the stage is sequence-parallel too) the outputs stay
+        DTensors, sharded along the sequence; else they are gathered and leave whole."""
+
+        def __init__(
+            self, inner: nn.Module, mesh: Any, *, sequence_dim: int | None = None, keep_sharded: bool = False
+        ) -> None:
             super().__init__()
             self.inner = inner
             self.tp_mesh = mesh
+            self.sequence_dim = sequence_dim
+            self.keep_sharded = keep_sharded
+
+        def _enter(self, a: Any) -> Any:
+            if not isinstance(a, torch.Tensor) or isinstance(a, DTensor):
+                return a
+            d = DTensor.from_local(a, self.tp_mesh, [Replicate()], run_check=False)
+            seq = self.sequence_dim
+            if seq is not None and a.is_floating_point() and a.dim() > seq:
+                d = d.redistribute(self.tp_mesh, [Shard(seq)])  # a local slice: no communication
+            return d
 
         def forward(self, *args: Any) -> Any:
-            xs = tuple(
-                DTensor.from_local(a, self.tp_mesh, [Replicate()], run_check=False)
-                if isinstance(a, torch.Tensor) and not isinstance(a, DTensor)
-                else a
-                for a in args
-            )
+            xs = tuple(self._enter(a) for a in args)
             with implicit_replication():  # constants the graph makes (masks, positions)
                 out = self.inner(*xs)
+            if self.keep_sharded:
+                return tuple(out)
             return tuple(
                 o.redistribute(self.tp_mesh, [Replicate()]).to_local() if isinstance(o, DTensor) else o for o in out
             )
@@ -362,9 +481,16 @@ def _drop_metadata_asserts(unit: Any) -> None:
         unit.recompile()
 
 
-def apply_tensor_parallel(stage_module: Any, shardings: Mapping[int, UnitSharding], tp_mesh: Any) -> Any:
+def apply_tensor_parallel(
+    stage_module: Any, shardings: Mapping[int, UnitSharding], tp_mesh: Any, *, sequence_parallel: bool = False
+) -> Any:
     """Shard the units of ``stage_module`` (a ``StageModule``) listed in ``shardings`` (by unit
-    index *within the stage*) over ``tp_mesh``; returns ``stage_module``."""
+    index *within the stage*) over ``tp_mesh``; returns ``stage_module``.
+
+    ``sequence_parallel``: Megatron's sequence parallelism on top (:func:`_make_sequence_parallel`):
+    each sharded unit runs its norms, dropout and residual adds on sequence shards; between two
+    consecutive sharded units of the stage the activations stay sequence-sharded DTensors, and
+    they are gathered whole where the stage ends or a unit without a rule follows."""
     import torch
     from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 
@@ -391,7 +517,13 @@ def apply_tensor_parallel(stage_module: Any, shardings: Mapping[int, UnitShardin
 
         _drop_metadata_asserts(unit)
         distribute_module(unit, tp_mesh, partition)
-        stage_module.units[i] = cls(unit, tp_mesh)
+        if sequence_parallel:
+            _make_sequence_parallel(unit, sharding)
+            nxt = shardings.get(i + 1)
+            keep = nxt is not None and i + 1 < len(stage_module.units)
+            stage_module.units[i] = cls(unit, tp_mesh, sequence_dim=sharding.sequence_dim, keep_sharded=keep)
+        else:
+            stage_module.units[i] = cls(unit, tp_mesh)
     return stage_module
 
 
@@ -428,7 +560,7 @@ def apply_mesh(
 
     mod: Any = stage_module
     if spec.tensor_parallel_degree > 1 and shardings:
-        apply_tensor_parallel(stage_module, shardings, mesh["tp"])
+        apply_tensor_parallel(stage_module, shardings, mesh["tp"], sequence_parallel=spec.sequence_parallel)
     if recompute:
         mod = Recompute(mod)
     if wrap is not None:
@@ -438,15 +570,27 @@ def apply_mesh(
     return mod
 
 
+def sequence_parallel_note(spec: MeshSpec, layers: int) -> str:
+    """What sequence parallelism shards at run time, for the report's mesh note."""
+    t = spec.tensor_parallel_degree
+    return (
+        f"sequence parallelism on the {layers} tensor-parallel layer(s): their norms, dropout and residual adds "
+        f"run on 1/{t} of the sequence (all-gather along it before each column-parallel linear, reduce-scatter "
+        "after each row-parallel one); consecutive such layers of a stage pass sequence shards, gathered whole "
+        "at the stage's end and before a layer without a rule"
+    )
+
+
 def stage_shardings(all_shardings: Mapping[int, UnitSharding], start: int, stop: int) -> dict[int, UnitSharding]:
     """The shardings of units ``start..stop`` re-indexed from 0 (a stage's own units)."""
     return {u - start: s for u, s in all_shardings.items() if start <= u < stop}
 
 
 def make_sharded_optimizer(name: str, params: Iterable[Any], *, lr: float, spec: MeshSpec, mesh: Any) -> Any:
-    """The optimizer for ``spec``: ZeRO 1 (D > 1): ``ZeroRedundancyOptimizer`` over
-    "dp_replicate", each replica keeping the state of its share of the parameters and
-    broadcasting its updated share; otherwise :func:`runtime.training.make_optimizer`."""
+    """The optimizer for ``spec``: ZeRO 1 (D > 1): each replica keeps the state of its share of
+    the parameters and broadcasts its updated share over "dp_replicate" --
+    ``ZeroRedundancyOptimizer`` for plain parameters, :class:`DTensorZeroOptimizer` when some
+    are tensor-parallel DTensors (T > 1); otherwise :func:`runtime.training.make_optimizer`."""
     import torch
 
     from runtime.training import make_optimizer
@@ -454,6 +598,10 @@ def make_sharded_optimizer(name: str, params: Iterable[Any], *, lr: float, spec:
     plist = list(params)
     if spec.zero_stage != 1 or spec.data_parallel_degree == 1:
         return make_optimizer(name, plist, lr=lr)
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in plist):
+        return DTensorZeroOptimizer(name, plist, lr=lr, group=mesh["dp_replicate"].get_group())
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     kinds: dict[str, tuple[Any, dict[str, Any]]] = {
@@ -466,6 +614,71 @@ def make_sharded_optimizer(name: str, params: Iterable[Any], *, lr: float, spec:
     return ZeroRedundancyOptimizer(
         plist, optimizer_class=cls, process_group=mesh["dp_replicate"].get_group(), lr=lr, **extra
     )
+
+
+def _local(t: Any) -> Any:
+    """The tensor this rank holds of ``t`` (a DTensor's local shard, sharing its storage)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class DTensorZeroOptimizer:
+    """ZeRO 1 over the replicas ``group`` for parameters that may be tensor-parallel DTensors
+    (``ZeroRedundancyOptimizer`` broadcasts ``param.data``, which a DTensor is not).
+
+    Each parameter has one owner replica (greedy by this rank's element count, largest first;
+    every replica of a tensor-parallel rank holds the same shards, so all agree); a replica keeps
+    optimizer state (``optim``: the ordinary optimizer over its share, whole DTensors) for its
+    share only, steps it, and broadcasts each updated shard from its owner.  Gradients stay
+    whole (averaged by the runtime's all-reduce, as ZeRO 1 does).  The optimizers here are
+    elementwise, so stepping a shard is stepping that part of the parameter."""
+
+    def __init__(self, name: str, params: Sequence[Any], *, lr: float, group: Any) -> None:
+        import torch
+        import torch.distributed as dist
+
+        from runtime.training import make_optimizer
+
+        self.params = list(params)
+        self.group = group
+        size, me = dist.get_world_size(group), dist.get_rank(group)
+        load = [0] * size
+        self.owner = [0] * len(self.params)
+        for i in sorted(range(len(self.params)), key=lambda i: -_local(self.params[i]).numel()):
+            r = min(range(size), key=lambda r: load[r])
+            self.owner[i] = r
+            load[r] += _local(self.params[i]).numel()
+        self.sources = [dist.get_global_rank(group, r) for r in range(size)]
+        self.mine = [p for p, r in zip(self.params, self.owner, strict=True) if r == me]
+        # a replica with no share still needs param_groups (the runtime sets the learning rate)
+        self.optim = make_optimizer(name, self.mine or [torch.zeros(0, requires_grad=True)], lr=lr)
+        self.param_groups = self.optim.param_groups
+
+    def step(self) -> None:
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor
+
+        for p in self.mine:  # a gradient left as partial sums: sum it first (elementwise updates need it whole)
+            g = p.grad
+            if isinstance(g, DTensor) and tuple(g.placements) != tuple(p.placements):
+                p.grad = g.redistribute(p.device_mesh, p.placements)
+        self.optim.step()
+        with torch.no_grad():
+            works = [
+                dist.broadcast(_local(p), src=self.sources[r], group=self.group, async_op=True)
+                for p, r in zip(self.params, self.owner, strict=True)
+            ]
+            for w in works:
+                w.wait()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
 
 
 def reduces_data_gradients(spec: MeshSpec, p: Any) -> bool:

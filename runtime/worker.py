@@ -992,6 +992,10 @@ def _mesh_note(plan: Any, split: Any, gathered: list[Any]) -> str:
             f"({', '.join(split.names[u] for u in sharded)})"
             + (f"; run whole on every tensor-parallel rank: {', '.join(whole)}" if whole else "")
         )
+        if spec.sequence_parallel:
+            from runtime.mesh import sequence_parallel_note
+
+            parts.append(sequence_parallel_note(spec, len(sharded)))
     if spec.zero_stage and spec.data_parallel_degree > 1:
         if spec.zero_stage >= 2:
             n = sum(g["mesh"]["fsdp"] for g in gathered if g["replica"] == 0 and g["tp_rank"] == 0)

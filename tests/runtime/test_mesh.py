@@ -90,8 +90,11 @@ def test_refusals_name_the_layer(gpt_split: Any) -> None:
     assert "layer 0 'embed' is tensor-parallel (vocab-embedding)" in str(err.value) and "no sharding rule" in str(err.value)
     with pytest.raises(InputError, match="not divisible by T=3"):
         refuse_unexecutable(units, names, MeshSpec(tensor_parallel_degree=3))
-    with pytest.raises(InputError, match="sequence parallelism"):
-        refuse_unexecutable(units, names, MeshSpec(tensor_parallel_degree=2, sequence_parallel=True))
+    # executed now (tests/runtime/test_mesh_sp_zero.py): sequence parallelism on the GPT blocks,
+    # ZeRO 1/2/3 together with tensor parallelism
+    refuse_unexecutable(units, names, MeshSpec(tensor_parallel_degree=2, sequence_parallel=True))
+    for zero in (1, 2, 3):
+        refuse_unexecutable(units, names, MeshSpec(data_parallel_degree=2, tensor_parallel_degree=2, zero_stage=zero))
     with pytest.raises(InputError, match="no layer of this model has a sharding rule"):
         refuse_unexecutable(units[:1], names[:1], MeshSpec(tensor_parallel_degree=2))
     refuse_unexecutable(units, names, MeshSpec(tensor_parallel_degree=2))  # executable: no error
@@ -203,15 +206,23 @@ def test_a_damaged_checkpoint_gets_a_clear_error(tmp_path: Path) -> None:
         read_info(tmp_path)
 
 
-def test_pipeplan_run_refuses_zero_with_tensor_parallelism_before_launch(tmp_path: Path) -> None:
-    from tests.runtime.helpers import make_plan, run_cli, structure_profile, write_plan
+def test_sequence_parallelism_without_a_rule_is_refused(gpt_split: Any) -> None:
+    """A sharded layer whose kind has no sequence dimension, or whose graph does not use a
+    linear's weight in one ``aten.linear`` call, cannot run sequence-parallel: the problem is named."""
+    import dataclasses
 
-    plan = make_plan(structure_profile("examples.gpt:tiny"), [(0, 3), (3, 6)], microbatches=2, data_parallel=2, devices=4)
-    path = write_plan(plan.model_copy(update={"tensor_parallel_degree": 2, "zero_stage": 1}), tmp_path / "p.json")
-    proc, _ = run_cli(["run", "--plan", str(path), "--model", "examples.gpt:tiny", "--steps", "1"])
-    assert proc.returncode != 0
-    assert "error: the runtime cannot execute this plan's mesh" in proc.stderr
-    assert "zero_stage 1 with tensor_parallel_degree 2: the runtime does not combine ZeRO with tensor parallelism" in proc.stderr
+    from runtime.mesh import _sequence_parallel_problem
+
+    block = gpt_split.units[1]
+    sharding = match_rule(block)
+    assert sharding is not None and sharding.sequence_dim == 1
+    assert _sequence_parallel_problem(block, sharding) == ""
+    no_rule = dataclasses.replace(sharding, sequence_dim=None)
+    assert "no sequence-parallel rule" in _sequence_parallel_problem(block, no_rule)
+    not_linear = dataclasses.replace(sharding, column=("blocks.0.ln1",))
+    assert _sequence_parallel_problem(block, not_linear) == (
+        "blocks.0.ln1.weight is not used by exactly one aten.linear call in the layer's graph"
+    )
 
 
 def test_resume_is_checked_before_any_rank_starts(tmp_path: Path) -> None:
