@@ -670,6 +670,27 @@ class Predicted(_Model):
     step_overhead_ms: NonNegFloat = Field(
         default=0.0, description="fixed cost of every step a calibrated profile adds (in step_time_ms)"
     )
+    # per-axis communication per step (planner.costmodel.axis_collectives_ms); None: a plan made
+    # before these were predicted
+    tensor_parallel_ms: NonNegFloat | None = Field(
+        default=None,
+        description="tensor-parallel collectives per step on the busiest pipeline rank: every layer's "
+        "forward and backward all-reduces (reduce-scatter + all-gather under sequence parallelism) for "
+        "every micro-batch, a recomputed forward's again; in the stage times (0 when T = 1)",
+    )
+    zero_ms: NonNegFloat | None = Field(
+        default=None,
+        description="ZeRO-2/3 collectives per step on the busiest pipeline rank, before any overlap: "
+        "each layer's gradient reduce-scatter every micro-batch and (ZeRO 3) its parameter all-gather "
+        "before every forward, recomputed forward and backward; the collective after the step is "
+        "allreduce_ms (0 for ZeRO 0/1 or D = 1)",
+    )
+    pipeline_transfer_ms: NonNegFloat | None = Field(
+        default=None,
+        description="pipeline transfers per step on the busiest pipeline rank: every micro-batch's "
+        "activations and gradients it sends and receives across its stage boundaries, each at the "
+        "boundary's send_ms (0 when K = 1)",
+    )
 
 
 class SolverInfo(_Model):
