@@ -32,7 +32,17 @@ from dataclasses import dataclass
 
 from planner import scaling
 from planner.errors import InputError
-from planner.mesh import SHA_KEY, Mesh, check_mesh, mesh_problem, replicated_note
+from planner.mesh import (
+    SHA_KEY,
+    Mesh,
+    MeshProblem,
+    check_mesh,
+    dp_link,
+    mesh_problem,
+    replicated_note,
+    tp_collectives_ms,
+    zero_collectives_ms,
+)
 from planner.schedules import (
     Action,
     MemoryPoint,
@@ -670,6 +680,9 @@ def estimate(
             lower_bound_ms=lower_bound_ms(profile, cluster, training),
             allreduce_ms=max(ar_rank),
             step_overhead_ms=overhead,
+            tensor_parallel_ms=0.0,
+            zero_ms=0.0,
+            pipeline_transfer_ms=pipeline_transfer_ms(times.transfer, owner, m),
         ),
         solver=solver or SolverInfo(status="given", gap=0.0),
         cluster=cluster,
@@ -768,8 +781,54 @@ def _mesh_estimate(
         "sequence_parallel": mesh.sequence_parallel,
         "selective_recompute": mesh.selective_recompute,
         "notes": notes,
-        "predicted": inner.predicted.model_copy(update={"lower_bound_ms": lower_bound_ms(profile, cluster, training)}),
+        "predicted": inner.predicted.model_copy(update={
+            "lower_bound_ms": lower_bound_ms(profile, cluster, training),
+            **mesh_collectives_ms(profile, cluster, training, mesh, problem, inner),
+        }),
     })
+
+
+def pipeline_transfer_ms(transfer: Sequence[float], owner: Sequence[int], num_microbatches: int) -> float:
+    """The plan's pipeline transfers per step on the busiest pipeline rank (``Predicted.
+    pipeline_transfer_ms``): every boundary ``b`` between stages ``b`` and ``b + 1`` on ranks
+    ``owner[b]`` and ``owner[b + 1]`` moves each micro-batch's activations forward and its
+    gradient back, each in ``transfer[b]`` ms (what the simulator waits between the two actions);
+    a rank counts the boundaries its stages touch, sends and receives alike."""
+    per: dict[int, float] = {}
+    for b, ms in enumerate(transfer):
+        for r in {owner[b], owner[b + 1]}:
+            per[r] = per.get(r, 0.0) + 2 * num_microbatches * ms
+    return max(per.values(), default=0.0)
+
+
+def mesh_collectives_ms(
+    profile: Profile, cluster: Cluster, training: TrainingSetup, mesh: Mesh, problem: MeshProblem, inner: Plan
+) -> dict[str, float]:
+    """``Predicted.tensor_parallel_ms`` and ``zero_ms`` of a mesh plan: per pipeline rank, the
+    collectives its stages' layer times carry (:func:`planner.mesh.tp_collectives_ms` at the plan's
+    micro-batch size, read like every profiled series; :func:`planner.mesh.zero_collectives_ms`),
+    summed over the micro-batches, a recomputing stage's forward counted twice; the busiest rank's.
+    Link time, before ZeRO's overlap and at device speed 1.  ``inner`` is the D x K plan of
+    ``problem`` (``profile`` in the plan's dtype)."""
+    t, z, d = mesh.tensor_parallel, mesh.zero_stage, inner.data_parallel_degree
+    k, m, b = inner.pipeline_degree, inner.num_microbatches, inner.microbatch_size
+    sizes = profile.microbatch_sizes
+    tp_f, tp_b = [], []
+    for layer in profile.layers:
+        f, bw = tp_collectives_ms(layer, t, cluster.intra_node)
+        tp_f.append(scaling.at_size(sizes, f, b) if any(f) else 0.0)
+        tp_b.append(scaling.at_size(sizes, bw, b) if any(bw) else 0.0)
+    link = dp_link(cluster, t, d, k)
+    zero = [zero_collectives_ms(p, z, d, training, link) for p in problem.param_bytes]
+    tp_rank = [0.0] * k
+    zero_rank = [0.0] * k
+    for st in inner.stages:
+        r = stage_rank(inner.placement, st.index, k, inner.virtual_stages)
+        forwards = 2 if st.recompute else 1
+        layers = range(st.start, st.stop)
+        tp_rank[r] += m * sum(forwards * tp_f[i] + tp_b[i] for i in layers)
+        zero_rank[r] += m * sum(rs + (forwards + 1) * ag for rs, ag in (zero[i] for i in layers))
+    return {"tensor_parallel_ms": max(tp_rank), "zero_ms": max(zero_rank)}
 
 
 def stage_times(

@@ -182,6 +182,33 @@ def _scaled(values: Sequence[float] | None, factor: float) -> list[float] | None
     return None if values is None else [v * factor for v in values]
 
 
+def tp_collectives_ms(layer: LayerProfile, t: int, link: Interconnect) -> tuple[list[float], list[float]]:
+    """A sharding layer's tensor-parallel collectives at T = ``t``, per profiled micro-batch
+    size: (forward, backward) ms of one micro-batch (zeros for a replicated layer or T = 1)."""
+    n = len(layer.forward_ms)
+    if t <= 1 or not layer.shards:
+        return [0.0] * n, [0.0] * n
+    fwd_bytes = layer.tp_forward_bytes or [0] * n
+    bwd_bytes = layer.tp_backward_bytes or fwd_bytes
+    return (
+        [ring_ms(x, t, layer.tp_forward_collectives, link) for x in fwd_bytes],
+        [ring_ms(x, t, layer.tp_backward_collectives, link) for x in bwd_bytes],
+    )
+
+
+def zero_collectives_ms(
+    param_bytes: float, zero: int, d: int, training: TrainingSetup, link: Interconnect
+) -> tuple[float, float]:
+    """ZeRO-2/3's per-micro-batch collectives of a layer holding ``param_bytes`` (one
+    tensor-parallel rank's): (gradient reduce-scatter, parameter all-gather) ms, each at the
+    gradient's bytes; the all-gather is ZeRO 3's, run before the forward and before the backward."""
+    if zero < 2 or d <= 1:
+        return 0.0, 0.0
+    nbytes = param_bytes * training.gradient_bytes_per_param_byte
+    rs = half_ring_ms(nbytes, d, link)
+    return rs, (rs if zero == 3 else 0.0)
+
+
 def _tp_layer(layer: LayerProfile, mesh: Mesh, training: TrainingSetup, link: Interconnect) -> LayerProfile:
     """What one device of a T-group runs and holds of ``layer`` (see the module docstring)."""
     t = mesh.tensor_parallel
@@ -191,10 +218,7 @@ def _tp_layer(layer: LayerProfile, mesh: Mesh, training: TrainingSetup, link: In
     c = 1.0 if layer.tp_compute_fraction is None else layer.tp_compute_fraction
     scale = c / (t * training.tensor_parallel_efficiency) + (1.0 - c) * (1.0 / t if sp else 1.0)
     n = len(layer.forward_ms)
-    fwd_bytes = layer.tp_forward_bytes or [0] * n
-    bwd_bytes = layer.tp_backward_bytes or fwd_bytes
-    comm_f = [ring_ms(x, t, layer.tp_forward_collectives, link) for x in fwd_bytes]
-    comm_b = [ring_ms(x, t, layer.tp_backward_collectives, link) for x in bwd_bytes]
+    comm_f, comm_b = tp_collectives_ms(layer, t, link)
     fwd = [f * scale + cf for f, cf in zip(layer.forward_ms, comm_f, strict=True)]
     bwd = [b * scale + cb for b, cb in zip(layer.backward_ms, comm_b, strict=True)]
     # the backward's collectives carry the input gradient: they go with I
@@ -290,12 +314,8 @@ def recomputes_selectively(profile: Profile) -> bool:
 def _zero_layer(layer: LayerProfile, zero: int, d: int, training: TrainingSetup, link: Interconnect) -> LayerProfile:
     """``layer`` with ZeRO-2/3's per-micro-batch collectives in its times (hidden behind
     ``zero_overlap`` of its own compute)."""
-    if zero < 2 or d <= 1:
-        return layer
-    g = training.gradient_bytes_per_param_byte
-    nbytes = layer.param_bytes * g
-    rs = half_ring_ms(nbytes, d, link)  # gradient reduce-scatter, every micro-batch
-    ag = half_ring_ms(nbytes, d, link) if zero == 3 else 0.0  # parameter all-gather, before fwd and bwd
+    # gradient reduce-scatter every micro-batch; ZeRO 3's parameter all-gather before fwd and bwd
+    rs, ag = zero_collectives_ms(layer.param_bytes, zero, d, training, link)
     if rs == 0 and ag == 0:
         return layer
     hide = training.zero_overlap

@@ -670,6 +670,27 @@ class Predicted(_Model):
     step_overhead_ms: NonNegFloat = Field(
         default=0.0, description="fixed cost of every step a calibrated profile adds (in step_time_ms)"
     )
+    # per-axis communication per step (planner.costmodel.axis_collectives_ms); None: a plan made
+    # before these were predicted
+    tensor_parallel_ms: NonNegFloat | None = Field(
+        default=None,
+        description="tensor-parallel collectives per step on the busiest pipeline rank: every layer's "
+        "forward and backward all-reduces (reduce-scatter + all-gather under sequence parallelism) for "
+        "every micro-batch, a recomputed forward's again; in the stage times (0 when T = 1)",
+    )
+    zero_ms: NonNegFloat | None = Field(
+        default=None,
+        description="ZeRO-2/3 collectives per step on the busiest pipeline rank, before any overlap: "
+        "each layer's gradient reduce-scatter every micro-batch and (ZeRO 3) its parameter all-gather "
+        "before every forward, recomputed forward and backward; the collective after the step is "
+        "allreduce_ms (0 for ZeRO 0/1 or D = 1)",
+    )
+    pipeline_transfer_ms: NonNegFloat | None = Field(
+        default=None,
+        description="pipeline transfers per step on the busiest pipeline rank: every micro-batch's "
+        "activations and gradients it sends and receives across its stage boundaries, each at the "
+        "boundary's send_ms (0 when K = 1)",
+    )
 
 
 class SolverInfo(_Model):
@@ -903,6 +924,40 @@ class ActionTimes(_Model):
     backward_ms: list[Ms]
 
 
+class AxisTime(_Model):
+    """One mesh axis's communication per step: measured (median over the timed steps of the
+    slowest rank's time) beside the plan's prediction (``Predicted``: its busiest pipeline rank)."""
+
+    measured_ms: Ms
+    predicted_ms: NonNegFloat | None = Field(default=None, description="None: the plan predicts no figure for it")
+    calls: NonNegInt | None = Field(default=None, description="collectives or transfers per step on the slowest rank")
+    parts_ms: dict[str, Ms] = Field(
+        default_factory=dict, description="the measured figure's parts, each a median of its own"
+    )
+
+
+class CollectiveTimes(_Model):
+    """Measured communication per step, per mesh axis the plan has (``None``: the axis is absent)."""
+
+    tensor_parallel: AxisTime | None = Field(
+        default=None, description="DTensor's collectives, inside the layers' forward and backward (vs tensor_parallel_ms)"
+    )
+    data_parallel: AxisTime | None = Field(
+        default=None, description="the flat gradient all-reduce after the schedule (vs allreduce_ms)"
+    )
+    fsdp: AxisTime | None = Field(
+        default=None, description="FSDP2's parameter all-gathers and gradient reduce-scatters, ZeRO 2/3 (vs zero_ms)"
+    )
+    pipeline_transfers: AxisTime | None = Field(
+        default=None,
+        description="posting and waiting for the schedule's sends and receives; a receive's wait includes the "
+        "peer's compute before it sends (vs pipeline_transfer_ms)",
+    )
+    tied_weights: AxisTime | None = Field(
+        default=None, description="summing tied weights' gradients between pipeline ranks (not predicted)"
+    )
+
+
 class RunReport(_Model):
     """What ``pipeplan run --report`` measured against the plan it ran (input of ``pipeplan calibrate``).
 
@@ -945,6 +1000,9 @@ class RunReport(_Model):
     ranks: list[RankInfo] = Field(default_factory=list)
     rank_steps: list[RankStep] = Field(default_factory=list)
     timeline: list[ActionTimes] = Field(default_factory=list)
+    collectives: CollectiveTimes | None = Field(
+        default=None, description="communication per step and mesh axis, beside the plan's prediction"
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> RunReport:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import logging
 import math
@@ -380,6 +381,12 @@ def _train(
     from planner.costmodel import plan_orders
     from planner.schedules import SPLIT_BACKWARD, format_actions, schedule_actions, stage_ranks
     from profiler.split import RngStreams
+    from runtime._comm_timing import (
+        FsdpClock,
+        TransferClock,
+        timed_fsdp_collectives,
+        timed_transfers,
+    )
     from runtime._dtensor_timing import CollectiveClock, timed_redistributions
     from runtime._torch_schedule import build_schedule
     from runtime.data import DataReport, DataSource, judge, loads_data
@@ -553,8 +560,11 @@ def _train(
 
     step_ms: list[float] = []
     phases: list[list[float]] = []
-    tp_clock = CollectiveClock()  # DTensor's collectives (T > 1), inside the schedule's F and B
-    tp_ms: list[float] = []
+    # communication inside the schedule, per axis: DTensor's collectives (T > 1, inside F and B),
+    # FSDP2's all-gathers and reduce-scatters (ZeRO 2/3), the pipeline's sends and receives (K > 1)
+    tp_clock, fsdp_clock, transfer_clock = CollectiveClock(), FsdpClock(), TransferClock()
+    fsdp = spec.zero_stage >= 2 and d_deg > 1
+    comm: list[dict[str, float]] = []  # per step: runtime.report.COMM_KEYS
     local_losses: list[float | None] = []
     grad_norms: list[float | None] = []
     skipped: list[bool] = []
@@ -601,12 +611,18 @@ def _train(
         t0 = time.perf_counter()
         losses: list[Any] = []
         scale = scaler.scale
-        tp_before = tp_clock.seconds
-        with timed_redistributions(tp_clock) if t_deg > 1 else contextlib.nullcontext():
+        before = (dataclasses.replace(tp_clock), dataclasses.replace(fsdp_clock), dataclasses.replace(transfer_clock))
+        with contextlib.ExitStack() as timers:
+            if t_deg > 1:
+                timers.enter_context(timed_redistributions(tp_clock))
+            if fsdp:
+                timers.enter_context(timed_fsdp_collectives(fsdp_clock))
+            if k_deg > 1:
+                timers.enter_context(timed_transfers(transfer_clock))
             schedule.step(*inputs, target=target, losses=losses)
         _sync(device)
         t_schedule = time.perf_counter()
-        tp_ms.append((tp_clock.seconds - tp_before) * 1e3)
+        comm.append(_comm_step(before, (tp_clock, fsdp_clock, transfer_clock)))
         for p in params:
             if p.grad is not None:
                 p.grad.div_(m)  # mean over micro-batches, once per tensor
@@ -668,6 +684,7 @@ def _train(
         # where the step went, for calibration (runtime/report.py): start on the host's clock,
         # then schedule, data-parallel all-reduce, tied-weight all-reduce, optimizer (ms)
         phases.append([t0, t_schedule - t0, t_allreduce - t_schedule, t_tied - t_allreduce, t_end - t_tied])
+        comm[-1].update(data_parallel_ms=phases[-1][2] * 1e3, tied_weights_ms=phases[-1][3] * 1e3)
         mean_loss = sum(float(x.detach()) for x in losses) / len(losses) / scale if has_last and losses else None
         local_losses.append(mean_loss)
         grad_norms.append(norm)
@@ -701,7 +718,7 @@ def _train(
             "optimizer": type(opt).__name__ if opt is not None else None,
         },
         "pipeline_rank": pp_rank,
-        "tp_ms": tp_ms,
+        "comm": comm,
         "first_step": first_step,
         "allreduce_bytes": sum(
             _local(p).numel() * p.element_size() for p in params if not reduces_data_gradients(spec, p)
@@ -787,6 +804,8 @@ def _finish(
         RssRow,
         build_report,
         check_report,
+        collective_times,
+        collectives_note,
         render_lines,
         rss_note,
     )
@@ -828,7 +847,8 @@ def _finish(
     mesh_line = _mesh_note(plan, split, gathered)
     if mesh_line:
         notes.append(mesh_line)
-    comm_line = _collectives_note(plan, gathered)
+    collectives = collective_times(plan, [g["comm"] for g in gathered])
+    comm_line = collectives_note(plan, collectives)
     if comm_line:
         notes.append(comm_line)
     rss = [RssRow(g["rank"], tuple(g["stages"]), *g["rss"]) for g in gathered if g["rss"][0] is not None]
@@ -884,6 +904,7 @@ def _finish(
             for g in gathered
             if g["tp_rank"] == 0
         ],
+        collectives=collectives,
     )
     failed = None
     if args.check:
@@ -916,8 +937,6 @@ def _finish(
                 params.update(g["params"])
         got_losses = [x if x is not None else float("nan") for x in losses]
         if first_step:  # resumed: the reference trained every step from the seed's weights
-            import dataclasses
-
             reference = dataclasses.replace(reference, losses=reference.losses[first_step:])
             report.notes.append(
                 f"check after --resume: the unsplit reference trains all {steps} steps from the seed's initial "
@@ -1012,37 +1031,21 @@ def _mesh_note(plan: Any, split: Any, gathered: list[Any]) -> str:
     return "mesh: " + "; ".join(parts) if parts else ""
 
 
-def _collectives_note(plan: Any, gathered: list[Any]) -> str:
-    """Measured time per step in the collectives the runtime runs between schedule steps (the
-    slowest rank's, median after the first step), beside the plan's prediction where it has one."""
-    import statistics
-
-    n = len(gathered[0]["phases"])
-    if n == 0:
-        return ""
-    first = 1 if n > 1 else 0
-
-    def median_ms(col: int) -> float:
-        return float(statistics.median(max(g["phases"][i][col] for g in gathered) * 1e3 for i in range(first, n)))
-
-    parts = []
-    d, zero = plan.data_parallel_degree, plan.zero_stage
-    if d > 1:
-        what = "flat all-reduce" + (" of what FSDP2 does not shard" if zero >= 2 else "")
-        parts.append(
-            f"data-parallel {what}: measured {median_ms(2):.2f} ms, predicted {plan.predicted.allreduce_ms:.2f} ms"
-            + ("; FSDP2's all-gathers and reduce-scatters run inside the schedule's forward and backward" if zero >= 2 else "")
-        )
-    tied = median_ms(3)
-    if tied > 0.0 and plan.pipeline_degree > 1:
-        parts.append(f"tied-weight sums between pipeline ranks: measured {tied:.2f} ms")
-    if plan.tensor_parallel_degree > 1:
-        tp = statistics.median(max(g["tp_ms"][i] for g in gathered) for i in range(first, n))
-        parts.append(
-            f"tensor-parallel collectives (DTensor's, inside the layers' forward and backward, counted in the "
-            f"stage times): measured {tp:.2f} ms (the plan predicts no separate figure for them)"
-        )
-    return "collectives per step: " + "; ".join(parts) if parts else ""
+def _comm_step(before: tuple[Any, Any, Any], after: tuple[Any, Any, Any]) -> dict[str, float]:
+    """One step's communication inside the schedule, from the clocks before and after it
+    (:data:`runtime.report.COMM_KEYS`; the report's ``collectives per step:`` note and
+    ``collectives`` field are made from every rank's, :func:`runtime.report.collective_times`)."""
+    (tp0, fs0, tr0), (tp1, fs1, tr1) = before, after
+    return {
+        "tensor_parallel_ms": (tp1.seconds - tp0.seconds) * 1e3,
+        "tensor_parallel_calls": tp1.calls - tp0.calls,
+        "fsdp_all_gather_ms": (fs1.all_gather_s - fs0.all_gather_s) * 1e3,
+        "fsdp_reduce_scatter_ms": (fs1.reduce_scatter_s - fs0.reduce_scatter_s) * 1e3,
+        "fsdp_calls": fs1.all_gathers + fs1.reduce_scatters - fs0.all_gathers - fs0.reduce_scatters,
+        "transfer_send_ms": (tr1.post_s + tr1.send_wait_s - tr0.post_s - tr0.send_wait_s) * 1e3,
+        "transfer_receive_ms": (tr1.recv_wait_s - tr0.recv_wait_s) * 1e3,
+        "transfer_calls": tr1.posted - tr0.posted,
+    }
 
 
 def _training_note(opts: Any, gathered: list[Any]) -> str:

@@ -106,12 +106,40 @@ def test_mesh_plan_matches_the_unsplit_model(case: str, profile: Path, tmp_path:
     assert says in _mesh_note(report)
     if t > 1:  # the embedding the plan priced as vocabulary-parallel runs whole, and the report says so
         assert "embed (priced as vocab-embedding-sharded by the plan" in _mesh_note(report)
-        comm = next(n for n in report["notes"] if n.startswith("collectives per step: "))
-        tp_ms = float(comm.split("tensor-parallel collectives")[1].split("measured ")[1].split(" ms")[0])
-        assert tp_ms > 0.0
+    _collectives_beside_the_plan(report, plan, t=t, d=d, zero=zero, k=stages)
     if zero == 3:  # FSDP2 averaged the sharded gradients: the flat all-reduce carried the tied weight only
         embed = 256 * 64 * 4
         assert {r["allreduce_bytes"] for r in report["ranks"]} == {embed}
+
+
+def _collectives_beside_the_plan(report: dict[str, Any], plan: dict[str, Any], *, t: int, d: int, zero: int, k: int) -> None:
+    """Each axis the plan has is in the report's collectives (note and field): measured above
+    zero, beside the plan's own prediction; the axes it does not have are absent."""
+    import re
+
+    note = next(n for n in report["notes"] if n.startswith("collectives per step: "))
+    axes = {  # field of report["collectives"]: (the note's label, the plan's Predicted field, present)
+        "tensor_parallel": ("tensor-parallel collectives", "tensor_parallel_ms", t > 1),
+        "data_parallel": ("data-parallel flat all-reduce", "allreduce_ms", d > 1),
+        "fsdp": ("FSDP2 all-gathers and reduce-scatters", "zero_ms", zero >= 2 and d > 1),
+        "pipeline_transfers": ("pipeline transfers", "pipeline_transfer_ms", k > 1),
+    }
+    for axis, (label, field, present) in axes.items():
+        got = report["collectives"][axis]
+        if not present:
+            assert got is None and label not in note, axis
+            continue
+        assert got["measured_ms"] > 0.0, f"{axis} was not timed: runtime/_comm_timing.py must follow torch"
+        assert got["predicted_ms"] == plan["predicted"][field], axis
+        if axis != "data_parallel":
+            assert got["calls"] > 0, axis
+        found = re.search(re.escape(label) + r"[^;]*?: measured ([0-9.]+) ms.*?predicted ([0-9.]+) ms", note)
+        assert found, (axis, note)
+        assert found.groups() == (f"{got['measured_ms']:.2f}", f"{plan['predicted'][field]:.2f}"), axis
+    if zero >= 2:  # what FSDP2 did: the collectives per step on the slowest rank, split in the note
+        assert "all-gathers" in note and report["collectives"]["fsdp"]["parts_ms"]["all_gather"] > 0.0
+    if k > 1:
+        assert "waiting on receives" in note and "a receive waits for the peer's compute" in note
 
 
 def test_the_private_dtensor_api_is_where_the_timing_expects_it() -> None:

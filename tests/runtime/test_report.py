@@ -124,3 +124,52 @@ def test_rss_note_round_trips_and_the_peak_rss_sees_an_allocation() -> None:
     if reset_peak_rss():  # Linux: the peak starts again from the resident set now, below the block's
         peak2 = peak_rss_bytes()
         assert peak2 is not None and peak2 < peak1 - 32 * mib
+
+
+def test_collectives_per_axis_beside_the_plans_prediction() -> None:
+    """Per axis, per step the slowest rank's time, median over the steps after the first, beside
+    the plan's ``Predicted`` figure; axes the plan does not have are left out."""
+    from runtime.report import collective_times, collectives_note
+
+    base = make_plan(_profile(NAMES, PARAMS), [(0, 2), (2, 5)], microbatches=2)
+    predicted = base.predicted.model_copy(
+        update={"tensor_parallel_ms": 1.5, "zero_ms": 2.5, "pipeline_transfer_ms": 0.25, "allreduce_ms": 4.0}
+    )
+    plan = base.model_copy(update={"tensor_parallel_degree": 2, "data_parallel_degree": 2, "zero_stage": 3,
+                                   "predicted": predicted})  # fmt: skip
+
+    def step(tp: float, ag: float, rs: float, send: float, recv: float, calls: int = 3) -> dict[str, float]:
+        return {"tensor_parallel_ms": tp, "tensor_parallel_calls": calls, "data_parallel_ms": 1.0,
+                "tied_weights_ms": 0.0, "fsdp_all_gather_ms": ag, "fsdp_reduce_scatter_ms": rs, "fsdp_calls": 2,
+                "transfer_send_ms": send, "transfer_receive_ms": recv, "transfer_calls": 4}  # fmt: skip
+
+    # two ranks, 4 steps; step 0 is warm-up (huge, dropped)
+    rows = [
+        [step(99, 99, 99, 99, 99), step(1, 1, 1, 1, 1), step(2, 1, 3, 1, 5), step(3, 5, 0, 1, 1)],
+        [step(99, 99, 99, 99, 99), step(4, 2, 2, 0, 1, calls=5), step(1, 1, 1, 1, 1), step(2, 1, 1, 2, 2)],
+    ]
+    times = collective_times(plan, rows)
+    assert times is not None
+    assert times.tensor_parallel is not None and times.fsdp is not None and times.pipeline_transfers is not None
+    assert times.data_parallel is not None and times.tied_weights is None  # no tied-weight sums measured
+    # tensor parallel: per step max(1, 4), max(2, 1), max(3, 2) -> median 3; calls max(3, 5), 3, 3 -> 3
+    assert times.tensor_parallel.measured_ms == 3.0 and times.tensor_parallel.calls == 3
+    assert times.tensor_parallel.predicted_ms == 1.5
+    # FSDP: sums per step (2, 4), (4, 2), (5, 2) -> slowest 4, 4, 5 -> median 4; parts from the slowest rank
+    assert times.fsdp.measured_ms == 4.0 and times.fsdp.predicted_ms == 2.5
+    assert times.fsdp.parts_ms == {"all_gather": 2.0, "reduce_scatter": 2.0}  # medians of (2,1,5) and (2,3,0)
+    # transfers: (2, 1), (6, 2), (2, 4) -> 2, 6, 4 -> 4; parts: send (1,1,2) -> 1, receive (1,5,2) -> 2
+    assert times.pipeline_transfers.measured_ms == 4.0 and times.pipeline_transfers.predicted_ms == 0.25
+    assert times.pipeline_transfers.parts_ms == {"send": 1.0, "receive": 2.0}
+    assert times.data_parallel.measured_ms == 1.0 and times.data_parallel.predicted_ms == 4.0
+    note = collectives_note(plan, times)
+    assert note.startswith("collectives per step: tensor-parallel collectives")
+    assert "measured 3.00 ms in 3 redistributions, predicted 1.50 ms" in note
+    assert "measured 4.00 ms in 2 collectives (all-gathers 2.00 ms, reduce-scatters 2.00 ms), predicted 2.50 ms" in note
+    assert "measured 4.00 ms in 4 sends and receives" in note and "predicted 0.25 ms" in note
+    assert "waiting on receives 2.00 ms" in note and "a receive waits for the peer's compute" in note
+    # a K = 1, D = 1, T = 1 plan has no axis to report; a plan from before the per-axis figures says so
+    solo = base.model_copy(update={"pipeline_degree": 1})
+    assert collectives_note(solo, collective_times(solo, rows)) == ""
+    old = plan.model_copy(update={"predicted": base.predicted.model_copy(update={"tensor_parallel_ms": None})})
+    assert "the plan predicts none" in collectives_note(old, collective_times(old, rows))
