@@ -64,10 +64,11 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: Tensor, *, causal: bool = True) -> Tensor:
         b, t, h = x.shape
-        q, k, v = self.qkv(x).split(h, dim=2)
-        q = q.view(b, t, self.heads, h // self.heads).transpose(1, 2)
-        k = k.view(b, t, self.heads, h // self.heads).transpose(1, 2)
-        v = v.view(b, t, self.heads, h // self.heads).transpose(1, 2)
+        # the fused projection's outputs are grouped by head (q, k and v of head 0, then of head
+        # 1, ...), as in Megatron-LM: a tensor-parallel shard of its rows is whole heads, so
+        # attention runs on each rank's heads without gathering q, k and v
+        qkv = self.qkv(x).view(b, t, self.heads, 3, h // self.heads)
+        q, k, v = (qkv.select(3, i).transpose(1, 2) for i in range(3))
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(h // self.heads))
         if causal:
             att = att.masked_fill(~self.mask[:, :, :t, :t], float("-inf"))

@@ -167,7 +167,8 @@ def _inspect_unit(rank: int, port: int, out_dir: str) -> None:
 def test_sequence_parallel_blocks_run_on_sequence_shards(tmp_path: Path) -> None:
     """Inside each sequence-parallel block the norms and residual adds hold half the sequence
     (``Shard(1)``, local 16 of 32 positions) and only the linears' inputs are gathered whole;
-    the first block hands the second its output still sharded, the last gathers it; the norm
+    the first block hands the second its output still sharded, the last gathers it; attention's
+    scores hold each rank's half of the heads; the norm
     weights' gradients come out summed (replicated); and all of it matches the stage run whole."""
     import torch.multiprocessing as mp
 
@@ -190,6 +191,12 @@ def test_sequence_parallel_blocks_run_on_sequence_shards(tmp_path: Path) -> None
                 assert x["placements"] == ["Shard(dim=1)"] and x["local"][1] == 16 and x["global"][1] == 32, x
             for x in gathers:  # the column-parallel linears' input: the whole sequence
                 assert x["placements"] == ["Replicate()"] and x["local"][1] == 32, x
+            # attention runs on each rank's own heads (the fused projection is grouped by head):
+            # the scores are sharded on the head dimension, never gathered
+            scores = [x for x in mine if "softmax" in x["target"]]
+            assert scores, mine
+            for x in scores:
+                assert x["placements"] == ["Shard(dim=1)"] and 2 * x["local"][1] == x["global"][1], x
         # block 0's output stays sharded into block 1; block 1's leaves whole (the stage's output)
         assert r["outputs"] == [["0:DTensor:['Shard(dim=1)']"], ["1:Tensor:"]]
         norm_grads = {k: v for k, v in r["grads"].items() if ".ln" in k}
