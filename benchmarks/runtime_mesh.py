@@ -35,14 +35,20 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-# name: (devices, stages K, D, T, ZeRO, micro-batches M, global batch, two agents)
-ROWS: dict[str, tuple[int, int, int, int, int, int, int, bool]] = {
-    "T=2 x K=2": (4, 2, 1, 2, 0, 4, 8, False),
-    "D=2 ZeRO-1 x K=2": (4, 2, 2, 1, 1, 4, 16, False),
-    "D=2 ZeRO-3 x K=2": (4, 2, 2, 1, 3, 4, 16, False),
-    "T=2": (2, 1, 1, 2, 0, 4, 8, False),
-    "K=2 on two agents": (2, 2, 1, 1, 0, 4, 8, True),
+# name: (devices, stages K, D, T, ZeRO, micro-batches M, global batch, two agents, sequence parallelism)
+Row = tuple[int, int, int, int, int, int, int, bool, bool]
+ROWS: dict[str, Row] = {
+    "T=2 x K=2": (4, 2, 1, 2, 0, 4, 8, False, False),
+    "D=2 ZeRO-1 x K=2": (4, 2, 2, 1, 1, 4, 16, False, False),
+    "D=2 ZeRO-3 x K=2": (4, 2, 2, 1, 3, 4, 16, False, False),
+    "T=2": (2, 1, 1, 2, 0, 4, 8, False, False),
+    "T=2+SP": (2, 1, 1, 2, 0, 4, 8, False, True),
+    "D=2 T=2 ZeRO-1": (4, 1, 2, 2, 1, 4, 16, False, False),
+    "D=2 T=2 ZeRO-3": (4, 1, 2, 2, 3, 4, 16, False, False),
+    "K=2 on two agents": (2, 2, 1, 1, 0, 4, 8, True, False),
 }
+#: the report's per-axis figures (``RunReport.collectives``), in the order printed
+AXES = ("tensor_parallel", "data_parallel", "fsdp", "pipeline_transfers")
 MIB = 1 << 20
 
 
@@ -53,13 +59,13 @@ def _free_port() -> int:
         return port
 
 
-def _plan(profile: Path, out: Path, row: tuple[int, int, int, int, int, int, int, bool]) -> dict[str, Any]:
-    devices, k, d, t, zero, m, batch, two_agents = row
+def _plan(profile: Path, out: Path, row: Row) -> dict[str, Any]:
+    devices, k, d, t, zero, m, batch, two_agents, sp = row
     per_node = devices // 2 if two_agents else devices
     cmd = [sys.executable, "-m", "pipeplan", "plan", str(profile), "--devices", str(devices),
            "--devices-per-node", str(per_node), "--device-type", "cpu", "--interconnect", "loopback",
            "--batch-size", str(batch), "--microbatches", str(m), "--stages", str(k), "--no-recompute",
-           "--no-sequence-parallel", "--tensor-parallel", str(t), "--data-parallel", str(d), "--zero", str(zero),
+           "--sequence-parallel" if sp else "--no-sequence-parallel", "--tensor-parallel", str(t), "--data-parallel", str(d), "--zero", str(zero),
            "--optimizer", "sgd", "--schedule", "1f1b", "-o", str(out)]  # fmt: skip
     if two_agents:
         cmd += ["--inter-node", "loopback"]
@@ -190,6 +196,7 @@ def main() -> int:
                     "stage_ratios": [(s["forward_ratio"], s["backward_ratio"]) for s in report["stages"]],
                     "ranks": ranks,
                     "collectives": next((n for n in report["notes"] if n.startswith("collectives per step")), None),
+                    "axes": {a: (report.get("collectives") or {}).get(a) for a in AXES},
                     "wall_s": time.perf_counter() - t0,
                 }
             )
@@ -227,6 +234,20 @@ def main() -> int:
             f"{r['plan']:<18} {r['world']:>5} {r['stages']:<10} {r['microbatches']:>2}x{r['microbatch_size']:<2} "
             f"{r['predicted_ms']:>8.1f} {r['measured_ms'] or 0:>8.1f} {ratio:>9} {fb:<18} {memory}"
         )
+    print()
+    print("per axis, per step (the slowest rank, median after the first step): measured / predicted ms "
+          "(pipeline transfers: waits included, an upper bound of the link time)")
+    print(f"{'plan':<18} " + " ".join(f"{a:>26}" for a in AXES))
+    for r in rows:
+        cells = []
+        for a in AXES:
+            x = r["axes"].get(a)
+            if x is None:
+                cells.append(f"{'-':>26}")
+            else:
+                pred = "-" if x.get("predicted_ms") is None else f"{x['predicted_ms']:.1f}"
+                cells.append(f"{x['measured_ms']:>12.1f} / {pred:<11}")
+        print(f"{r['plan']:<18} " + " ".join(cells))
     for key, what in (
         ("growth_over_predicted", "peak - RSS before the model"),
         ("training_growth_over_predicted", "peak - RSS at the first step"),
