@@ -201,3 +201,95 @@ def test_sequence_parallel_blocks_run_on_sequence_shards(tmp_path: Path) -> None
         assert r["outputs"] == [["0:DTensor:['Shard(dim=1)']"], ["1:Tensor:"]]
         norm_grads = {k: v for k, v in r["grads"].items() if ".ln" in k}
         assert len(norm_grads) == 8 and all(v == ["Replicate()"] for v in norm_grads.values()), norm_grads
+
+
+# ------------------------------------------------------ Hugging Face decoder layers, tensor-parallel
+
+
+def test_llama_decoder_layers_run_tensor_parallel_and_match_the_unsplit_model(tmp_path: Path) -> None:
+    """``examples.hf:llama`` (Llama-style decoder layers: separate q, k, v projections, grouped-
+    query attention, SwiGLU MLP, fused attention) at T = 2: ``--check`` against the unsplit model."""
+    from pipeplan.cli import main
+
+    profile = tmp_path / "llama.json"
+    assert main(["profile", "--model", "examples.hf:llama", "--microbatch-sizes", "1,2", "--time-budget", "2",
+                 "-q", "-o", str(profile)]) == 0  # fmt: skip
+    path = tmp_path / "llama-t2.json"
+    plan = _plan(profile, path, devices=2, stages=1, batch=4,
+                 extra=_flags(2, 1, 0, sp=False, schedule="1f1b"))  # fmt: skip
+    assert plan["tensor_parallel_degree"] == 2
+    report = _run(path, tmp_path, "--steps", "2", "--check", model="examples.hf:llama", lr="0.001")
+    check = report["check"]
+    assert check["passed"] and check["max_param_rel_diff"] <= 1e-5 and check["max_loss_rel_diff"] <= 1e-5, check
+    note = _mesh_note(report)
+    layers = ", ".join(f"model.layers.{i}" for i in range(4))
+    assert f"tensor parallelism T = 2 on 4 layer(s) ({layers})" in note, note
+
+
+def _inspect_llama(rank: int, port: int, out_dir: str) -> None:
+    """Rank ``rank`` of 2: the placements inside llama's first decoder layer at T = 2."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+    import torch.distributed as dist
+    import torch.fx
+    from torch.distributed.tensor import DTensor
+
+    from profiler.loading import load_entrypoint
+    from profiler.split import split_model
+    from runtime.mesh import MeshSpec, apply_mesh, build_mesh, plan_sharding, stage_shardings
+    from runtime.modules import stage_examples
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        spec = MeshSpec(tensor_parallel_degree=2)
+        mesh = build_mesh(spec)
+        torch.manual_seed(0)
+        entry = load_entrypoint("examples.hf:llama")
+        split = split_model(entry.model, entry.example_inputs, keywords=entry.keywords)
+        n = len(split.units)
+        first = split.names.index("model.layers.0")
+        examples = stage_examples(split, entry.example_inputs, 1, torch.device("cpu"))
+        stage = apply_mesh(split.stage_module(0, n, pipeline=True), spec, mesh,
+                           shardings=stage_shardings(plan_sharding(split.units, split.names, spec), 0, n))  # fmt: skip
+        records: list[dict[str, Any]] = []
+
+        class Recorder(torch.fx.Interpreter):
+            def run_node(self, node: torch.fx.Node) -> Any:
+                value = super().run_node(node)
+                if isinstance(value, DTensor):
+                    records.append({"node": node.name, "target": str(node.target),
+                                    "placements": [repr(p) for p in value.placements],
+                                    "local": list(value.to_local().shape), "global": list(value.shape)})  # fmt: skip
+                return value
+
+        inner = stage.units[first].inner
+        inner.forward = lambda *a: Recorder(inner).run(*a)
+        stage(*examples[0][0])
+        Path(out_dir, f"llama{rank}.json").write_text(json.dumps(records))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_llama_decoder_layer_shards_like_megatron(tmp_path: Path) -> None:
+    """Inside a Llama decoder layer at T = 2: the attention runs on each rank's heads, the MLP's
+    gate and up projections leave their outputs sharded (not the weights gathered), and each
+    row-parallel output is summed right after its linear (the residual stream stays replicated)."""
+    import torch.multiprocessing as mp
+
+    from tests.runtime.mesh_job import free_port
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.start_processes(_inspect_llama, args=(free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    recs = json.loads((tmp_path / "llama0.json").read_text())
+    linears = [x for x in recs if x["target"] == "aten.linear.default"]
+    assert len(linears) == 7, linears  # q, k, v, o, gate, up, down
+    for x in linears[:3] + linears[4:6]:  # column-parallel: the output's last dimension halved
+        assert x["placements"] == ["Shard(dim=2)"] and 2 * x["local"][2] == x["global"][2], x
+    for i in (3, 6):  # row-parallel: partial sums, then summed by the next node
+        assert linears[i]["placements"] == ["Partial(sum)"], linears[i]
+        after = recs[recs.index(linears[i]) + 1]
+        assert "reduce_row_output" in after["target"] and after["placements"] == ["Replicate()"], after
+    attention = [x for x in recs if "scaled_dot_product_attention" in x["target"]]
+    assert attention and all(x["placements"] == ["Shard(dim=1)"] and 2 * x["local"][1] == x["global"][1]
+                             for x in attention), attention  # fmt: skip
