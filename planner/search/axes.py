@@ -291,9 +291,12 @@ def solve(
 
     # every family's hand-rule configurations first (cheap): whatever the clock allows later,
     # the plan is never slower than what a Megatron user would write for any T
+    # (a family with sequence parallelism holds less and moves the same bytes as its twin without:
+    # where both are searched, the twin's rule is not priced apart)
     seed_zero = zero_fixed if zero_fixed is not None else 0
     for fam in order:
-        if not fam.selective_recompute:
+        twin = _Family(fam.tensor_parallel, True, False)
+        if not fam.selective_recompute and (fam.sequence_parallel or twin not in families):
             seeded = seed(fam, seed_zero)
             if seeded is not None:
                 offer(reprice(seeded, fam, seed_zero))
