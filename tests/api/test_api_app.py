@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -280,7 +281,9 @@ def test_busy_is_503(make_app: Callable[..., FastAPI], plan_body: dict[str, Any]
     with TestClient(make_app(slow_solve, workers=1, max_pending=1)) as c:
         slow = threading.Thread(target=lambda: c.post("/v1/plans", json=body))
         slow.start()
-        time.sleep(0.3)
+        deadline = time.perf_counter() + 10.0  # (a loaded machine may take a while to start it)
+        while c.get("/healthz").json()["solves_running"] < 1 and time.perf_counter() < deadline:
+            time.sleep(0.02)
         r = c.post("/v1/plans", json=variant(body, 3))
         slow.join()
     assert r.status_code == 503
@@ -319,7 +322,9 @@ def test_healthz_fast_during_a_long_solve(
         t.join()
     assert done == [201]
     assert len(latencies) >= 5
-    assert max(latencies) < 0.1, latencies
+    # a blocked event loop delays every request (100-250 ms with the GIL held in a thread); a
+    # machine shared with other work may delay one now and then
+    assert statistics.median(latencies) < 0.1 and sum(x >= 0.1 for x in latencies) <= 1, latencies
     assert running in (0, 1)
 
 
