@@ -289,7 +289,7 @@ def refuse_unexecutable(
                 continue
             if not sharding.executable:
                 problems.append(
-                    f"layer {i} '{name}' is a {sharding.rule}: recognised, but the runtime does not execute "
+                    f"layer {i} '{name}' ({sharding.rule}): recognised, but the runtime does not execute "
                     f"tensor parallelism on it yet ({sharding.why_not})"
                 )
                 continue

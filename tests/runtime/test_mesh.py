@@ -83,7 +83,7 @@ def test_rules_find_hf_decoder_and_encoder_layers() -> None:
             refuse_unexecutable(split.units, split.names, MeshSpec(tensor_parallel_degree=2))
             continue
         # recognised but not executed yet: refused before training, naming the layer and why
-        with pytest.raises(InputError, match=f"layer {i} '{layer}' is a .*recognised, but the runtime does not execute.*dropout"):
+        with pytest.raises(InputError, match=f"layer {i} '{layer}' \\(encoder layer \\(BERT style\\)\\): recognised, but the runtime does not execute.*dropout"):
             refuse_unexecutable(split.units, split.names, MeshSpec(tensor_parallel_degree=2))
 
 
@@ -118,21 +118,6 @@ def _assert_matches(results: list[dict[str, Any]]) -> None:
     for r in results:
         assert r["params"] > 0
         assert r["worst"] <= TOL, r
-
-
-@pytest.mark.slow
-def test_tensor_parallel_alone_matches_the_unsplit_model(tmp_path: Path) -> None:
-    results = _run(tmp_path, K=1, T=2, bounds=[0, 6])
-    _assert_matches(results)
-    # the four blocks' linears really are sharded
-    assert "blocks.3.mlp.out.weight" in results[0]["sharded"] and len(results[0]["sharded"]) == 4 * 6
-
-
-@pytest.mark.slow
-def test_zero1_data_and_pipeline_parallel(tmp_path: Path) -> None:
-    results = _run(tmp_path, K=2, D=2, zero=1, bounds=[0, 3, 6])
-    _assert_matches(results)
-    assert {r["optimizer"] for r in results} == {"ZeroRedundancyOptimizer"}
 
 
 @pytest.mark.slow
