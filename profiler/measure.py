@@ -72,7 +72,7 @@ from profiler.sampling import (
     timer_floor,
     useful_resolution,
 )
-from profiler.selective import recompute_share, trace_scores
+from profiler.selective import ScoreTrace, recompute_share, trace_scores
 from profiler.sharding import module_bytes, tensor_parallel_fields
 from profiler.split import SplitModel, frozen_state, split_model, tensor_bytes
 from profiler.summary import print_summary
@@ -496,6 +496,7 @@ def _measure(
     model_storages = state_storages(split)
     bar = _progress(progress, len(sizes))
     samplings: dict[int, Sampling] = {}
+    unmeasured: set[str] = set()  # units whose attention scores could not be traced (profiler/selective.py)
     try:
         for k, b in enumerate(sizes):
             batch = resize_batch(inputs, b)
@@ -558,8 +559,12 @@ def _measure(
                         t_in[i].append(ins_ms[i])
                         t_w[i].append(w_ms[i])
             for i, unit in enumerate(split.units):  # attention's scores (profiler/selective.py)
-                scores = trace_scores(unit, _grad_inputs(frozen_inputs[i]), exclude=model_storages)
-                share = recompute_share(unit, frozen_inputs[i], scores.calls, timer.time) if scores.saved_bytes else 0.0
+                try:
+                    scores = trace_scores(unit, _grad_inputs(frozen_inputs[i]), exclude=model_storages)
+                    share = recompute_share(unit, frozen_inputs[i], scores.calls, timer.time) if scores.saved_bytes else 0.0
+                except Exception:  # an operator the dispatch mode cannot replay: no selective fields
+                    scores, share = ScoreTrace(0, []), 0.0
+                    unmeasured.add(split.names[i])
                 out[i]["selective_recompute_bytes"].append(min(scores.saved_bytes, out[i]["activation_bytes"][k]))
                 out[i]["selective_recompute_ms"].append(share * statistics.median(fwd[i]))
                 del scores
@@ -594,6 +599,7 @@ def _measure(
             below_resolution={
                 str(b): [names[i] for i in samplings[b].below_resolution] for b in sizes if samplings[b].below_resolution
             },
+            selective_unmeasured=sorted(unmeasured),
             median_error={str(b): [round(e, 6) if math.isfinite(e) else None for e in samplings[b].error] for b in sizes},
         )
     if not any(out[i]["flops"] and any(out[i]["flops"]) for i in range(n)):

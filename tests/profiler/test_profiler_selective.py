@@ -138,3 +138,30 @@ def test_plan_takes_selective_recompute_on_a_measured_profile(tmp_path: Path, ca
     assert main([*argv, "--selective-recompute", "-o", str(plan_path)]) == 0
     plan = load_document("plan", str(plan_path))
     assert plan.selective_recompute and not any(stage.recompute for stage in plan.stages)
+
+
+@pytest.mark.cuda
+def test_cuda_dropout_keeps_a_byte_mask_as_synth_says() -> None:
+    """On CUDA the dropout is torch's fused kernel with a 1-byte mask: exactly synth's
+    a·s²·b·(2p + 1)."""
+    cfg = gpt.GPTConfig(**{**CFG.__dict__, "dropout": 0.1})
+    model, inputs = gpt.build(cfg)
+    prof = profile(model, inputs, microbatch_sizes=SIZES, device="cuda", loss_fn=gpt.lm_loss, warmup=1, repeats=3,
+                   progress=False)  # fmt: skip
+    for layer in prof.layers[1:-1]:
+        assert layer.selective_recompute_bytes == [cfg.heads * cfg.seq**2 * b * (2 * P + 1) for b in SIZES]
+        assert layer.selective_recompute_ms is not None
+        assert all(0 < t < f for t, f in zip(layer.selective_recompute_ms, layer.forward_ms, strict=True))
+
+
+def test_a_unit_the_tracer_cannot_run_gets_no_fields_and_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    import profiler.measure as measure
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise NotImplementedError("an operator without a dispatch rule")
+
+    monkeypatch.setattr(measure, "trace_scores", broken)
+    model, inputs = gpt.build(CFG)
+    prof = profile(model, inputs, microbatch_sizes=(1,), loss_fn=gpt.lm_loss, warmup=0, repeats=1, progress=False)
+    assert all(layer.selective_recompute_bytes is None for layer in prof.layers)
+    assert prof.metadata["profiler"]["selective_unmeasured"] == sorted(prof.layer_names())
