@@ -605,8 +605,8 @@ def _measure(
     if not any(out[i]["flops"] and any(out[i]["flops"]) for i in range(n)):
         for d in out:
             d["flops"] = None
-    for d in out:  # no score tensors kept at any size: no selective recompute (absent fields)
-        if not any(d["selective_recompute_bytes"]):
+    for name, d in zip(split.names, out, strict=True):  # no scores kept, or not traced at every size: absent
+        if not any(d["selective_recompute_bytes"]) or name in unmeasured:
             d["selective_recompute_bytes"] = d["selective_recompute_ms"] = None
     for d in out:  # {offset: bytes} per size -> [{offset, bytes per size}]
         per_size: list[dict[int, int]] = d.pop("kept")
