@@ -12,7 +12,9 @@ moves one fails there with its name instead of deep inside a profile or a run.
   is tracing (to evaluate a shape condition on the example inputs);
 * ``torch.distributed.pipelining._backward.stage_backward_input`` / ``stage_backward_weight``:
   the backward split into its input-gradient and weight-gradient parts, exactly as the
-  pipeline runtime runs a zero-bubble schedule's ``I`` and ``W`` (what the profiler times).
+  pipeline runtime runs a zero-bubble schedule's ``I`` and ``W`` (what the profiler times);
+* ``torch.utils._python_dispatch.TorchDispatchMode``: sees every ATen operator a forward runs,
+  below autograd (the profiler finds attention's score tensors with it, :mod:`profiler.selective`).
 """
 
 from __future__ import annotations
@@ -121,10 +123,18 @@ def backward_weight(weights: list[Any], state: list[dict[str, Any]]) -> None:
     stage_backward_weight(iter(weights), state)
 
 
+def dispatch_mode() -> type[Any]:
+    """The base class of a mode that intercepts every ATen operator call (``__torch_dispatch__``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
 __all__ = [
     "TreeSpec",
     "backward_input",
     "backward_weight",
+    "dispatch_mode",
     "fx_real_calls",
     "is_leaf_spec",
     "op_is_mutating",

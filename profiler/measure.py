@@ -36,6 +36,9 @@ What is measured, per unit of :func:`profiler.split.split_model` and per micro-b
   ``W`` starts from.  A unit whose inputs need no gradient (the first) has
   ``I = 0``: its whole backward is ``W``, as the runtime runs it.
 * forward FLOPs from ``torch.utils.flop_counter`` (informational).
+* for units that keep attention's score matrix (eager attention), Megatron's **selective
+  recompute**: the bytes of the score tensors kept (softmax output, dropout mask and output)
+  and the time to recompute them, :mod:`profiler.selective`; absent on other units.
 
 The user's model is never touched: everything runs on a deep copy (parameters, buffers such
 as BatchNorm statistics and ``.training`` flags stay as they were), and the global RNG state
@@ -69,6 +72,7 @@ from profiler.sampling import (
     timer_floor,
     useful_resolution,
 )
+from profiler.selective import ScoreTrace, recompute_share, trace_scores
 from profiler.sharding import module_bytes, tensor_parallel_fields
 from profiler.split import SplitModel, frozen_state, split_model, tensor_bytes
 from profiler.summary import print_summary
@@ -484,6 +488,7 @@ def _measure(
     fields = ["forward_ms", "backward_ms", "activation_bytes", "output_bytes", "cut_bytes"]
     fields += ["forward_ms_spread", "backward_ms_spread", "flops"] + (["peak_memory_bytes"] if cuda else [])
     fields += ["backward_input_ms", "backward_weight_ms", "weight_grad_bytes"]
+    fields += ["selective_recompute_bytes", "selective_recompute_ms"]
     out: list[dict[str, Any]] = [{f: [] for f in fields} for _ in range(n)]
     timer = _Timer(device, clock)
     floor_ms, tick_ms = timer.floor()
@@ -491,6 +496,7 @@ def _measure(
     model_storages = state_storages(split)
     bar = _progress(progress, len(sizes))
     samplings: dict[int, Sampling] = {}
+    unmeasured: set[str] = set()  # units whose attention scores could not be traced (profiler/selective.py)
     try:
         for k, b in enumerate(sizes):
             batch = resize_batch(inputs, b)
@@ -552,6 +558,16 @@ def _measure(
                     for i in range(n):
                         t_in[i].append(ins_ms[i])
                         t_w[i].append(w_ms[i])
+            for i, unit in enumerate(split.units):  # attention's scores (profiler/selective.py)
+                try:
+                    scores = trace_scores(unit, _grad_inputs(frozen_inputs[i]), exclude=model_storages)
+                    share = recompute_share(unit, frozen_inputs[i], scores.calls, timer.time) if scores.saved_bytes else 0.0
+                except Exception:  # an operator the dispatch mode cannot replay: no selective fields
+                    scores, share = ScoreTrace(0, []), 0.0
+                    unmeasured.add(split.names[i])
+                out[i]["selective_recompute_bytes"].append(min(scores.saved_bytes, out[i]["activation_bytes"][k]))
+                out[i]["selective_recompute_ms"].append(share * statistics.median(fwd[i]))
+                del scores
             for i, unit in enumerate(split.units):
                 out[i]["forward_ms"].append(statistics.median(fwd[i]))
                 out[i]["backward_ms"].append(statistics.median(bwd[i]))
@@ -583,11 +599,15 @@ def _measure(
             below_resolution={
                 str(b): [names[i] for i in samplings[b].below_resolution] for b in sizes if samplings[b].below_resolution
             },
+            selective_unmeasured=sorted(unmeasured),
             median_error={str(b): [round(e, 6) if math.isfinite(e) else None for e in samplings[b].error] for b in sizes},
         )
     if not any(out[i]["flops"] and any(out[i]["flops"]) for i in range(n)):
         for d in out:
             d["flops"] = None
+    for name, d in zip(split.names, out, strict=True):  # no scores kept, or not traced at every size: absent
+        if not any(d["selective_recompute_bytes"]) or name in unmeasured:
+            d["selective_recompute_bytes"] = d["selective_recompute_ms"] = None
     for d in out:  # {offset: bytes} per size -> [{offset, bytes per size}]
         per_size: list[dict[int, int]] = d.pop("kept")
         offsets = sorted({k for m in per_size for k in m})

@@ -75,3 +75,19 @@ def test_split_backward_gives_the_gradients_of_a_whole_backward() -> None:
     got = [x2.grad, *(p.grad for p in weights)]
     for g, w in zip(got, want, strict=True):
         assert g is not None and torch.allclose(g, w)
+
+
+def test_dispatch_mode_sees_the_aten_operators_below_autograd() -> None:
+    """torch's TorchDispatchMode (the profiler finds attention's score tensors with it)."""
+    seen: list[str] = []
+
+    class Spy(private.dispatch_mode()):  # type: ignore[misc]
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            seen.append(str(func.overloadpacket.__name__))
+            return func(*args, **(kwargs or {}))
+
+    a = torch.randn(2, 3, 4, requires_grad=True)
+    with Spy():
+        out = torch.softmax(a @ a.transpose(1, 2), dim=-1)
+    assert out.shape == (2, 3, 3) and out.requires_grad  # autograd still records above the mode
+    assert "bmm" in seen and "_softmax" in seen
