@@ -129,6 +129,10 @@ def calibrate(profile: Profile, reports: Sequence[tuple[str, RunReport]]) -> Cal
                 "backward_ms_spread": None
                 if layer.backward_ms_spread is None
                 else [x * bwd_scale[i] for x in layer.backward_ms_spread],
+                # selective recompute reruns part of the forward: it scales with the forward
+                "selective_recompute_ms": None
+                if layer.selective_recompute_ms is None
+                else [x * fwd_scale[i] for x in layer.selective_recompute_ms],
             }
         )
         for i, layer in enumerate(base.layers)
@@ -209,6 +213,9 @@ def uncalibrated(profile: Profile) -> Profile:
                     "backward_ms_spread": None
                     if layer.backward_ms_spread is None
                     else [x / b for x in layer.backward_ms_spread],
+                    "selective_recompute_ms": None
+                    if layer.selective_recompute_ms is None
+                    else [x / f for x in layer.selective_recompute_ms],
                 }
             )
         )

@@ -378,7 +378,8 @@ def mesh_problem(
     if mesh.selective_recompute and not recomputes_selectively(profile):
         raise InputError(
             "selective recompute needs the profile's selective_recompute_bytes and selective_recompute_ms "
-            "(synth gives them for transformer blocks): drop --selective-recompute, or use full recompute"
+            "(synth gives them for transformer blocks; pipeplan profile for layers that keep attention scores, "
+            "i.e. not fused attention): drop --selective-recompute, or use full recompute"
         )
     layers = [_tp_layer(layer, mesh, training, cluster.intra_node) for layer in profile.layers]
     tp_params = tuple(x.param_bytes for x in layers)

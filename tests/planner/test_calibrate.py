@@ -331,3 +331,26 @@ def test_report_rows_are_counted_before_validation() -> None:
         bad = dict(data, **{name: [None] * (MAX_REPORT_ROWS + 1)})  # validation would name each None
         with pytest.raises(InputError, match=f"{MAX_REPORT_ROWS + 1:,} .* is beyond what a run report holds"):
             parse_document("report", bad)
+
+
+def test_selective_recompute_time_scales_with_the_forward_and_is_undone() -> None:
+    """Selective recompute reruns part of a layer's forward: calibration scales its time by the
+    layer's forward factor, and calibrating again starts from the profiled figure."""
+    base, truth = base_profile(N), truth_factors()
+    sel = [[0.25 * t for t in layer.forward_ms] for layer in base.layers]
+    base = base.model_copy(update={"layers": [
+        layer.model_copy(update={"selective_recompute_ms": s, "selective_recompute_bytes": [100] * len(s)})
+        for layer, s in zip(base.layers, sel, strict=True)
+    ]})  # fmt: skip
+    plans = fixed_splits(base)
+    reports = [(name, synthetic_report(plans[name], base, truth)) for name in ("a", "b", "c")]
+    result = calibrate(base, reports)
+    cal = result.profile.calibration
+    assert cal is not None
+    for i, layer in enumerate(result.profile.layers):
+        assert layer.selective_recompute_ms is not None
+        for got, profiled in zip(layer.selective_recompute_ms, sel[i], strict=True):
+            assert got == pytest.approx(profiled * cal.layers[i].forward_scale, rel=1e-12)
+    undone = uncalibrated(result.profile)
+    for i, layer in enumerate(undone.layers):
+        assert layer.selective_recompute_ms == pytest.approx(sel[i], rel=1e-12)
