@@ -52,7 +52,7 @@ from planner.errors import InfeasibleError, InputError
 from planner.infeasible import any_fits
 from planner.mesh import Mesh, check_mesh, mesh_problem, recomputes_selectively
 from planner.schema import Cluster, Plan, PlanOptions, Profile, SolverInfo, TrainingSetup
-from planner.search.driver import seed_plan
+from planner.search.driver import seed_split
 from planner.search.driver import solve as solve_mesh_family
 from planner.splits.exhaustive import SMALL_LAYERS
 
@@ -235,14 +235,26 @@ def solve(
             raise
 
     def seed(fam: _Family, zero: int) -> Plan | None:
-        """The family's baselines and Megatron hand rule, no search (a few estimates)."""
-        mesh = fam.mesh(zero)
-        problem = mesh_problem(base, cluster, training, mesh, data_parallel=options.data_parallel or 1,
+        """The family's Megatron hand rule, no search (a few simulations, one estimate)."""
+        problem = mesh_problem(base, cluster, training, fam.mesh(zero), data_parallel=options.data_parallel or 1,
                                pipeline_degree=cluster.num_devices,
                                across_nodes=options.tensor_parallel_across_nodes)
         opts = sub.model_copy(update={"data_parallel": options.data_parallel})
         try:
-            return seed_plan(problem.profile, problem.cluster, problem.training, opts)
+            found = seed_split(problem.profile, problem.cluster, problem.training, opts)
+            if found is None:
+                return None
+            return estimate(
+                base, cluster, training, found.ranges, num_microbatches=found.num_microbatches,
+                schedule=found.schedule, recompute=found.recompute, data_parallel=found.data_parallel,
+                pipeline_degree=found.pipeline_degree,
+                devices=[[d * fam.tensor_parallel for d in devs] for devs in found.devices],
+                tensor_parallel=fam.tensor_parallel, zero_stage=zero if found.data_parallel > 1 else 0,
+                sequence_parallel=fam.sequence_parallel,
+                tensor_parallel_across_nodes=options.tensor_parallel_across_nodes,
+                solver=SolverInfo(status="feasible", gap=1.0,
+                                  message="plan: Megatron-LM's hand rule for its T (no faster plan found within the limit)"),
+            )  # fmt: skip
         except (InfeasibleError, InputError):
             return None
 
@@ -299,7 +311,7 @@ def solve(
         if not fam.selective_recompute and (fam.sequence_parallel or twin not in families):
             seeded = seed(fam, seed_zero)
             if seeded is not None:
-                offer(reprice(seeded, fam, seed_zero))
+                offer(seeded)
     phase1([f for f in order if f not in deferred], first_index=0)
     skipped_selective = bool(deferred) and not memory_seen and best is not None
     if deferred and not skipped_selective:

@@ -80,13 +80,14 @@ import heapq
 import math
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from planner.bounds.memory import memory_bounds
 from planner.bounds.relaxed import relaxed_bound, relaxed_memory_fits
 from planner.bounds.work import cheap_bound
 from planner.costmodel import estimate, lower_bound_ms, profile_in_dtype, static_bytes
 from planner.infeasible import diagnose
-from planner.schema import Cluster, Plan, PlanOptions, Profile, SolverInfo, TrainingSetup
+from planner.schema import Cluster, Plan, PlanOptions, Profile, Schedule, SolverInfo, TrainingSetup
 from planner.search.model import work_total
 from planner.search.space import (
     SIM_ACTION_LIMIT,
@@ -225,16 +226,31 @@ def _best_plan(search: SearchState, solver: SolverInfo) -> Plan:
     )
 
 
-def seed_plan(
+@dataclass(frozen=True)
+class SeedSplit:
+    """A configuration and split of the D x K problem, unpriced (what :func:`seed_split` finds)."""
+
+    ranges: list[tuple[int, int]]
+    recompute: list[bool]
+    num_microbatches: int
+    schedule: Schedule
+    data_parallel: int
+    pipeline_degree: int
+    #: per stage, its devices (one per replica)
+    devices: list[list[int]]
+
+
+def seed_split(
     profile: Profile,
     cluster: Cluster,
     training: TrainingSetup,
     options: PlanOptions | None = None,
-) -> Plan | None:
-    """Megatron's hand rule (:func:`planner.splits.baseline_seed.seed_with_stack_rule`), with
-    no search: a few estimates, so that the mesh
-    search holds a plan of a family before a loaded machine's clock runs out.  ``None`` when
-    none of them fits.  It proves nothing: its solver info says ``feasible`` with gap 1."""
+) -> SeedSplit | None:
+    """Megatron's hand rule (:func:`planner.splits.baseline_seed.seed_with_stack_rule`) at the
+    :data:`SEED_DEGREES` smallest pipeline degrees, with no search: a few simulations, so that
+    the mesh search holds a plan of a family before a loaded machine's clock runs out.  The
+    fastest configuration of the rule that fits, or ``None``; the caller prices it (it proves
+    nothing)."""
     options = options or PlanOptions()
     start = time.perf_counter()
     profile = profile_in_dtype(profile, training.dtype)
@@ -244,7 +260,16 @@ def seed_plan(
     seed_with_stack_rule(search, degrees=SEED_DEGREES)
     if search.best is None:
         return None
-    return _best_plan(search, SolverInfo(status="feasible", gap=1.0, message="plan: Megatron-LM's hand rule for its T (no faster plan found within the limit)"))
+    cfg, split, groups = search.best
+    return SeedSplit(
+        ranges=list(split.ranges),
+        recompute=list(split.recompute),
+        num_microbatches=cfg.num_microbatches,
+        schedule=cfg.schedule,
+        data_parallel=cfg.data_parallel,
+        pipeline_degree=cfg.pipeline_degree,
+        devices=[list(groups[g].devices) for g in split.groups],
+    )
 
 
 def _branch_and_bound(search: SearchState, configs: Sequence[Config]) -> None:
