@@ -52,7 +52,7 @@ from planner.errors import InfeasibleError, InputError
 from planner.infeasible import any_fits
 from planner.mesh import Mesh, check_mesh, mesh_problem, recomputes_selectively
 from planner.schema import Cluster, Plan, PlanOptions, Profile, SolverInfo, TrainingSetup
-from planner.search.driver import seed_split
+from planner.search.driver import SeedSplit, seed_split
 from planner.search.driver import solve as solve_mesh_family
 from planner.splits.exhaustive import SMALL_LAYERS
 
@@ -187,20 +187,23 @@ def solve(
         ):
             best = plan
 
-    def reprice(plan: Plan, fam: _Family, zero: int) -> Plan:
-        if plan.data_parallel_degree == 1:
-            zero = 0  # one replica: nothing to shard
+    def price(fam: _Family, zero: int, split: SeedSplit, *, solver: SolverInfo, actions: list[str] | None = None) -> Plan:
+        """A D x K split of the family's problem priced on the whole mesh (each T-group's first
+        device standing for the group)."""
         return estimate(
-            base, cluster, training, [(s.start, s.stop) for s in plan.stages],
-            num_microbatches=plan.num_microbatches, schedule=plan.schedule,
-            recompute=[s.recompute for s in plan.stages], data_parallel=plan.data_parallel_degree,
-            pipeline_degree=plan.pipeline_degree,
-            devices=[[d * fam.tensor_parallel for d in s.devices] for s in plan.stages],
-            actions=plan.actions, solver=plan.solver, tensor_parallel=fam.tensor_parallel, zero_stage=zero,
+            base, cluster, training, split.ranges, num_microbatches=split.num_microbatches,
+            schedule=split.schedule, recompute=split.recompute, data_parallel=split.data_parallel,
+            pipeline_degree=split.pipeline_degree,
+            devices=[[d * fam.tensor_parallel for d in devs] for devs in split.devices],
+            actions=actions, solver=solver, tensor_parallel=fam.tensor_parallel,
+            zero_stage=zero if split.data_parallel > 1 else 0,  # one replica: nothing to shard
             sequence_parallel=fam.sequence_parallel,
             tensor_parallel_across_nodes=options.tensor_parallel_across_nodes,
             selective_recompute=fam.selective_recompute,
         )
+
+    def reprice(plan: Plan, fam: _Family, zero: int) -> Plan:
+        return price(fam, zero, SeedSplit.of(plan), solver=plan.solver, actions=plan.actions)
 
     def run(
         fam: _Family, zero: int, data_parallel: int | None, *, relaxed: bool = False, first: bool = False,
@@ -244,17 +247,9 @@ def solve(
             found = seed_split(problem.profile, problem.cluster, problem.training, opts)
             if found is None:
                 return None
-            return estimate(
-                base, cluster, training, found.ranges, num_microbatches=found.num_microbatches,
-                schedule=found.schedule, recompute=found.recompute, data_parallel=found.data_parallel,
-                pipeline_degree=found.pipeline_degree,
-                devices=[[d * fam.tensor_parallel for d in devs] for devs in found.devices],
-                tensor_parallel=fam.tensor_parallel, zero_stage=zero if found.data_parallel > 1 else 0,
-                sequence_parallel=fam.sequence_parallel,
-                tensor_parallel_across_nodes=options.tensor_parallel_across_nodes,
-                solver=SolverInfo(status="feasible", gap=1.0,
-                                  message="plan: Megatron-LM's hand rule for its T (no faster plan found within the limit)"),
-            )  # fmt: skip
+            return price(fam, zero, found, solver=SolverInfo(
+                status="feasible", gap=1.0,
+                message="plan: Megatron-LM's hand rule for its T (no faster plan found within the limit)"))
         except (InfeasibleError, InputError):
             return None
 

@@ -239,6 +239,19 @@ class SeedSplit:
     #: per stage, its devices (one per replica)
     devices: list[list[int]]
 
+    @classmethod
+    def of(cls, plan: Plan) -> SeedSplit:
+        """The split of ``plan`` (to price it again, e.g. on a wider mesh)."""
+        return cls(
+            ranges=[(st.start, st.stop) for st in plan.stages],
+            recompute=[st.recompute for st in plan.stages],
+            num_microbatches=plan.num_microbatches,
+            schedule=plan.schedule,
+            data_parallel=plan.data_parallel_degree,
+            pipeline_degree=plan.pipeline_degree,
+            devices=[list(st.devices) for st in plan.stages],
+        )
+
 
 def seed_split(
     profile: Profile,
