@@ -14,8 +14,8 @@ torch; :func:`build_mesh` makes the ``DeviceMesh``.
 into what the pipeline stage runs, one function per axis in a fixed order:
 
 1. :func:`apply_tensor_parallel` (T > 1): each unit the runtime has a sharding rule for
-   (:data:`RULES`: the zoo GPT block and Hugging Face Llama/Qwen2-style decoder layers;
-   BERT/ViT-style encoder layers are recognised but refused, see their ``why_not``) gets its
+   (:data:`RULES`: the zoo GPT block, Hugging Face Llama/Qwen2-style decoder layers and
+   BERT/ViT-style encoder layers) gets its
    linear weights distributed as DTensors over the "tp" axis,
    Megatron style (column-parallel: ``Shard(0)`` of weight and bias; row-parallel:
    ``Shard(1)`` of the weight, bias replicated), every other tensor of the unit replicated.
@@ -25,6 +25,8 @@ into what the pipeline stage runs, one function per axis in a fixed order:
    collectives (``_TensorParallelUnit``: the unit's inputs enter as replicated DTensors,
    its outputs leave as plain tensors, replicated).  Units without a rule run whole on every
    tensor-parallel rank (their inputs and gradients are replicated, so they stay in step).
+   A sharded unit's dropout draws the whole tensor's mask and keeps its shard
+   (:func:`whole_dropout`), so it drops what the unsharded model drops.
    With sequence parallelism (the plan's ``sequence_parallel``), Megatron style, for rules
    with a ``sequence_dim``: the unit's graph gets an all-gather along the sequence before each
    column-parallel linear and a reduce-scatter after each row-parallel one
@@ -144,9 +146,6 @@ class Rule:
     name: str
     column: tuple[str, ...]
     row: tuple[str, ...]
-    #: False: recognised, but executing it is not verified: refused (see ``why_not``)
-    executable: bool = True
-    why_not: str = ""
     #: the sequence dimension of the block's activations, for sequence parallelism (None: the
     #: runtime does not run this block sequence-parallel)
     sequence_dim: int | None = None
@@ -164,17 +163,11 @@ RULES: tuple[Rule, ...] = (
         "encoder layer (BERT style)",
         column=("attention.self.query", "attention.self.key", "attention.self.value", "intermediate.dense"),
         row=("attention.output.dense", "output.dense"),
-        executable=False,
-        why_not="it runs, but --check is off by 9e-4 in its parameters (examples.hf:bert, T = 2): its "
-        "dropout runs on each rank's share of the heads, whose masks on CPU are not those of the unsharded "
-        "model",
     ),
     Rule(
         "encoder layer (ViT style)",
-        column=("attention.attention.query", "attention.attention.key", "attention.attention.value", "intermediate.dense"),
-        row=("attention.output.dense", "output.dense"),
-        executable=False,
-        why_not="as the BERT-style layer (dropout on sharded heads)",
+        column=("attention.q_proj", "attention.k_proj", "attention.v_proj", "mlp.fc1"),
+        row=("attention.o_proj", "mlp.fc2"),
     ),
 )
 
@@ -187,8 +180,6 @@ class UnitSharding:
     rule: str
     column: tuple[str, ...]
     row: tuple[str, ...]
-    executable: bool = True
-    why_not: str = ""
     sequence_dim: int | None = None
 
 
@@ -212,7 +203,7 @@ def match_rule(unit: Any) -> UnitSharding | None:
             col = tuple(prefix + s for s in rule.column)
             row = tuple(prefix + s for s in rule.row)
             if all(n in linears for n in col + row):
-                return UnitSharding(rule.name, col, row, rule.executable, rule.why_not, rule.sequence_dim)
+                return UnitSharding(rule.name, col, row, rule.sequence_dim)
     return None
 
 
@@ -286,12 +277,6 @@ def refuse_unexecutable(
                 )
                 continue
             if sharding is None or kind == "replicated":
-                continue
-            if not sharding.executable:
-                problems.append(
-                    f"layer {i} '{name}' ({sharding.rule}): recognised, but the runtime does not execute "
-                    f"tensor parallelism on it yet ({sharding.why_not})"
-                )
                 continue
             shardable += 1
             if spec.sequence_parallel:
@@ -485,6 +470,87 @@ def _drop_metadata_asserts(unit: Any) -> None:
         unit.recompile()
 
 
+def whole_dropout(x: Any, p: float, train: bool) -> Any:
+    """``aten.dropout`` of a DTensor with the mask the unsharded tensor gets: the whole tensor's
+    noise is drawn with the generator calls torch's CPU dropout makes (``empty``, ``bernoulli_(1 -
+    p)``, ``div_(1 - p)``: same shape, same dtype, so the same numbers, and the generator ends
+    where the unsharded model's does), and each rank keeps its shard of it.  Called from a
+    sharded unit's graph in place of ``aten.dropout`` (:func:`_whole_randomness`): left to
+    itself, each rank drew a mask of its own shard's size, so the attention dropout of the heads
+    and every later draw of the unit differed from the unsharded model's (``--check`` 9e-4 off
+    on ``examples.hf:bert`` at T = 2)."""
+    import torch
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    if not isinstance(x, DTensor) or not train or p == 0:
+        return torch.ops.aten.dropout.default(x, p, train)
+    if any(pl.is_partial() for pl in x.placements):
+        x = x.redistribute(x.device_mesh, [Replicate() if pl.is_partial() else pl for pl in x.placements])
+    local = x.to_local()
+    if p == 1:
+        return x * 0.0
+    noise = torch.empty(tuple(x.shape), dtype=local.dtype, device=local.device).bernoulli_(1 - p).div_(1 - p)
+    return x * distribute_tensor(noise, x.device_mesh, x.placements, src_data_rank=None)
+
+
+def attention_whole_dropout(
+    q: Any,
+    k: Any,
+    v: Any,
+    attn_mask: Any = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Any:
+    """``aten.scaled_dot_product_attention`` with dropout, as torch's math composition (the kernel
+    torch picks on CPU when there is dropout) with :func:`whole_dropout` on the probabilities:
+    each rank keeps its heads' share of the mask of all heads."""
+    import math
+
+    import torch
+
+    if dropout_p == 0 or enable_gqa:
+        return torch.ops.aten.scaled_dot_product_attention.default(
+            q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+        )
+    factor = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+    attn = torch.matmul(q * factor, k.transpose(-2, -1) * factor)
+    if is_causal:
+        n, m = attn.shape[-2], attn.shape[-1]
+        attn_mask = torch.ones(n, m, dtype=torch.bool).tril()
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            attn_mask = torch.where(attn_mask, 0.0, float("-inf")).to(attn.dtype)
+        attn = attn + attn_mask
+    attn = torch.softmax(attn, -1)
+    return torch.matmul(whole_dropout(attn, dropout_p, True), v)
+
+
+def _whole_randomness(unit: Any) -> None:
+    """Give a sharded unit's random draws the unsharded model's numbers: its ``aten.dropout``
+    calls become :func:`whole_dropout`, its attention with dropout
+    :func:`attention_whole_dropout`."""
+    import torch
+
+    graph = getattr(unit, "graph", None)
+    if graph is None:
+        return
+    swap = {
+        torch.ops.aten.dropout.default: whole_dropout,
+        torch.ops.aten.scaled_dot_product_attention.default: attention_whole_dropout,
+    }
+    changed = False
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in swap:
+            node.target = swap[node.target]
+            changed = True
+    if changed:
+        graph.lint()
+        unit.recompile()
+
+
 def apply_tensor_parallel(
     stage_module: Any, shardings: Mapping[int, UnitSharding], tp_mesh: Any, *, sequence_parallel: bool = False
 ) -> Any:
@@ -520,6 +586,7 @@ def apply_tensor_parallel(
                     mod._buffers[bname] = distribute_tensor(b, mesh, [Replicate()])
 
         _drop_metadata_asserts(unit)
+        _whole_randomness(unit)
         distribute_module(unit, tp_mesh, partition)
         if sequence_parallel:
             _make_sequence_parallel(unit, sharding)

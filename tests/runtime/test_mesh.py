@@ -4,6 +4,7 @@ small gloo jobs compared with the unsplit model at 1e-5 (tests/runtime/mesh_job.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -71,20 +72,24 @@ def test_rules_find_hf_decoder_and_encoder_layers() -> None:
     from profiler.loading import load_entrypoint
     from profiler.split import split_model
 
-    for spec, layer in (("examples.hf:llama", "model.layers.0"), ("examples.hf:bert", "bert.encoder.layer.0")):
+    cases = (
+        ("examples.hf:llama", "model.layers.0", "decoder layer (Llama/Qwen2 style)"),
+        ("examples.hf:bert", "bert.encoder.layer.0", "encoder layer (BERT style)"),
+        ("examples.hf:vit", "vit.layers.0", "encoder layer (ViT style)"),
+    )
+    for spec, layer, rule in cases:
         torch.manual_seed(0)
         entry = load_entrypoint(spec)
         split = split_model(entry.model, entry.example_inputs, keywords=entry.keywords)
         i = split.names.index(layer)
         found = match_rule(split.units[i])
-        assert found is not None, (spec, layer)
-        if spec == "examples.hf:llama":  # executed (tests/runtime/test_mesh_sp_zero.py)
-            assert found.executable
-            refuse_unexecutable(split.units, split.names, MeshSpec(tensor_parallel_degree=2))
-            continue
-        # recognised but not executed yet: refused before training, naming the layer and why
-        with pytest.raises(InputError, match=f"layer {i} '{layer}' \\(encoder layer \\(BERT style\\)\\): recognised, but the runtime does not execute.*dropout"):
-            refuse_unexecutable(split.units, split.names, MeshSpec(tensor_parallel_degree=2))
+        assert found is not None and found.rule == rule, (spec, layer, found)
+        # executed (tests/runtime/test_mesh_sp_zero.py): nothing refused at T = 2
+        assert found.executable
+        refuse_unexecutable(split.units, split.names, MeshSpec(tensor_parallel_degree=2))
+        # but these layers have no sequence-parallel rule: refused before training, naming the layer
+        with pytest.raises(InputError, match=f"layer {i} '{layer}' \\({re.escape(rule)}\\): sequence parallelism: the runtime has no sequence-parallel rule"):
+            refuse_unexecutable(split.units, split.names, MeshSpec(tensor_parallel_degree=2, sequence_parallel=True))
 
 
 def test_refusals_name_the_layer(gpt_split: Any) -> None:

@@ -206,24 +206,38 @@ def test_sequence_parallel_blocks_run_on_sequence_shards(tmp_path: Path) -> None
 # ------------------------------------------------------ Hugging Face decoder layers, tensor-parallel
 
 
-def test_llama_decoder_layers_run_tensor_parallel_and_match_the_unsplit_model(tmp_path: Path) -> None:
-    """``examples.hf:llama`` (Llama-style decoder layers: separate q, k, v projections, grouped-
-    query attention, SwiGLU MLP, fused attention) at T = 2: ``--check`` against the unsplit model."""
+HF_TP = {
+    # Llama-style decoder layers: separate q, k, v projections, grouped-query attention, SwiGLU
+    # MLP, fused attention
+    "examples.hf:llama": ("model.layers", 4),
+    # BERT-style encoder layers with dropout 0.1 in the attention and after both row-parallel
+    # linears: each rank's heads get their share of the unsharded model's masks
+    # (runtime.mesh.whole_dropout), so --check holds
+    "examples.hf:bert": ("bert.encoder.layer", 4),
+    # ViT-style encoder layers (transformers 5 names: attention.q_proj ... mlp.fc2)
+    "examples.hf:vit": ("vit.layers", 4),
+}
+
+
+@pytest.mark.parametrize("model", list(HF_TP))
+def test_hf_layers_run_tensor_parallel_and_match_the_unsplit_model(model: str, tmp_path: Path) -> None:
+    """Hugging Face decoder and encoder layers at T = 2: ``--check`` against the unsplit model."""
     from pipeplan.cli import main
 
-    profile = tmp_path / "llama.json"
-    assert main(["profile", "--model", "examples.hf:llama", "--microbatch-sizes", "1,2", "--time-budget", "2",
+    prefix, n = HF_TP[model]
+    profile = tmp_path / "profile.json"
+    assert main(["profile", "--model", model, "--microbatch-sizes", "1,2", "--time-budget", "2",
                  "-q", "-o", str(profile)]) == 0  # fmt: skip
-    path = tmp_path / "llama-t2.json"
+    path = tmp_path / "t2.json"
     plan = _plan(profile, path, devices=2, stages=1, batch=4,
                  extra=_flags(2, 1, 0, sp=False, schedule="1f1b"))  # fmt: skip
     assert plan["tensor_parallel_degree"] == 2
-    report = _run(path, tmp_path, "--steps", "2", "--check", model="examples.hf:llama", lr="0.001")
+    report = _run(path, tmp_path, "--steps", "2", "--check", model=model, lr="0.001")
     check = report["check"]
     assert check["passed"] and check["max_param_rel_diff"] <= 1e-5 and check["max_loss_rel_diff"] <= 1e-5, check
     note = _mesh_note(report)
-    layers = ", ".join(f"model.layers.{i}" for i in range(4))
-    assert f"tensor parallelism T = 2 on 4 layer(s) ({layers})" in note, note
+    layers = ", ".join(f"{prefix}.{i}" for i in range(n))
+    assert f"tensor parallelism T = 2 on {n} layer(s) ({layers})" in note, note
 
 
 def _inspect_llama(rank: int, port: int, out_dir: str) -> None:
