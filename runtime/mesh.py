@@ -158,16 +158,19 @@ RULES: tuple[Rule, ...] = (
         "decoder layer (Llama/Qwen2 style)",
         column=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
         row=("self_attn.o_proj", "mlp.down_proj"),
+        sequence_dim=1,
     ),
     Rule(
         "encoder layer (BERT style)",
         column=("attention.self.query", "attention.self.key", "attention.self.value", "intermediate.dense"),
         row=("attention.output.dense", "output.dense"),
+        sequence_dim=1,
     ),
     Rule(
         "encoder layer (ViT style)",
         column=("attention.q_proj", "attention.k_proj", "attention.v_proj", "mlp.fc1"),
         row=("attention.o_proj", "mlp.fc2"),
+        sequence_dim=1,
     ),
 )
 
@@ -414,8 +417,9 @@ def _tp_unit_class() -> Any:
         replicated DTensors (their gradients are summed over the group on the way back),
         integer inputs too; outputs leave replicated, as plain tensors.
 
-        Sequence-parallel (``sequence_dim`` set): floating inputs with a sequence dimension are
-        split along it on entry (each rank keeps its slice, no communication); DTensor inputs
+        Sequence-parallel (``sequence_dim`` set): the first input (the hidden states; the
+        others, such as attention masks and rotary tables, stay replicated) is split along the
+        sequence on entry (each rank keeps its slice, no communication); DTensor inputs
         (from the previous sequence-parallel unit of the stage) enter as they are.  With
         ``keep_sharded`` (the next unit of the stage is sequence-parallel too) the outputs stay
         DTensors, sharded along the sequence; else they are gathered and leave whole."""
@@ -429,17 +433,17 @@ def _tp_unit_class() -> Any:
             self.sequence_dim = sequence_dim
             self.keep_sharded = keep_sharded
 
-        def _enter(self, a: Any) -> Any:
+        def _enter(self, a: Any, *, split: bool) -> Any:
             if not isinstance(a, torch.Tensor) or isinstance(a, DTensor):
                 return a
             d = DTensor.from_local(a, self.tp_mesh, [Replicate()], run_check=False)
             seq = self.sequence_dim
-            if seq is not None and a.is_floating_point() and a.dim() > seq:
+            if split and seq is not None and a.is_floating_point() and a.dim() > seq:
                 d = d.redistribute(self.tp_mesh, [Shard(seq)])  # a local slice: no communication
             return d
 
         def forward(self, *args: Any) -> Any:
-            xs = tuple(self._enter(a) for a in args)
+            xs = tuple(self._enter(a, split=i == 0) for i, a in enumerate(args))
             # constants the graph makes (masks, positions) are replicated; fused attention runs
             # as its math composition, which DTensor shards by heads (it has no sharding rule for
             # the CPU flash kernel, and deriving one by decomposition takes minutes)
@@ -537,14 +541,19 @@ def _whole_randomness(unit: Any) -> None:
     graph = getattr(unit, "graph", None)
     if graph is None:
         return
+    # operator -> (its replacement, the position of its dropout probability)
     swap = {
-        torch.ops.aten.dropout.default: whole_dropout,
-        torch.ops.aten.scaled_dot_product_attention.default: attention_whole_dropout,
+        torch.ops.aten.dropout.default: (whole_dropout, 1),
+        torch.ops.aten.scaled_dot_product_attention.default: (attention_whole_dropout, 4),
     }
     changed = False
     for node in graph.nodes:
-        if node.op == "call_function" and node.target in swap:
-            node.target = swap[node.target]
+        if node.op != "call_function" or node.target not in swap:
+            continue
+        fn, at = swap[node.target]
+        p = node.args[at] if len(node.args) > at else node.kwargs.get("dropout_p", 0.0)
+        if p != 0:  # a traced constant; without dropout the operator stays as it is
+            node.target = fn
             changed = True
     if changed:
         graph.lint()

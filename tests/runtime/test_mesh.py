@@ -84,12 +84,14 @@ def test_rules_find_hf_decoder_and_encoder_layers() -> None:
         i = split.names.index(layer)
         found = match_rule(split.units[i])
         assert found is not None and found.rule == rule, (spec, layer, found)
-        # executed (tests/runtime/test_mesh_sp_zero.py): nothing refused at T = 2
-        assert found.executable
+        # executed, with and without sequence parallelism (tests/runtime/test_mesh_sp_zero.py):
+        # nothing refused at T = 2
+        assert found.sequence_dim == 1
         refuse_unexecutable(split.units, split.names, MeshSpec(tensor_parallel_degree=2))
-        # but these layers have no sequence-parallel rule: refused before training, naming the layer
-        with pytest.raises(InputError, match=f"layer {i} '{layer}' \\({re.escape(rule)}\\): sequence parallelism: the runtime has no sequence-parallel rule"):
-            refuse_unexecutable(split.units, split.names, MeshSpec(tensor_parallel_degree=2, sequence_parallel=True))
+        refuse_unexecutable(split.units, split.names, MeshSpec(tensor_parallel_degree=2, sequence_parallel=True))
+        # a width T does not divide is refused before training, naming the layer
+        with pytest.raises(InputError, match=f"layer {i} '{re.escape(layer)}': .* not divisible by T=3"):
+            refuse_unexecutable(split.units, split.names, MeshSpec(tensor_parallel_degree=3))
 
 
 def test_refusals_name_the_layer(gpt_split: Any) -> None:

@@ -219,9 +219,11 @@ HF_TP = {
 }
 
 
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp-sp"])
 @pytest.mark.parametrize("model", list(HF_TP))
-def test_hf_layers_run_tensor_parallel_and_match_the_unsplit_model(model: str, tmp_path: Path) -> None:
-    """Hugging Face decoder and encoder layers at T = 2: ``--check`` against the unsplit model."""
+def test_hf_layers_run_tensor_parallel_and_match_the_unsplit_model(model: str, sp: bool, tmp_path: Path) -> None:
+    """Hugging Face decoder and encoder layers at T = 2, without and with sequence parallelism:
+    ``--check`` against the unsplit model."""
     from pipeplan.cli import main
 
     prefix, n = HF_TP[model]
@@ -230,14 +232,15 @@ def test_hf_layers_run_tensor_parallel_and_match_the_unsplit_model(model: str, t
                  "-q", "-o", str(profile)]) == 0  # fmt: skip
     path = tmp_path / "t2.json"
     plan = _plan(profile, path, devices=2, stages=1, batch=4,
-                 extra=_flags(2, 1, 0, sp=False, schedule="1f1b"))  # fmt: skip
-    assert plan["tensor_parallel_degree"] == 2
+                 extra=_flags(2, 1, 0, sp=sp, schedule="1f1b"))  # fmt: skip
+    assert plan["tensor_parallel_degree"] == 2 and plan["sequence_parallel"] == sp
     report = _run(path, tmp_path, "--steps", "2", "--check", model=model, lr="0.001")
     check = report["check"]
     assert check["passed"] and check["max_param_rel_diff"] <= 1e-5 and check["max_loss_rel_diff"] <= 1e-5, check
     note = _mesh_note(report)
     layers = ", ".join(f"{prefix}.{i}" for i in range(n))
     assert f"tensor parallelism T = 2 on {n} layer(s) ({layers})" in note, note
+    assert ("their norms, dropout and residual adds run on 1/2" in note) == sp, note
 
 
 def _inspect_llama(rank: int, port: int, out_dir: str) -> None:
