@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from profiler.loading import load_entrypoint
     from profiler.split import split_model
     from runtime.launch import Rendezvous, launch
-    from runtime.mesh import MeshSpec, plan_sharding
+    from runtime.mesh import MeshSpec, split_sharding
     from runtime.plan_check import check_optimizer_supported, check_plan_matches
     from runtime.worker import train_options
 
@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     )
     # refuse an axis the runtime cannot execute (e.g. tensor parallelism on a layer without a
     # sharding rule), naming the layer, on this process's own split
-    plan_sharding(split.units, split.names, MeshSpec.of(plan))
+    split_sharding(split, MeshSpec.of(plan))
     _check_data(entry, plan, args.steps)
     sha256 = split.sha256()
     del entry, split

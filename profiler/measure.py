@@ -73,7 +73,7 @@ from profiler.sampling import (
     useful_resolution,
 )
 from profiler.selective import ScoreTrace, recompute_share, trace_scores
-from profiler.sharding import module_bytes, tensor_parallel_fields
+from profiler.sharding import own_modules, tensor_parallel_fields
 from profiler.split import SplitModel, frozen_state, split_model, tensor_bytes
 from profiler.summary import print_summary
 
@@ -407,13 +407,12 @@ def measure_split(
     )
     input_bytes = [tensor_bytes(resize_batch(inputs, b)) for b in sizes]
     param_bytes = split.param_bytes()
-    named = dict(split.model.named_modules())
-    for i in range(len(split)):  # how each unit shards under tensor parallelism (profiler/sharding.py)
+    # how each unit shards under tensor parallelism (profiler/sharding.py), from the unit's own
+    # module (its captured graph keeps parameters, not module types); a unit that is more than
+    # that module (merged by split points) or shares weights stays replicated
+    for i, original in enumerate(own_modules(split)):
         received = input_bytes if i == 0 else layers[i - 1].get("cut_bytes") or layers[i - 1]["output_bytes"]
-        # the unit's own module (its captured graph keeps parameters, not module types); a unit
-        # that is more than that module (merged by split points) or shares weights stays replicated
-        original = named.get(split.names[i])
-        if original is not None and module_bytes(original) == param_bytes[i]:
+        if original is not None:
             layers[i].update(tensor_parallel_fields(original, layers[i], received))
     layer_profiles = [
         LayerProfile(name=split.names[i], param_bytes=param_bytes[i], kind=split.kinds[i], **layers[i])

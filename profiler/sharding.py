@@ -13,12 +13,14 @@ modules and its measured bytes:
   tensor each), plus a one-byte mask per element for each of two residual dropouts when it has
   dropout; with sequence parallelism everything shards;
 * a *vocabulary-parallel embedding*: an ``nn.Embedding`` and no linear layer: the largest table
-  shards, one all-reduce of its output forward; its activations (token ids) stay whole;
+  shards, one all-reduce of its output forward; its activations (token ids) stay whole
+  (a table tied to the LM head is replicated: see below);
 * a *column-parallel LM head*: a unit whose largest ``nn.Linear`` maps to at least four times
   its input width (the vocabulary): that weight shards; the backward all-reduces the input
   gradient (the unit's input bytes); its activations stay whole (conservative);
 * anything else is replicated (T divides nothing there, and the plan's notes say so), and so is
-  a unit that is more than one module (blocks merged by split points) or shares its weights.
+  a unit that is more than one module (blocks merged by split points) or shares its weights
+  (:func:`own_modules`): the runtime shards exactly the units priced as sharded.
 """
 
 from __future__ import annotations
@@ -35,6 +37,23 @@ _NORM_SUFFIXES = ("LayerNorm", "RMSNorm", "Norm")
 def module_bytes(module: nn.Module) -> int:
     """Parameter bytes of ``module`` (each tensor once)."""
     return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def own_modules(split: Any) -> list[nn.Module | None]:
+    """Per unit of ``split`` (a :class:`profiler.split.SplitModel`), the model's module the unit
+    is exactly (same name, same parameter bytes), or None: a unit that is more than its module
+    (blocks merged by split points) or shares a weight with another unit (a tied embedding
+    and head) stays replicated.  The profiler prices what this finds
+    (:func:`tensor_parallel_fields`) and the runtime shards the same units."""
+    named = dict(split.model.named_modules())
+    param_bytes = split.param_bytes()
+    tied = {u for group in split.shared_parameters() for u, _ in group}
+    out: list[nn.Module | None] = []
+    for i, name in enumerate(split.names):
+        module = named.get(name)
+        own = module is not None and i not in tied and module_bytes(module) == param_bytes[i]
+        out.append(module if own else None)
+    return out
 
 
 def _is_norm(module: nn.Module) -> bool:

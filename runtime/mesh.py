@@ -184,6 +184,8 @@ class UnitSharding:
     column: tuple[str, ...]
     row: tuple[str, ...]
     sequence_dim: int | None = None
+    #: embedding tables sharded along the vocabulary (``Shard(0)``; a vocabulary-parallel embedding)
+    vocab: tuple[str, ...] = ()
 
 
 def _linear_modules(unit: Any) -> dict[str, tuple[int, int]]:
@@ -210,19 +212,70 @@ def match_rule(unit: Any) -> UnitSharding | None:
     return None
 
 
+def _weights_used_by(unit: Any, op: Any, position: int) -> list[str]:
+    """Qualified names (inside the unit) of the modules whose ``weight`` is argument
+    ``position`` of an ``op`` call in the unit's graph."""
+    graph = getattr(unit, "graph", None)
+    if graph is None:
+        return []
+    out = []
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is op and len(node.args) > position:
+            w = node.args[position]
+            if getattr(w, "op", None) == "get_attr" and str(w.target).endswith(".weight"):
+                out.append(str(w.target)[: -len(".weight")])
+    return out
+
+
+#: the units the profiler prices as sharded that are not blocks: kind -> the runtime's name for it
+KIND_RULES = {"vocab-embedding": "vocabulary-parallel embedding", "column-head": "column-parallel head"}
+
+
+def kind_sharding(unit: Any, kind: str) -> UnitSharding | None:
+    """The sharding of a unit the profiler priced as a ``vocab-embedding`` (its largest table,
+    the one ``aten.embedding`` reads, sharded along the vocabulary: each rank looks up its rows,
+    the partial embeddings are summed on the way out) or a ``column-head`` (its widest linear
+    column-parallel: each rank computes its share of the vocabulary's logits, gathered on the
+    way out; the input gradient's partial sums are summed on the way back); None when the
+    unit's graph has no such call."""
+    import torch
+
+    linears = _linear_modules(unit)
+    if kind == "vocab-embedding":
+        tables = [n for n in _weights_used_by(unit, torch.ops.aten.embedding.default, 0) if n in linears]
+        if not tables:
+            return None
+        widest = max(tables, key=lambda n: linears[n][0] * linears[n][1])
+        return UnitSharding(KIND_RULES[kind], column=(), row=(), vocab=(widest,))
+    if kind == "column-head":
+        heads = [n for n in _weights_used_by(unit, torch.ops.aten.linear.default, 1) if n in linears]
+        if not heads:
+            return None
+        return UnitSharding(KIND_RULES[kind], column=(max(heads, key=lambda n: linears[n][0]),), row=())
+    return None
+
+
+def unit_sharding(unit: Any, kind: str | None) -> UnitSharding | None:
+    """How the runtime shards one unit the profile calls ``kind`` (None: unknown, a block rule
+    is tried): a block by its rule (:func:`match_rule`), an embedding or head by its kind
+    (:func:`kind_sharding`), a replicated unit not at all."""
+    if kind == "replicated":
+        return None
+    if kind in KIND_RULES:
+        return kind_sharding(unit, kind)
+    return match_rule(unit)
+
+
 def profiled_kinds(split: Any) -> list[str]:
     """How the profiler classified each unit of ``split`` for tensor parallelism (the
     ``LayerProfile.tensor_parallel`` kind the planner priced, :mod:`profiler.sharding`), by the
-    same test as the profiler: the unit's own module, when the unit is exactly that module."""
-    from profiler.sharding import module_bytes, tensor_parallel_fields
+    same test as the profiler (:func:`profiler.sharding.own_modules`)."""
+    from profiler.sharding import own_modules, tensor_parallel_fields
 
-    named = dict(split.model.named_modules())
-    param_bytes = split.param_bytes()
     out = []
-    for i, name in enumerate(split.names):
-        module = named.get(name)
+    for module in own_modules(split):
         kind = "replicated"
-        if module is not None and module_bytes(module) == param_bytes[i]:
+        if module is not None:
             kind = tensor_parallel_fields(module, {"output_bytes": [0], "activation_bytes": [0]}, [0]).get(
                 "tensor_parallel", "replicated"
             )
@@ -244,11 +297,18 @@ def plan_sharding(
         return {}
     out = {}
     for i, unit in enumerate(units):
-        sharding = match_rule(unit)
-        kind = (layer_kinds or {}).get(layer_names[i])
-        if sharding is not None and kind != "replicated":
+        sharding = unit_sharding(unit, (layer_kinds or {}).get(layer_names[i]))
+        if sharding is not None:
             out[i] = sharding
     return out
+
+
+def split_sharding(split: Any, spec: MeshSpec) -> dict[int, UnitSharding]:
+    """:func:`plan_sharding` of a split model with the kinds the profiler priced
+    (:func:`profiled_kinds`): the runtime shards exactly what the plan was priced with, and
+    refuses (before training) a priced layer it has no rule for."""
+    kinds = dict(zip(split.names, profiled_kinds(split), strict=True)) if spec.tensor_parallel_degree > 1 else None
+    return plan_sharding(split.units, split.names, spec, layer_kinds=kinds)
 
 
 def refuse_unexecutable(
@@ -271,22 +331,28 @@ def refuse_unexecutable(
         shardable = 0
         for i, unit in enumerate(units):
             name = layer_names[i]
-            sharding = match_rule(unit)
             kind = (layer_kinds or {}).get(name)
+            sharding = unit_sharding(unit, kind)
             if kind is not None and kind != "replicated" and sharding is None:
                 problems.append(
                     f"layer {i} '{name}' is tensor-parallel ({kind}) in the plan but the runtime has no "
-                    f"sharding rule for it (rules: {', '.join(r.name for r in RULES)})"
+                    f"sharding rule for it (rules: {', '.join(r.name for r in RULES)}; "
+                    f"{', '.join(KIND_RULES.values())})"
                 )
                 continue
-            if sharding is None or kind == "replicated":
+            if sharding is None:
                 continue
             shardable += 1
-            if spec.sequence_parallel:
+            linears = _linear_modules(unit)
+            for mod in sharding.vocab:
+                if linears[mod][0] % t_deg:
+                    problems.append(
+                        f"layer {i} '{name}': {mod} has {linears[mod][0]} rows (vocabulary), not divisible by T={t_deg}"
+                    )
+            if spec.sequence_parallel and sharding.row:
                 why = _sequence_parallel_problem(unit, sharding)
                 if why:
                     problems.append(f"layer {i} '{name}' ({sharding.rule}): sequence parallelism: {why}")
-            linears = _linear_modules(unit)
             for mod in sharding.column:
                 if linears[mod][0] % t_deg:
                     problems.append(
@@ -576,13 +642,13 @@ def apply_tensor_parallel(
     cls = _tp_unit_class()
     for i, sharding in shardings.items():
         unit = stage_module.units[i]
-        column, row = set(sharding.column), set(sharding.row)
+        column, row = set(sharding.column) | set(sharding.vocab), set(sharding.row)
 
         def partition(name: str, mod: Any, mesh: Any, column: set[str] = column, row: set[str] = row) -> None:
             for pname, p in list(mod._parameters.items()):
                 if p is None:
                     continue
-                if name in column:
+                if name in column:  # column-parallel linear, or a table sharded along the vocabulary
                     placement: Any = Shard(0)
                 elif name in row and pname == "weight":
                     placement = Shard(1)
@@ -597,10 +663,10 @@ def apply_tensor_parallel(
         _drop_metadata_asserts(unit)
         _whole_randomness(unit)
         distribute_module(unit, tp_mesh, partition)
-        if sequence_parallel:
+        if sequence_parallel and sharding.sequence_dim is not None:
             _make_sequence_parallel(unit, sharding)
             nxt = shardings.get(i + 1)
-            keep = nxt is not None and i + 1 < len(stage_module.units)
+            keep = nxt is not None and nxt.sequence_dim is not None and i + 1 < len(stage_module.units)
             stage_module.units[i] = cls(unit, tp_mesh, sequence_dim=sharding.sequence_dim, keep_sharded=keep)
         else:
             _reduce_row_outputs(unit, sharding)

@@ -286,7 +286,7 @@ def _run(args: argparse.Namespace, rank: int, status: RankStatus, progress: Prog
     opts = train_options(args, plan, optimizer)
     fault = Fault.parse(args.inject_fault) if args.inject_fault else None
 
-    from runtime.mesh import MeshSpec, plan_sharding
+    from runtime.mesh import MeshSpec, split_sharding
 
     k_deg, v = plan.pipeline_degree, plan.virtual_stages
     # the mesh ("pp", "dp_replicate", "dp_shard", "tp"), pipeline axis outermost:
@@ -330,7 +330,7 @@ def _run(args: argparse.Namespace, rank: int, status: RankStatus, progress: Prog
         dtype=opts.dtype,
     )
     # refuse an axis the runtime cannot execute (naming the layer) before joining the group
-    shardings = plan_sharding(split.units, split.names, spec)
+    shardings = split_sharding(split, spec)
     status.phase = "joining the process group"
     write_status(args.run_dir, status)
     timeout = datetime.timedelta(seconds=args.timeout)
@@ -1012,9 +1012,10 @@ def _mesh_note(plan: Any, split: Any, gathered: list[Any]) -> str:
             + (f"; run whole on every tensor-parallel rank: {', '.join(whole)}" if whole else "")
         )
         if spec.sequence_parallel:
-            from runtime.mesh import sequence_parallel_note
+            from runtime.mesh import KIND_RULES, sequence_parallel_note
 
-            parts.append(sequence_parallel_note(spec, len(sharded)))
+            # the embedding and head shard over T but run on the whole sequence
+            parts.append(sequence_parallel_note(spec, sum(kinds[u] not in KIND_RULES for u in sharded)))
     if spec.zero_stage and spec.data_parallel_degree > 1:
         if spec.zero_stage >= 2:
             n = sum(g["mesh"]["fsdp"] for g in gathered if g["replica"] == 0 and g["tp_rank"] == 0)

@@ -12,9 +12,10 @@ def test_gpt_blocks_embedding_and_head_shard() -> None:
     model, inputs, _ = gpt.tiny()
     prof = profile(model, inputs, microbatch_sizes=(1,), warmup=0, repeats=1)
     kinds = [layer.tensor_parallel for layer in prof.layers]
-    # the zoo's GPT ties the head to the embedding: the head's unit does not own its weight, so
-    # it stays replicated (the embedding, which owns it, shards)
-    assert kinds[0] == "vocab-embedding" and kinds[-1] == "replicated"
+    # the zoo's GPT ties the head to the embedding: both units share the weight, so both stay
+    # replicated (the runtime shards exactly what is priced sharded, and it shards a table only
+    # where one unit owns it; test_untied_head_is_column_parallel has the untied case)
+    assert kinds[0] == "replicated" and kinds[-1] == "replicated"
     blocks = [layer for layer in prof.layers if layer.name.startswith("blocks.")]
     assert blocks and all(b.tensor_parallel == "block" for b in blocks)
     for b in blocks:
@@ -40,3 +41,5 @@ def test_untied_head_is_column_parallel() -> None:
     prof = profile(model, inputs, microbatch_sizes=(1,), warmup=0, repeats=1)
     head = prof.layers[-1]
     assert head.tensor_parallel == "column-head" and 0 < (head.tp_param_bytes or 0) <= head.param_bytes
+    embed = prof.layers[0]
+    assert embed.tensor_parallel == "vocab-embedding" and 0 < (embed.tp_param_bytes or 0) <= embed.param_bytes

@@ -94,11 +94,45 @@ def test_rules_find_hf_decoder_and_encoder_layers() -> None:
             refuse_unexecutable(split.units, split.names, MeshSpec(tensor_parallel_degree=3))
 
 
+def test_the_runtime_shards_the_embedding_and_head_the_profile_prices_sharded() -> None:
+    """An untied embedding runs vocabulary-parallel and an LM head column-parallel, as the profile
+    prices them (``examples.hf:llama``: ``--check`` in tests/runtime/test_mesh_sp_zero.py); a
+    table tied to the head is priced replicated and runs whole (the zoo GPT); a vocabulary T does
+    not divide is refused before training, naming the layer."""
+    import torch
+
+    from profiler.loading import load_entrypoint
+    from profiler.split import split_model
+    from runtime.mesh import profiled_kinds, split_sharding
+
+    torch.manual_seed(0)
+    entry = load_entrypoint("examples.hf:llama")
+    split = split_model(entry.model, entry.example_inputs, keywords=entry.keywords)
+    kinds = profiled_kinds(split)
+    shardings = split_sharding(split, MeshSpec(tensor_parallel_degree=2))
+    embed, head = split.names.index("model.embed_tokens"), split.names.index("lm_head")
+    assert (kinds[embed], kinds[head]) == ("vocab-embedding", "column-head")
+    assert shardings[embed].vocab == ("model.embed_tokens",) and shardings[embed].rule == "vocabulary-parallel embedding"
+    assert shardings[head].column == ("lm_head",) and not shardings[head].row and not shardings[head].vocab
+    # exactly the units priced as sharded are sharded
+    assert sorted(shardings) == [i for i, k in enumerate(kinds) if k != "replicated"]
+    with pytest.raises(InputError, match=f"layer {embed} 'model.embed_tokens': model.embed_tokens has 128 rows \\(vocabulary\\), not divisible by T=3"):
+        split_sharding(split, MeshSpec(tensor_parallel_degree=3))
+
+    torch.manual_seed(0)
+    entry = load_entrypoint("examples.gpt:tiny")
+    split = split_model(entry.model, entry.example_inputs, keywords=entry.keywords)
+    assert split.shared_parameters()  # tied embedding and head
+    shardings = split_sharding(split, MeshSpec(tensor_parallel_degree=2))
+    assert sorted(shardings) == [1, 2, 3, 4]  # the blocks; the tied embedding and head run whole
+
+
 def test_refusals_name_the_layer(gpt_split: Any) -> None:
     units, names = gpt_split.units, gpt_split.names
     with pytest.raises(InputError) as err:
-        refuse_unexecutable(units, names, MeshSpec(tensor_parallel_degree=2), layer_kinds={"embed": "vocab-embedding"})
-    assert "layer 0 'embed' is tensor-parallel (vocab-embedding)" in str(err.value) and "no sharding rule" in str(err.value)
+        # a plan (of another profile) that prices the head as an embedding: it has no table to shard
+        refuse_unexecutable(units, names, MeshSpec(tensor_parallel_degree=2), layer_kinds={"head": "vocab-embedding"})
+    assert "layer 5 'head' is tensor-parallel (vocab-embedding)" in str(err.value) and "no sharding rule" in str(err.value)
     with pytest.raises(InputError, match="not divisible by T=3"):
         refuse_unexecutable(units, names, MeshSpec(tensor_parallel_degree=3))
     # executed now (tests/runtime/test_mesh_sp_zero.py): sequence parallelism on the GPT blocks,

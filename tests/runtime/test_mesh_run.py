@@ -104,8 +104,10 @@ def test_mesh_plan_matches_the_unsplit_model(case: str, profile: Path, tmp_path:
     assert [r.rank for r in rss] == list(range(stages * d * t))
     assert all(r.peak_in_training and r.peak_bytes >= (r.first_step_bytes or 0) > (r.before_model_bytes or 0) > 0 for r in rss)
     assert says in _mesh_note(report)
-    if t > 1:  # the embedding the plan priced as vocabulary-parallel runs whole, and the report says so
-        assert "embed (priced as vocab-embedding-sharded by the plan" in _mesh_note(report)
+    if t > 1:  # the tied embedding and head are priced replicated and run whole; nothing priced
+        # as sharded runs whole
+        assert "run whole on every tensor-parallel rank: embed, head" in _mesh_note(report)
+        assert "priced as" not in _mesh_note(report)
     _collectives_beside_the_plan(report, plan, t=t, d=d, zero=zero, k=stages)
     if zero == 3:  # FSDP2 averaged the sharded gradients: the flat all-reduce carried the tied weight only
         embed = 256 * 64 * 4
@@ -171,7 +173,7 @@ def test_the_runtime_reads_the_profiles_tensor_parallel_kinds(profile: Path) -> 
     split = split_model(entry.model, entry.example_inputs, keywords=entry.keywords)
     layers = json.loads(profile.read_text())["layers"]
     assert profiled_kinds(split) == [layer.get("tensor_parallel", "replicated") for layer in layers]
-    assert profiled_kinds(split)[:2] == ["vocab-embedding", "block"]
+    assert profiled_kinds(split)[:2] == ["replicated", "block"]  # the embedding is tied to the head
 
 
 def test_tensor_parallel_on_a_model_without_a_rule_is_refused_before_launch(tmp_path: Path) -> None:

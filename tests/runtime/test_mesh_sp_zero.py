@@ -206,16 +206,23 @@ def test_sequence_parallel_blocks_run_on_sequence_shards(tmp_path: Path) -> None
 # ------------------------------------------------------ Hugging Face decoder layers, tensor-parallel
 
 
+def _layers(prefix: str) -> list[str]:
+    return [f"{prefix}.{i}" for i in range(4)]
+
+
+# model -> the layers sharded at T = 2, in order
 HF_TP = {
     # Llama-style decoder layers: separate q, k, v projections, grouped-query attention, SwiGLU
-    # MLP, fused attention
-    "examples.hf:llama": ("model.layers", 4),
+    # MLP, fused attention; its untied embedding runs vocabulary-parallel and its LM head
+    # column-parallel, as the profile prices them
+    "examples.hf:llama": ["model.embed_tokens", *_layers("model.layers"), "lm_head"],
     # BERT-style encoder layers with dropout 0.1 in the attention and after both row-parallel
     # linears: each rank's heads get their share of the unsharded model's masks
-    # (runtime.mesh.whole_dropout), so --check holds
-    "examples.hf:bert": ("bert.encoder.layer", 4),
+    # (runtime.mesh.whole_dropout), so --check holds; its embedding is tied to the head:
+    # replicated, in the profile and at run time
+    "examples.hf:bert": _layers("bert.encoder.layer"),
     # ViT-style encoder layers (transformers 5 names: attention.q_proj ... mlp.fc2)
-    "examples.hf:vit": ("vit.layers", 4),
+    "examples.hf:vit": _layers("vit.layers"),
 }
 
 
@@ -226,7 +233,6 @@ def test_hf_layers_run_tensor_parallel_and_match_the_unsplit_model(model: str, s
     ``--check`` against the unsplit model."""
     from pipeplan.cli import main
 
-    prefix, n = HF_TP[model]
     profile = tmp_path / "profile.json"
     assert main(["profile", "--model", model, "--microbatch-sizes", "1,2", "--time-budget", "2",
                  "-q", "-o", str(profile)]) == 0  # fmt: skip
@@ -238,9 +244,13 @@ def test_hf_layers_run_tensor_parallel_and_match_the_unsplit_model(model: str, s
     check = report["check"]
     assert check["passed"] and check["max_param_rel_diff"] <= 1e-5 and check["max_loss_rel_diff"] <= 1e-5, check
     note = _mesh_note(report)
-    layers = ", ".join(f"{prefix}.{i}" for i in range(n))
-    assert f"tensor parallelism T = 2 on {n} layer(s) ({layers})" in note, note
-    assert ("their norms, dropout and residual adds run on 1/2" in note) == sp, note
+    layers = HF_TP[model]
+    assert f"tensor parallelism T = 2 on {len(layers)} layer(s) ({', '.join(layers)})" in note, note
+    # the blocks run sequence-parallel, the embedding and head on the whole sequence
+    assert ("sequence parallelism on the 4 tensor-parallel layer(s): their norms, dropout and residual adds "
+            "run on 1/2" in note) == sp, note  # fmt: skip
+    # nothing the plan priced as sharded runs whole
+    assert "priced as" not in note, note
 
 
 def _inspect_llama(rank: int, port: int, out_dir: str) -> None:
