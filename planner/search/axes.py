@@ -203,7 +203,10 @@ def solve(
         )
 
     def reprice(plan: Plan, fam: _Family, zero: int) -> Plan:
-        return price(fam, zero, SeedSplit.of(plan), solver=plan.solver, actions=plan.actions)
+        # only a planned schedule's actions are its own; the others are their schedule's template,
+        # which estimate makes again (cheaper than parsing and checking 10^5 actions of text)
+        actions = plan.actions if plan.schedule == "planned" else None
+        return price(fam, zero, SeedSplit.of(plan), solver=plan.solver, actions=actions)
 
     def run(
         fam: _Family, zero: int, data_parallel: int | None, *, relaxed: bool = False, first: bool = False,
