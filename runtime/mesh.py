@@ -34,7 +34,8 @@ into what the pipeline stage runs, one function per axis in a fixed order:
    sequence; consecutive sharded units of a stage hand each other sequence shards, and the
    activations are gathered whole where the stage ends or a unit without a rule follows.
 2. recompute (``torch.utils.checkpoint`` of the whole stage) when the stage plan says so.
-3. :func:`apply_data_sharding` (ZeRO 2 and 3): FSDP2 ``fully_shard`` over "dp_shard";
+3. :func:`apply_data_sharding` (ZeRO 2 and 3): FSDP2 ``fully_shard`` over "dp_shard" of each
+   layer (unit), then of the stage;
    ``reshard_after_forward`` is ``zero_stage == 3``, forced to False under the split-backward
    schedules (:data:`SPLIT_BACKWARD_SCHEDULES`), which otherwise give wrong gradients.  With
    T > 1 the tensor-parallel DTensors are sharded again over "dp_shard" (2-D, FSDP2 over the
@@ -703,17 +704,35 @@ def _reduce_row_outputs(unit: Any, sharding: UnitSharding) -> None:
     unit.recompile()
 
 
-def apply_data_sharding(module: Any, spec: MeshSpec, dp_mesh: Any, *, keep_whole: Iterable[Any] = ()) -> Any:
-    """FSDP2 ``fully_shard`` of the whole stage over ``dp_mesh`` (ZeRO 2 and 3).  Parameters in
-    ``keep_whole`` stay plain tensors, averaged by the runtime's all-reduce: the tied weights
-    whose copies sit on several pipeline ranks (under FSDP2 their gradients came out wrong in
-    1F1B with K = 2, measured: 1e-2 off after one step)."""
+def apply_data_sharding(
+    module: Any, spec: MeshSpec, dp_mesh: Any, *, units: Iterable[Any] = (), keep_whole: Iterable[Any] = ()
+) -> Any:
+    """FSDP2 ``fully_shard`` over ``dp_mesh`` (ZeRO 2 and 3) of each of the stage's ``units``
+    (its layers) that holds a parameter, then of the whole stage ``module`` (what is left), as
+    torchtitan shards each transformer block: a layer's parameters are gathered just before it
+    runs and, under ZeRO 3, freed after it, so a device holds about two layers' gathered
+    parameters (the running one and the prefetched next), as the cost model prices it, and each
+    layer's collectives are its own.  Parameters in ``keep_whole`` stay plain tensors, averaged
+    by the runtime's all-reduce: the tied weights whose copies sit on several pipeline ranks
+    (under FSDP2 their gradients came out wrong in 1F1B with K = 2, measured: 1e-2 off after
+    one step).  A layer sharing a weight with another layer of the stage stays in the stage's
+    group."""
     from torch.distributed.fsdp import fully_shard
 
     ignored = set(keep_whole)
-    return fully_shard(
-        module, mesh=dp_mesh, reshard_after_forward=spec.reshard_after_forward(), ignored_params=ignored or None
-    )
+    reshard = spec.reshard_after_forward()
+    units = list(units)
+    holders: dict[int, int] = {}
+    for unit in units:
+        for p in unit.parameters():
+            holders[id(p)] = holders.get(id(p), 0) + 1
+    for unit in units:
+        own = [p for p in unit.parameters() if p not in ignored]
+        # a layer sharing a weight with another layer of the stage (a tied embedding and head
+        # on one rank) is left to the stage's group, which holds the weight once
+        if own and all(holders[id(p)] == 1 for p in own):
+            fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=ignored or None)
+    return fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=ignored or None)
 
 
 def apply_mesh(
@@ -742,7 +761,7 @@ def apply_mesh(
     if wrap is not None:
         mod = wrap(mod)
     if spec.zero_stage >= 2 and spec.data_parallel_degree > 1:
-        mod = apply_data_sharding(mod, spec, mesh["dp_shard"], keep_whole=keep_whole)
+        mod = apply_data_sharding(mod, spec, mesh["dp_shard"], units=stage_module.units, keep_whole=keep_whole)
     return mod
 
 

@@ -715,6 +715,8 @@ def _train(
         "mesh": {
             "tp_layers": [u for s in my_stages for u in range(plan.stages[s].start, plan.stages[s].stop) if u in coords.shardings],
             "fsdp": sum(1 for p in params if reduces_data_gradients(spec, p)),
+            # layers FSDP2 gathers one by one (runtime.mesh.apply_data_sharding)
+            "fsdp_layers": sum(1 for m in modules for u in m.units if _is_fsdp(u)),
             "optimizer": type(opt).__name__ if opt is not None else None,
         },
         "pipeline_rank": pp_rank,
@@ -989,6 +991,12 @@ def _finish(
     return 0
 
 
+def _is_fsdp(module: Any) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
 def _mesh_note(plan: Any, split: Any, gathered: list[Any]) -> str:
     """One line on what the mesh axes did (empty for a K x D plan with ZeRO 0)."""
     from runtime.mesh import MeshSpec
@@ -1018,10 +1026,13 @@ def _mesh_note(plan: Any, split: Any, gathered: list[Any]) -> str:
             parts.append(sequence_parallel_note(spec, sum(kinds[u] not in KIND_RULES for u in sharded)))
     if spec.zero_stage and spec.data_parallel_degree > 1:
         if spec.zero_stage >= 2:
-            n = sum(g["mesh"]["fsdp"] for g in gathered if g["replica"] == 0 and g["tp_rank"] == 0)
+            first = [g for g in gathered if g["replica"] == 0 and g["tp_rank"] == 0]
+            n = sum(g["mesh"]["fsdp"] for g in first)
+            layers = sum(g["mesh"]["fsdp_layers"] for g in first)
             parts.append(
                 f"ZeRO {spec.zero_stage}: FSDP2 fully_shard over the {spec.data_parallel_degree} replicas of each "
-                f"stage ({n} parameter tensor(s) sharded, reshard after forward: "
+                f"stage, layer by layer ({layers} layer group(s), then each stage's rest; "
+                f"{n} parameter tensor(s) sharded, reshard after forward: "
                 f"{'yes' if spec.reshard_after_forward() else 'no'}; tied weights across stages stay whole)"
             )
         else:

@@ -68,8 +68,12 @@ def test_sequence_parallel_and_zero_with_tp_match_the_unsplit_model(case: str, p
     assert (SP_NOTE in note) == sp, note
     if zero >= 2:  # FSDP2 sharded every parameter tensor, the blocks' tensor-parallel ones included (K = 1:
         # the tied embedding/head weight sits on one rank, so FSDP2 shards it too)
-        fsdp = int(note.split("FSDP2 fully_shard over the 2 replicas of each stage (")[1].split(" ")[0])
+        fsdp = int(note.split("then each stage's rest; ")[1].split(" ")[0])
         assert fsdp == 52, note
+        # FSDP2 gathers the four blocks one by one (as the cost model's ZeRO-3 prices it); the
+        # tied embedding and head share a weight, so they stay in the stage's group
+        layers = int(note.split("layer by layer (")[1].split(" ")[0])
+        assert layers == 4, note
 
 
 # ------------------------------------------------------------ the blocks really run sequence-sharded
