@@ -370,10 +370,18 @@ def refuse_unexecutable(
                 f"{', '.join(r.name for r in RULES)}; layers {layer_names[0]!r}..{layer_names[-1]!r})"
             )
     if problems:
+        fixes = []
+        if any("not divisible by T=" in p for p in problems):
+            fixes.append("a tensor-parallel degree that divides every width listed (pipeplan plan ... --tensor-parallel T)")
+        if any("no sharding rule" in p or "no layer of this model" in p for p in problems):
+            fixes.append("--tensor-parallel 1 (the runtime has no tensor-parallel rule for the layers listed)")
+        if any("sequence parallelism" in p for p in problems):
+            fixes.append("--no-sequence-parallel")
         raise InputError(
             "the runtime cannot execute this plan's mesh:\n"
             + "\n".join(f"  - {p}" for p in problems)
-            + "\n  fix: make the plan with axes the runtime executes"
+            + "\n  fix: replan with "
+            + ("; or ".join(fixes) if fixes else "axes the runtime executes")
         )
 
 

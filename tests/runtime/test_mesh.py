@@ -133,7 +133,8 @@ def test_refusals_name_the_layer(gpt_split: Any) -> None:
         # a plan (of another profile) that prices the head as an embedding: it has no table to shard
         refuse_unexecutable(units, names, MeshSpec(tensor_parallel_degree=2), layer_kinds={"head": "vocab-embedding"})
     assert "layer 5 'head' is tensor-parallel (vocab-embedding)" in str(err.value) and "no sharding rule" in str(err.value)
-    with pytest.raises(InputError, match="not divisible by T=3"):
+    assert "fix: replan with --tensor-parallel 1" in str(err.value)
+    with pytest.raises(InputError, match="not divisible by T=3(.|\n)*fix: replan with a tensor-parallel degree that divides every width"):
         refuse_unexecutable(units, names, MeshSpec(tensor_parallel_degree=3))
     # executed now (tests/runtime/test_mesh_sp_zero.py): sequence parallelism on the GPT blocks,
     # ZeRO 1/2/3 together with tensor parallelism
