@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from planner import scaling
 from planner.errors import InputError
@@ -46,6 +46,7 @@ from planner.mesh import (
 from planner.schedules import (
     Action,
     MemoryPoint,
+    RankWalk,
     ScheduleError,
     check_schedule_shape,
     format_actions,
@@ -73,7 +74,14 @@ from planner.schema import (
     TrainingSetup,
     check_coverage,
 )
-from planner.simulator import Simulation, compile_actions, makespans, simulate
+from planner.simulator import (
+    CompiledSchedule,
+    Simulation,
+    compile_actions,
+    compile_template,
+    makespans,
+    simulate,
+)
 
 
 def interpolate(sizes: Sequence[int], values: Sequence[float], b: float, *, clamp: bool = True) -> float:
@@ -482,6 +490,47 @@ def planned_actions(
     return orders
 
 
+@dataclass
+class ScheduleTemplates:
+    """The schedule templates one search has made, by shape (``schedule``, K, M, v): a named
+    schedule's per-rank action lists, their compiled program, memory points and text, each made
+    once when first asked for.  The mesh search prices the same long schedules again and again
+    (540,000 actions a step on the largest Megatron rows), in :func:`estimate` and in each of its
+    D x K solves; one object serves them all.  It belongs to its caller, not to the module.  Not
+    for ``planned`` schedules or given actions: those are a plan's own."""
+
+    orders: dict[tuple[str, int, int, int], list[list[Action]]] = field(default_factory=dict)
+    compiled: dict[tuple[str, int, int, int], CompiledSchedule] = field(default_factory=dict)
+    points: dict[tuple[str, int, int, int], list[RankWalk]] = field(default_factory=dict)
+    text: dict[tuple[str, int, int, int], list[str]] = field(default_factory=dict)
+
+    def actions(self, schedule: Schedule, k: int, m: int, v: int) -> list[list[Action]]:
+        key = (schedule, k, m, v)
+        if key not in self.orders:
+            self.orders[key] = schedule_actions(schedule, k, m, v)
+        return self.orders[key]
+
+    def program(self, schedule: Schedule, k: int, m: int, v: int) -> CompiledSchedule:
+        """The compiled program (:func:`planner.simulator.compile_template`: valid by construction)."""
+        key = (schedule, k, m, v)
+        if key not in self.compiled:
+            self.compiled[key] = compile_template(schedule, k, m, v, self.actions(schedule, k, m, v))
+        return self.compiled[key]
+
+    def memory(self, schedule: Schedule, k: int, m: int, v: int) -> list[RankWalk]:
+        key = (schedule, k, m, v)
+        if key not in self.points:
+            own = rank_stages(placement_of(schedule), k, v)
+            self.points[key] = memory_points(self.actions(schedule, k, m, v), own)
+        return self.points[key]
+
+    def formatted(self, schedule: Schedule, k: int, m: int, v: int) -> list[str]:
+        key = (schedule, k, m, v)
+        if key not in self.text:
+            self.text[key] = format_actions(self.actions(schedule, k, m, v))
+        return list(self.text[key])
+
+
 def estimate(
     profile: Profile,
     cluster: Cluster,
@@ -501,6 +550,7 @@ def estimate(
     sequence_parallel: bool = False,
     tensor_parallel_across_nodes: bool = False,
     selective_recompute: bool = False,
+    templates: ScheduleTemplates | None = None,
 ) -> Plan:
     """Predict step time and memory of a fully specified plan and return it as a :class:`Plan`.
 
@@ -516,6 +566,7 @@ def estimate(
     chunks.  ``devices[s]`` lists the device of each data-parallel replica of stage ``s``
     (default: :func:`default_devices`).  ``actions`` (one string per rank, as
     ``Plan.actions``) replaces the schedule's own order, e.g. to re-evaluate a plan.
+    ``templates`` reuses the schedule templates of earlier estimates (:class:`ScheduleTemplates`).
     """
     profile = profile_in_dtype(profile, training.dtype)
     ranges = [(s.start, s.stop) if isinstance(s, StageRange) else (int(s[0]), int(s[1])) for s in stages]
@@ -530,7 +581,7 @@ def estimate(
             profile, cluster, training, ranges, mesh,
             num_microbatches=num_microbatches, schedule=schedule, recompute=recompute,
             data_parallel=data_parallel, pipeline_degree=pipeline_degree, devices=devices,
-            solver=solver, actions=actions, across_nodes=tensor_parallel_across_nodes,
+            solver=solver, actions=actions, across_nodes=tensor_parallel_across_nodes, templates=templates,
         )
     try:
         check_coverage(ranges, profile.num_layers)
@@ -599,6 +650,7 @@ def estimate(
         int(min(cluster.devices[d].memory_bytes for s in own for d in devs[s]) * (1 - training.memory_margin))
         for own in own_stages
     ]
+    shape = None
     if actions is not None:
         try:
             orders = parse_actions(actions)
@@ -606,10 +658,13 @@ def estimate(
             raise InputError(f"invalid actions: {err}") from None
     elif schedule == "planned":
         orders = planned_actions(m, times, terms, rc, limit_rank)
+    elif templates is not None:
+        shape = (schedule, k, m, v)
+        orders = templates.actions(*shape)
     else:
         orders = schedule_actions(schedule, k, m, v)
     try:
-        compiled = compile_actions(orders, num_stages, m)
+        compiled = templates.program(*shape) if templates is not None and shape else compile_actions(orders, num_stages, m)
     except ScheduleError as err:
         raise InputError(f"the actions cannot run: {err}") from None
     if list(compiled.stage_to_rank) != owner:
@@ -625,7 +680,7 @@ def estimate(
     bubble = max(0.0, 1.0 - busy / (k * makespan)) if makespan > 0 else 0.0
 
     # Per rank: memory (walking its actions), and the gradient all-reduce after its last backward.
-    points = memory_points(orders, own_stages)
+    points = templates.memory(*shape) if templates is not None and shape else memory_points(orders, own_stages)
     mem_rank: list[float] = []
     ar_rank: list[float] = []
     for r, own in enumerate(own_stages):
@@ -689,7 +744,7 @@ def estimate(
         training=training,
         notes=[n for n in (scaling.extrapolation_note(profile.microbatch_sizes, b), _calibration_note(profile)) if n],
         split_points=list(profile.split_points),
-        actions=format_actions(orders),
+        actions=templates.formatted(*shape) if templates is not None and shape else format_actions(orders),
     )
 
 
@@ -709,6 +764,7 @@ def _mesh_estimate(
     solver: SolverInfo | None,
     actions: Sequence[str] | None,
     across_nodes: bool,
+    templates: ScheduleTemplates | None = None,
 ) -> Plan:
     """:func:`estimate` of a plan with tensor parallelism or ZeRO: the D x K plan of one
     tensor-parallel rank (:func:`planner.mesh.mesh_problem`), reported on the real devices."""
@@ -753,6 +809,7 @@ def _mesh_estimate(
         problem.profile, problem.cluster, problem.training, ranges,
         num_microbatches=num_microbatches, schedule=schedule, recompute=recompute,
         data_parallel=data_parallel, pipeline_degree=k, devices=virt, solver=solver, actions=actions,
+        templates=templates,
     )
     pre = _prefix(problem.param_bytes)
     margin = training.memory_margin

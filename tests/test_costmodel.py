@@ -329,3 +329,27 @@ def test_plan_documents_refuse_inconsistent_schedules() -> None:
         parse_document("plan", {**planned.model_dump(mode="json"), "actions": None})
     with pytest.raises(InputError, match="actions lists 1 ranks but pipeline_degree is 2"):
         parse_document("plan", {**data, "actions": data["actions"][:1]})
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"])
+def test_shared_schedule_templates_price_the_same(schedule: str) -> None:
+    """An estimate that reuses a search's schedule templates (planner.costmodel.ScheduleTemplates)
+    is the estimate without them, to the byte and the nanosecond; a shape is made once, and a
+    plan's own actions (given, or a planned schedule's) never come from it."""
+    from planner.costmodel import ScheduleTemplates
+
+    prof = uniform_profile(8)
+    cl = Cluster.model_validate({"devices": 4, "memory": "1GiB"})
+    tr = TrainingSetup(global_batch_size=8)
+    stages = [(0, 2), (2, 4), (4, 6), (6, 8)] if schedule != "interleaved-1f1b" else [(i, i + 1) for i in range(8)]
+    kw = {"num_microbatches": 4, "schedule": schedule, "pipeline_degree": 4}
+    templates = ScheduleTemplates()
+    plain = estimate(prof, cl, tr, stages, **kw)  # type: ignore[arg-type]
+    first = estimate(prof, cl, tr, stages, templates=templates, **kw)  # type: ignore[arg-type]
+    again = estimate(prof, cl, tr, stages, recompute=True, templates=templates, **kw)  # type: ignore[arg-type]
+    assert first.model_dump() == plain.model_dump()
+    assert again.model_dump() == estimate(prof, cl, tr, stages, recompute=True, **kw).model_dump()  # type: ignore[arg-type]
+    assert list(templates.orders) == [(schedule, 4, 4, plain.virtual_stages)] and len(templates.compiled) == 1
+    # given actions are the plan's own: the template is not used for them
+    given = estimate(prof, cl, tr, stages, actions=plain.actions, templates=templates, **kw)  # type: ignore[arg-type]
+    assert given.predicted == plain.predicted and len(templates.compiled) == 1

@@ -47,7 +47,7 @@ import math
 import time
 from dataclasses import dataclass
 
-from planner.costmodel import estimate, lower_bound_ms, profile_in_dtype
+from planner.costmodel import ScheduleTemplates, estimate, lower_bound_ms, profile_in_dtype
 from planner.errors import InfeasibleError, InputError
 from planner.infeasible import any_fits
 from planner.mesh import Mesh, check_mesh, mesh_problem, recomputes_selectively
@@ -179,6 +179,8 @@ def solve(
     bounds: list[float] = []
     solves = 0
     notes: list[str] = []
+    # the schedule templates this search has made (the same long schedules are priced again and again)
+    templates = ScheduleTemplates()
 
     def offer(plan: Plan) -> None:
         nonlocal best
@@ -195,7 +197,7 @@ def solve(
             schedule=split.schedule, recompute=split.recompute, data_parallel=split.data_parallel,
             pipeline_degree=split.pipeline_degree,
             devices=[[d * fam.tensor_parallel for d in devs] for devs in split.devices],
-            actions=actions, solver=solver, tensor_parallel=fam.tensor_parallel,
+            actions=actions, solver=solver, tensor_parallel=fam.tensor_parallel, templates=templates,
             zero_stage=zero if split.data_parallel > 1 else 0,  # one replica: nothing to shard
             sequence_parallel=fam.sequence_parallel,
             tensor_parallel_across_nodes=options.tensor_parallel_across_nodes,
@@ -232,7 +234,7 @@ def solve(
             share = 1.0 if len(families) == 1 else FIRST_SHARE
             opts = opts.model_copy(update={"time_limit_s": max(per_solve, options.time_limit_s * share)})
         try:
-            return solve_mesh_family(prof, problem.cluster, problem.training, opts)
+            return solve_mesh_family(prof, problem.cluster, problem.training, opts, templates=templates)
         except InfeasibleError:
             return None
         except InputError:
@@ -247,7 +249,7 @@ def solve(
                                across_nodes=options.tensor_parallel_across_nodes)
         opts = sub.model_copy(update={"data_parallel": options.data_parallel})
         try:
-            found = seed_split(problem.profile, problem.cluster, problem.training, opts)
+            found = seed_split(problem.profile, problem.cluster, problem.training, opts, templates=templates)
             if found is None:
                 return None
             return price(fam, zero, found, solver=SolverInfo(

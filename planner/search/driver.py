@@ -85,7 +85,13 @@ from dataclasses import dataclass
 from planner.bounds.memory import memory_bounds
 from planner.bounds.relaxed import relaxed_bound, relaxed_memory_fits
 from planner.bounds.work import cheap_bound
-from planner.costmodel import estimate, lower_bound_ms, profile_in_dtype, static_bytes
+from planner.costmodel import (
+    ScheduleTemplates,
+    estimate,
+    lower_bound_ms,
+    profile_in_dtype,
+    static_bytes,
+)
 from planner.infeasible import diagnose
 from planner.schema import Cluster, Plan, PlanOptions, Profile, Schedule, SolverInfo, TrainingSetup
 from planner.search.model import work_total
@@ -144,8 +150,12 @@ def solve(
     cluster: Cluster,
     training: TrainingSetup,
     options: PlanOptions | None = None,
+    *,
+    templates: ScheduleTemplates | None = None,
 ) -> Plan:
     """The plan with the lowest predicted step time whose every stage fits its device.
+    ``templates``: schedule templates to share with the caller's other estimates
+    (:class:`planner.costmodel.ScheduleTemplates`).
 
     Raises :class:`planner.errors.InputError` for contradictory options and
     :class:`planner.errors.InfeasibleError` (with ``details``: ``layer``, ``layer_bytes``,
@@ -156,6 +166,8 @@ def solve(
     profile = profile_in_dtype(profile, training.dtype)  # memory in the bytes of the plan's dtype
     configs = enumerate_configs(profile, cluster, training, options)
     search = SearchState(profile, cluster, training, options, deadline=start + options.time_limit_s)
+    if templates is not None:
+        search.templates = templates
     # Budgets count work, not seconds, so that the same input gives the same plan on any
     # machine and load; WORK_PER_SECOND makes them match the time limit on a 2-core host.
     # The configuration search stops at SEARCH_SHARE of it, leaving room for the baselines'
@@ -195,7 +207,7 @@ def solve(
         )
         + ("; time limit reached" if search.timed_out else "")
     )
-    plan = _best_plan(search, SolverInfo(status=status, gap=gap, wall_time_s=0.0, message=message))
+    plan = _best_plan(search, SolverInfo(status=status, gap=gap, wall_time_s=0.0, message=message), templates=templates)
     if abs(plan.predicted.step_time_ms - full) > 1e-6 * max(1.0, full):
         raise AssertionError(  # pragma: no cover - quick_step and estimate are tested equal
             f"internal error: the solver predicted {search.best_step} ms but estimate gives "
@@ -207,7 +219,7 @@ def solve(
     )
 
 
-def _best_plan(search: SearchState, solver: SolverInfo) -> Plan:
+def _best_plan(search: SearchState, solver: SolverInfo, *, templates: ScheduleTemplates | None = None) -> Plan:
     """The search's best candidate as a plan (priced by :func:`estimate`)."""
     assert search.best is not None
     cfg, split, groups = search.best
@@ -223,6 +235,7 @@ def _best_plan(search: SearchState, solver: SolverInfo) -> Plan:
         pipeline_degree=cfg.pipeline_degree,
         devices=[list(groups[g].devices) for g in split.groups],
         solver=solver,
+        templates=templates,
     )
 
 
@@ -258,6 +271,8 @@ def seed_split(
     cluster: Cluster,
     training: TrainingSetup,
     options: PlanOptions | None = None,
+    *,
+    templates: ScheduleTemplates | None = None,
 ) -> SeedSplit | None:
     """Megatron's hand rule (:func:`planner.splits.baseline_seed.seed_with_stack_rule`) at the
     :data:`SEED_DEGREES` smallest pipeline degrees, with no search: a few simulations, so that
@@ -268,6 +283,8 @@ def seed_split(
     start = time.perf_counter()
     profile = profile_in_dtype(profile, training.dtype)
     search = SearchState(profile, cluster, training, options, deadline=start + options.time_limit_s)
+    if templates is not None:
+        search.templates = templates
     search.work_budget = options.time_limit_s * WORK_PER_SECOND
     search.wall_stop = start + WALL_SAFETY * options.time_limit_s
     seed_with_stack_rule(search, degrees=SEED_DEGREES)

@@ -15,13 +15,9 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from planner.bounds.split import TransferBounds, split_lower_bound
-from planner.costmodel import LayerCosts, layer_costs
+from planner.costmodel import LayerCosts, ScheduleTemplates, layer_costs
 from planner.schedules import (
     SPLIT_BACKWARD,
-    memory_points,
-    placement_of,
-    rank_stages,
-    schedule_actions,
 )
 from planner.schema import Cluster, PlanOptions, Profile, Schedule, TrainingSetup
 from planner.search.model import (
@@ -36,7 +32,7 @@ from planner.search.model import (
     walk_counts,
 )
 from planner.search.space import Config, Group
-from planner.simulator import CompiledSchedule, compile_schedule, compile_template
+from planner.simulator import CompiledSchedule
 
 #: work units per simulated action (the compiled program runs about 5 actions per unit)
 SIM_WORK = 0.2
@@ -87,6 +83,9 @@ class SearchState:
     tables: dict[tuple[type, Hashable], object] = field(default_factory=dict)
     #: configurations whose bound the boundary table has settled (CP-SAT cannot raise it)
     chain_done: set[Config] = field(default_factory=set)
+    #: schedule templates shared with the caller's other searches and estimates (the work of
+    #: making one is counted as if this search made it: the same input, the same plan)
+    templates: ScheduleTemplates = field(default_factory=ScheduleTemplates)
 
     @property
     def profile_param_bytes(self) -> int:
@@ -112,7 +111,7 @@ class SearchState:
         if cfg.shape not in self.compiled:
             if cfg.shape in self.points or (self.points_of(cfg) is not None and cfg.shape not in self.compiled):
                 self.work += (3 if cfg.schedule in SPLIT_BACKWARD else 2) * cfg.num_microbatches * cfg.num_stages
-                self.compiled[cfg.shape] = compile_schedule(*cfg.shape)
+                self.compiled[cfg.shape] = self.templates.program(*cfg.shape)
         return self.compiled[cfg.shape]
 
     def _template(self, cfg: Config) -> None:
@@ -120,12 +119,10 @@ class SearchState:
         program and its memory points (about two units of work an action)."""
         actions = (3 if cfg.schedule in SPLIT_BACKWARD else 2) * cfg.num_microbatches * cfg.num_stages
         self.work += 2 * actions
-        k, m, v = cfg.pipeline_degree, cfg.num_microbatches, cfg.virtual_stages
-        orders = schedule_actions(cfg.schedule, k, m, v)
         if cfg.shape not in self.compiled:
-            self.compiled[cfg.shape] = compile_template(cfg.schedule, k, m, v, orders)
+            self.compiled[cfg.shape] = self.templates.program(*cfg.shape)
         if cfg.shape not in self.points:
-            self.points[cfg.shape] = memory_points(orders, rank_stages(placement_of(cfg.schedule), k, v))
+            self.points[cfg.shape] = self.templates.memory(*cfg.shape)
 
     def memory_counts(self, cfg: Config) -> list[RankCounts]:
         """What the memory bounds may assume of each rank's in-flight micro-batches: its
