@@ -257,12 +257,19 @@ def test_a_body_at_the_byte_limit_is_read_off_the_event_loop(
     limit = 16 * 2**20
     raw = raw[:-1] + b" " * (limit - len(raw)) + b"}"
     assert len(raw) == limit
+    # the server must read the whole body to count its layers: on a loaded 2-core machine that
+    # alone can pass a second, so the budget is a second or 3x this process parsing the same
+    # bytes, measured now (a rejection that did work proportional to the layers would take far
+    # longer: planning 80,000 layers)
+    t0 = time.perf_counter()
+    json.loads(raw)
+    budget = max(REJECT_S, 3 * (time.perf_counter() - t0))
     with httpx.Client(base_url=server.url, timeout=60) as c, HealthProbe(server.url, tmp_path / "p") as probe:
         for _ in range(3):
             r, elapsed = _post(c, "/v1/plans", raw)
             assert r.status_code == 422, r.text[:300]
             assert "80,000 layers is beyond what this server plans (at most 4,096)" in r.json()["message"]
-            assert elapsed < REJECT_S, elapsed
+            assert elapsed < budget, (elapsed, budget)
         r, elapsed = _post(c, "/v1/plans", raw + b" ")
         assert r.status_code == 413 and r.json()["error"] == "too_large"
         assert elapsed < REJECT_S
