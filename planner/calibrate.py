@@ -24,8 +24,13 @@ and returns a new profile that records where each figure came from (``Profile.ca
   sample moved about the same number of bytes, the bandwidth cannot be told from the latency, so
   the cluster's bandwidth is kept and only the latency fitted (the provenance says so).
 * **A fixed overhead per step** (optimizer step, launch, the tied-weight all-reduce): with the
-  calibrated layers and links, each report's plan is re-estimated; the overhead is the median
-  of measured minus predicted step time over the reports (never below zero).
+  calibrated layers and links, each report's plan is re-estimated at that run's own fitted
+  level (how busy its machine was: the overhead is what the layers leave unexplained, not a
+  busier run's extra compute); the overhead is the median of measured minus predicted step
+  time over the reports (never below zero).
+
+Stage times are read from each report's median step (:func:`stage_means`), the step that the
+report's step time is.
 
 The cost model adds ``Profile.step_overhead_ms`` to every step (:func:`planner.costmodel.estimate`);
 clusters built from command-line flags use the fitted links (:func:`calibrated_cluster`).
@@ -75,10 +80,10 @@ SIZE_SPREAD = 1.5
 
 _METHOD = (
     "per-layer forward/backward factors: Gauss-Newton on log(measured / predicted) of every timed stage "
-    f"(noise {STAGE_NOISE:.0%}), factor = level x layer deviation (log-spread {LAYER_SPREAD:g}, weighted by the "
+    f"(the median step's stage times, noise {STAGE_NOISE:.0%}), factor = level x layer deviation (log-spread {LAYER_SPREAD:g}, weighted by the "
     f"layer's time share) x the run's own level (log-spread {RUN_SPREAD:g}, 1 in predictions); "
     "links: non-negative least squares on waited transfers and all-reduces; step overhead: median of "
-    "measured - predicted"
+    "measured - predicted at each run's own level"
 )
 
 
@@ -117,31 +122,12 @@ def calibrate(profile: Profile, reports: Sequence[tuple[str, RunReport]]) -> Cal
         raise InputError("give at least one run report (pipeplan run --plan PLAN --model SPEC --report FILE)")
     base = uncalibrated(profile)
     _check_reports(base, reports)
-    fwd_scale, bwd_scale, seen = _fit_layers(base, [r for _, r in reports])
-    layers = [
-        layer.model_copy(
-            update={
-                "forward_ms": [x * fwd_scale[i] for x in layer.forward_ms],
-                "backward_ms": [x * bwd_scale[i] for x in layer.backward_ms],
-                "forward_ms_spread": None
-                if layer.forward_ms_spread is None
-                else [x * fwd_scale[i] for x in layer.forward_ms_spread],
-                "backward_ms_spread": None
-                if layer.backward_ms_spread is None
-                else [x * bwd_scale[i] for x in layer.backward_ms_spread],
-                # selective recompute reruns part of the forward: it scales with the forward
-                "selective_recompute_ms": None
-                if layer.selective_recompute_ms is None
-                else [x * fwd_scale[i] for x in layer.selective_recompute_ms],
-            }
-        )
-        for i, layer in enumerate(base.layers)
-    ]
+    fwd_scale, bwd_scale, seen, levels = _fit_layers(base, [r for _, r in reports])
+    scaled = _scaled(base, fwd_scale, bwd_scale)
     layer_cal = [
         LayerCalibration(forward_scale=fwd_scale[i], backward_scale=bwd_scale[i], stages_seen=seen[i])
         for i in range(base.num_layers)
     ]
-    scaled = base.model_copy(update={"layers": layers})
     samples = [s for _, r in reports for s in link_samples(scaled, r)]
     cluster0 = reports[0][1].plan.cluster
     links = {
@@ -163,10 +149,13 @@ def calibrate(profile: Profile, reports: Sequence[tuple[str, RunReport]]) -> Cal
     )
     with_links = scaled.model_copy(update={"calibration": draft})
     residuals = []
-    for _, r in reports:
+    for (_, r), level in zip(reports, levels, strict=True):
         if r.measured_step_ms is None:
             continue
-        predicted = predict(r.plan, with_links).predicted.step_time_ms
+        # the run's step as its own machine ran it (its fitted level): what the layers do not
+        # explain is the overhead, not how busy that run's machine was
+        own = _scaled(with_links, [level] * base.num_layers, [level] * base.num_layers)
+        predicted = predict(r.plan, own).predicted.step_time_ms
         residuals.append(r.measured_step_ms - predicted)
     overhead, overhead_source = _overhead(residuals, [r for _, r in reports])
     final = draft.model_copy(update={"step_overhead_ms": overhead, "step_overhead_source": overhead_source})
@@ -192,6 +181,30 @@ def calibrate(profile: Profile, reports: Sequence[tuple[str, RunReport]]) -> Cal
         collectives=sum(1 for s in samples if s.collective),
         notes=notes,
     )
+
+
+def _scaled(profile: Profile, fwd_scale: Sequence[float], bwd_scale: Sequence[float]) -> Profile:
+    """``profile`` with each layer's forward and backward times multiplied by its factors."""
+    layers = [
+        layer.model_copy(
+            update={
+                "forward_ms": [x * fwd_scale[i] for x in layer.forward_ms],
+                "backward_ms": [x * bwd_scale[i] for x in layer.backward_ms],
+                "forward_ms_spread": None
+                if layer.forward_ms_spread is None
+                else [x * fwd_scale[i] for x in layer.forward_ms_spread],
+                "backward_ms_spread": None
+                if layer.backward_ms_spread is None
+                else [x * bwd_scale[i] for x in layer.backward_ms_spread],
+                # selective recompute reruns part of the forward: it scales with the forward
+                "selective_recompute_ms": None
+                if layer.selective_recompute_ms is None
+                else [x * fwd_scale[i] for x in layer.selective_recompute_ms],
+            }
+        )
+        for i, layer in enumerate(profile.layers)
+    ]
+    return profile.model_copy(update={"layers": layers})
 
 
 def uncalibrated(profile: Profile) -> Profile:
@@ -317,8 +330,11 @@ class _Observations:
         self.run.append(run)
 
 
-def _fit_layers(profile: Profile, reports: Sequence[RunReport]) -> tuple[list[float], list[float], list[int]]:
-    """Forward and backward factor per layer, and how many timed stages held each layer."""
+def _fit_layers(
+    profile: Profile, reports: Sequence[RunReport]
+) -> tuple[list[float], list[float], list[int], list[float]]:
+    """Forward and backward factor per layer, how many timed stages held each layer, and each
+    run's own level (a factor on all its layers: how much busier its machine was than typical)."""
     n = profile.num_layers
     obs = _Observations()
     share = np.zeros(2 * n)
@@ -352,19 +368,27 @@ def _fit_layers(profile: Profile, reports: Sequence[RunReport]) -> tuple[list[fl
         share[n:] += bwd
     total = share.sum()
     if not obs.measured or total <= 0:
-        return [1.0] * n, [1.0] * n, [int(x) for x in seen]
-    log_factor = _gauss_newton(obs, share / total, len(reports))
+        return [1.0] * n, [1.0] * n, [int(x) for x in seen], [1.0] * len(reports)
+    log_factor, log_level = _gauss_newton(obs, share / total, len(reports))
     # a layer no run timed keeps its profiled figure
     factors = np.where(seen_kind, np.exp(log_factor), 1.0)
-    return [float(x) for x in factors[:n]], [float(x) for x in factors[n:]], [int(x) for x in seen]
+    return (
+        [float(x) for x in factors[:n]],
+        [float(x) for x in factors[n:]],
+        [int(x) for x in seen],
+        [float(math.exp(x)) for x in log_level],
+    )
 
 
 def stage_means(report: RunReport) -> dict[int, tuple[float | None, float | None]]:
     """Per stage: its forward and backward time per micro-batch, as the timeline says.
 
     Per step the mean over the step's micro-batches and replicas (a step is a sum of actions,
-    and sums follow means, not medians), then the median over the timed steps, as the report's
-    step time is the median step (a step that the machine slowed down counts in neither)."""
+    and sums follow means, not medians), taken from the median step: the report's step time is
+    the median step, and the stage times that go with it are that step's (the middle two
+    averaged for an even count).  Per-stage medians over steps would mix stages from different
+    steps, which a busy machine slowed unevenly, and simulate to another step than the one
+    measured.  A report without step times takes the median over the timed steps per stage."""
     per_step: dict[tuple[int, int], tuple[list[float], list[float]]] = {}
     for row in report.timeline:
         if row.step < report.warmup_steps:
@@ -372,8 +396,15 @@ def stage_means(report: RunReport) -> dict[int, tuple[float | None, float | None
         f, b = per_step.setdefault((row.stage, row.step), ([], []))
         f.extend(row.forward_ms)
         b.extend(row.backward_ms)
+    timed = {step for _, step in per_step}
+    ranked = sorted(
+        (s.measured_ms, s.step) for s in report.steps if s.step in timed and s.measured_ms is not None and not s.warmup
+    )
+    middle = {step for _, step in ranked[(len(ranked) - 1) // 2 : len(ranked) // 2 + 1]}
     acc: dict[int, tuple[list[float], list[float]]] = {}
-    for (stage, _), (f, b) in per_step.items():
+    for (stage, step), (f, b) in per_step.items():
+        if middle and step not in middle:
+            continue
         fs, bs = acc.setdefault(stage, ([], []))
         if f:
             fs.append(statistics.fmean(f))
@@ -384,8 +415,11 @@ def stage_means(report: RunReport) -> dict[int, tuple[float | None, float | None
     }
 
 
-def _gauss_newton(obs: _Observations, share: NDArray[np.float64], runs: int) -> NDArray[np.float64]:
-    """The log-factors of the 2L (layer, kind) pairs: ``g[kind] + delta[layer, kind]``.
+def _gauss_newton(
+    obs: _Observations, share: NDArray[np.float64], runs: int
+) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """The log-factors of the 2L (layer, kind) pairs, ``g[kind] + delta[layer, kind]``, and the
+    runs' own log-levels ``v``.
 
     Minimizes ``sum_o (log yhat_o - log y_o)^2 / STAGE_NOISE^2`` (``yhat_o = exp(v[run]) *
     sum of coef * exp(g + delta)`` over the stage's layers) plus the priors: ``delta`` towards
@@ -460,8 +494,8 @@ def _gauss_newton(obs: _Observations, share: NDArray[np.float64], runs: int) -> 
             damping *= 10
             if damping > 1e9:
                 break
-    g, delta, _ = split(x)
-    return np.clip(g[(np.arange(n2) >= n2 // 2).astype(np.int64)] + delta, -bound, bound)
+    g, delta, v = split(x)
+    return np.clip(g[(np.arange(n2) >= n2 // 2).astype(np.int64)] + delta, -bound, bound), v
 
 
 def _conjugate_gradient(

@@ -121,6 +121,9 @@ def test_a_busier_run_moves_its_own_level_not_the_layers() -> None:
     factors = [c.forward_scale for c in cal.layers] + [c.backward_scale for c in cal.layers]
     assert 1.3 < min(factors) and max(factors) < 2.1, factors
     assert max(factors) / min(factors) < 1.25, factors
+    # the overhead is what each run's step leaves unexplained at that run's own level, not
+    # the busier run's extra compute
+    assert cal.step_overhead_ms == pytest.approx(truth.overhead_ms, abs=1.0)
 
 
 def test_noisy_reports_stay_close() -> None:
@@ -305,20 +308,68 @@ def test_cli_errors(tmp_path: Path) -> None:
 
 
 def test_real_report_shapes_are_what_the_fit_reads() -> None:
-    """The medians the report prints and the timeline the fit reads agree."""
+    """The fit reads each stage's times from the report's median step (the step its step time
+    is): per step the mean over the micro-batches."""
     base, truth = base_profile(N), truth_factors()
     plan = make_plan(base, SPLITS["a"])
-    report = synthetic_report(plan, base, truth, noise=0.1, seed=3)
+    report = synthetic_report(plan, base, truth, noise=0.1, seed=3, steps=6)
+    # distinct step times: timed steps 1..5, the median one is step 4
+    times = {1: 90.0, 2: 130.0, 3: 80.0, 4: 100.0, 5: 120.0}
+    report = report.model_copy(
+        update={"steps": [s.model_copy(update={"measured_ms": times.get(s.step, s.measured_ms)}) for s in report.steps]}
+    )
     from planner.calibrate import stage_means
 
     means = stage_means(report)
     for st in report.stages:
+        (row,) = [t for t in report.timeline if t.stage == st.index and t.step == 4]  # one replica
+        assert means[st.index][0] == pytest.approx(statistics.fmean(row.forward_ms))
+        assert means[st.index][1] == pytest.approx(statistics.fmean(row.backward_ms))
         rows = [t for t in report.timeline if t.stage == st.index and t.step >= report.warmup_steps]
-        per_step = [statistics.fmean(t.forward_ms) for t in rows]  # one replica: one row per step
-        assert means[st.index][0] == pytest.approx(statistics.median(per_step))
         assert st.forward_ms == pytest.approx(statistics.median(x for t in rows for x in t.forward_ms))
     with pytest.raises(InputError, match="at least one run report"):
         calibrate(base, [])
+
+
+def test_stage_times_come_from_one_step_so_they_simulate_the_measured_step() -> None:
+    """A busy machine slows different stages in different steps: per-stage medians over the
+    steps would pair a fast first stage with a fast last stage that no step ran, and predict a
+    step faster than the median one measured.  The median step's own stage times reproduce it."""
+    base = base_profile(N)
+    truth = Truth(forward=(1.0,) * N, backward=(1.0,) * N, overhead_ms=0.0)
+    plan = make_plan(base, [(0, 4), (4, 8)], schedule="gpipe", devices=2)
+    report = synthetic_report(plan, base, truth, steps=4)
+    # step 1: stage 0 twice as slow; step 2: stage 1 twice as slow; step 3 as profiled
+    slow = {(1, 0), (2, 1)}
+    timeline = [
+        row.model_copy(
+            update={
+                key: [x * 2 for x in getattr(row, key)]
+                for key in ("forward_ms", "backward_ms")
+                if (row.step, row.stage) in slow
+            }
+        )
+        for row in report.timeline
+    ]
+    from planner.calibrate import stage_means
+    from planner.simulator import simulate_schedule
+
+    def makespan(fwd: list[float], bwd: list[float]) -> float:
+        return simulate_schedule(plan.schedule, 2, plan.num_microbatches, fwd, bwd).makespan_ms
+
+    per_step = {
+        step: makespan(
+            [statistics.fmean(r.forward_ms) for r in sorted(timeline, key=lambda r: r.stage) if r.step == step],
+            [statistics.fmean(r.backward_ms) for r in sorted(timeline, key=lambda r: r.stage) if r.step == step],
+        )
+        for step in (1, 2, 3)
+    }
+    steps = [s.model_copy(update={"measured_ms": per_step.get(s.step, s.measured_ms)}) for s in report.steps]
+    report = report.model_copy(update={"timeline": timeline, "steps": steps})
+    means = stage_means(report)
+    predicted = makespan([means[0][0], means[1][0]], [means[0][1], means[1][1]])  # type: ignore[list-item]
+    assert predicted == pytest.approx(statistics.median(per_step.values()), rel=1e-6)
+    assert predicted > min(per_step.values()) * 1.2  # the per-stage medians' step is the fastest one
 
 
 def test_report_rows_are_counted_before_validation() -> None:
