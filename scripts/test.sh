@@ -7,4 +7,7 @@ ruff check .
 echo "== mypy (strict for planner/ and api/)"
 mypy planner api pipeplan
 echo "== pytest"
-python -m pytest -q --durations=20 "$@"
+# two workers (pytest-xdist): the planner's tests are single-threaded and the runtime's gloo jobs
+# wait on each other much of the time, so two share a 2-core machine well (about 15 min against
+# 21-26 in one process); `bash scripts/test.sh -n 0` runs in one process, `-n 4` on four workers
+python -m pytest -q -n 2 --durations=20 "$@"
