@@ -439,9 +439,12 @@ def lower_bound_ms(profile: Profile, cluster: Cluster, training: TrainingSetup) 
     g = training.global_batch_size
     candidates = sorted({1, g, *(b for b in profile.microbatch_sizes if b <= g)})
     best = math.inf
+    sizes = profile.microbatch_sizes
     for b in candidates:
-        c = layer_costs(profile, b)
-        best = min(best, (c.prefix_forward[-1] + c.prefix_backward[-1]) / b)
+        # the forward and backward of every layer at b, as layer_costs reads them (only those)
+        fwd = _prefix([scaling.at_size(sizes, x.forward_ms, b, spread=x.forward_ms_spread) for x in profile.layers])
+        bwd = _prefix([scaling.at_size(sizes, x.backward_ms, b, spread=x.backward_ms_spread) for x in profile.layers])
+        best = min(best, (fwd[-1] + bwd[-1]) / b)
     return best * g / sum(d.speed for d in cluster.devices) + profile.step_overhead_ms
 
 

@@ -234,7 +234,8 @@ def solve(
             share = 1.0 if len(families) == 1 else FIRST_SHARE
             opts = opts.model_copy(update={"time_limit_s": max(per_solve, options.time_limit_s * share)})
         try:
-            return solve_mesh_family(prof, problem.cluster, problem.training, opts, templates=templates)
+            # (no diagnosis: a family or ZeRO stage where nothing fits is one bound of many here)
+            return solve_mesh_family(prof, problem.cluster, problem.training, opts, templates=templates, explain=False)
         except InfeasibleError:
             return None
         except InputError:

@@ -92,6 +92,7 @@ from planner.costmodel import (
     profile_in_dtype,
     static_bytes,
 )
+from planner.errors import InfeasibleError
 from planner.infeasible import diagnose
 from planner.schema import Cluster, Plan, PlanOptions, Profile, Schedule, SolverInfo, TrainingSetup
 from planner.search.model import work_total
@@ -152,6 +153,7 @@ def solve(
     options: PlanOptions | None = None,
     *,
     templates: ScheduleTemplates | None = None,
+    explain: bool = True,
 ) -> Plan:
     """The plan with the lowest predicted step time whose every stage fits its device.
     ``templates``: schedule templates to share with the caller's other estimates
@@ -159,7 +161,9 @@ def solve(
 
     Raises :class:`planner.errors.InputError` for contradictory options and
     :class:`planner.errors.InfeasibleError` (with ``details``: ``layer``, ``layer_bytes``,
-    ``min_memory_bytes``, ``min_devices``) when nothing fits.
+    ``min_memory_bytes``, ``min_devices``) when nothing fits; with ``explain=False`` (a caller
+    that only needs to know, like the mesh search's sub-solves) without the diagnosis, whose
+    searches can take longer than the solve.
     """
     options = options or PlanOptions()
     start = time.perf_counter()
@@ -180,6 +184,8 @@ def solve(
     polish(search)
     tighten_chains(search)
     if search.best is None:
+        if not explain:
+            raise InfeasibleError("no plan fits (not diagnosed: explain=False)")
         raise diagnose(profile, cluster, training, options)
     # CP-SAT gets what is left of the budget (at least TIGHTEN_MIN_S), in its deterministic time
     left = max(0.0, search.work_budget - search.work) / WORK_PER_SECOND

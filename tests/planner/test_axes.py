@@ -199,6 +199,35 @@ def test_zero_is_named_when_it_fits() -> None:
     assert_valid(plan.model_copy(update={"tensor_parallel_degree": 1}), profile)
 
 
+def test_sub_solves_skip_the_diagnosis_that_only_the_user_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mesh search's ZeRO-0 solve finds nothing here; its diagnosis (searches of their own,
+    seconds on a large profile) would be thrown away, so the sub-solve raises without one. A
+    user's own infeasible solve is still diagnosed."""
+    import planner.search.driver as driver
+
+    profile = sharded_profile(5, 4)
+    profile = profile.model_copy(update={"layers": [
+        x.model_copy(update={"tensor_parallel": "replicated", "param_bytes": 40 * MiB}) for x in profile.layers
+    ]})
+    cl = _cluster(4, 512 * MiB)
+    training = TrainingSetup(global_batch_size=4)
+    calls = []
+    real = driver.diagnose
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(driver, "diagnose", counted)
+    plan = solve(profile, cl, training, PlanOptions(data_parallel=4, time_limit_s=0.5))
+    assert plan.zero_stage > 0 and plan_fits(plan) and calls == []
+    with pytest.raises(InfeasibleError, match="not diagnosed"):
+        driver.solve(profile, cl, training, PlanOptions(zero_stage=0, data_parallel=4, time_limit_s=0.5), explain=False)
+    assert calls == []
+    with pytest.raises(InfeasibleError, match=r"--zero \d fits"):
+        solve(profile, cl, training, PlanOptions(zero_stage=0, data_parallel=4, time_limit_s=0.5))
+
+
 def test_fixed_axes_are_respected() -> None:
     profile = sharded_profile(7, 6)
     cl = _cluster(8, 4096 * MiB)
