@@ -18,6 +18,7 @@ from planner.bounds.split import TransferBounds, split_lower_bound
 from planner.costmodel import LayerCosts, ScheduleTemplates, layer_costs
 from planner.schedules import (
     SPLIT_BACKWARD,
+    walk_microbatches,
 )
 from planner.schema import Cluster, PlanOptions, Profile, Schedule, TrainingSetup
 from planner.search.model import (
@@ -124,6 +125,20 @@ class SearchState:
         if cfg.shape not in self.points:
             self.points[cfg.shape] = self.templates.memory(*cfg.shape)
 
+    def exact_points_of(self, cfg: Config) -> RankPoints:
+        """The memory walk of ``cfg``'s schedule itself, also where the search keeps to the
+        closed form (:func:`planner.search.model.conservative`): listed once per shape at the
+        fewest micro-batches with the same points (:func:`planner.schedules.walk_microbatches`),
+        two units of work an action of that listing."""
+        m = walk_microbatches(cfg.schedule, cfg.pipeline_degree, cfg.num_microbatches, cfg.virtual_stages)
+        shape = (cfg.schedule, cfg.pipeline_degree, m, cfg.virtual_stages)
+
+        def walk() -> _ExactWalk:
+            self.work += 2 * (3 if cfg.schedule in SPLIT_BACKWARD else 2) * m * cfg.num_stages
+            return _ExactWalk(self.templates.memory(*shape))
+
+        return self.table(_ExactWalk, shape, walk).points
+
     def memory_counts(self, cfg: Config) -> list[RankCounts]:
         """What the memory bounds may assume of each rank's in-flight micro-batches: its
         schedule's walk when small enough, else the closed forms (``planned``: always)."""
@@ -170,6 +185,11 @@ class SearchState:
         if self.best is None or key < (self.best_step, self.best[0], self.best[1].ranges, self.best[1].recompute, self.best[1].groups):
             self.best_step = step
             self.best = (cfg, split, groups)
+
+
+@dataclass(frozen=True)
+class _ExactWalk:
+    points: RankPoints
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import math
 from collections.abc import Sequence
 
 from planner.costmodel import rank_memory_from_terms, rank_memory_terms
-from planner.search.model import Split, StageModel, planned_memory, recompute_options
+from planner.search.model import Split, StageModel, conservative, planned_memory, recompute_options
 from planner.search.space import Group
 from planner.search.state import SearchState
 
@@ -41,9 +41,16 @@ def with_recompute(
             itertools.product(*choices),
             key=lambda c: sum(sm.F[ranges[s][1]] - sm.F[ranges[s][0]] for s, x in zip(own, c, strict=True) if x),
         )
+        limit = groups[stage_groups[own[0]]].limit_bytes
         for combo in combos[:16]:
-            mem = rank_peak(sm, [ranges[s] for s in own], combo, sm.owner[own[0]])
-            if math.ceil(mem) <= groups[stage_groups[own[0]]].limit_bytes:
+            chunks = [ranges[s] for s in own]
+            mem = rank_peak(sm, chunks, combo, sm.owner[own[0]])
+            if math.ceil(mem) > limit and not any(combo) and conservative(sm.cfg, sm.L):
+                # the closed form the search keeps to is an upper bound of the schedule's own
+                # walk: chunks it would recompute may fit without (as estimate walks them)
+                walk = search.exact_points_of(sm.cfg)[sm.owner[own[0]]]
+                mem = rank_memory_from_terms(rank_memory_terms(sm.costs, chunks, sm.training), combo, walk)
+            if math.ceil(mem) <= limit:
                 for s, x in zip(own, combo, strict=True):
                     rcs[s] = x
                 found = True

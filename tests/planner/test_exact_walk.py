@@ -1,0 +1,85 @@
+"""Long interleaved 1F1B schedules: the search keeps their memory to a closed form (an upper
+bound of the walk), and checks the walk itself, listed at the fewest micro-batches with the same
+points, before it makes a rank recompute."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from planner.costmodel import estimate, plan_fits, rank_memory_from_terms, rank_memory_terms, layer_costs
+from planner.schedules import (
+    closed_form_walks,
+    memory_points,
+    placement_of,
+    rank_stages,
+    schedule_actions,
+    walk_microbatches,
+)
+from planner.schema import Cluster, LayerProfile, MeasuredOn, PlanOptions, Profile, StageRange, TrainingSetup
+from planner.search.model import conservative
+from planner.solver import solve
+
+MiB = 2**20
+
+
+def _points(k: int, m: int, v: int) -> list[set[str]]:
+    orders = schedule_actions("interleaved-1f1b", k, m, v)
+    walks = memory_points(orders, rank_stages(placement_of("interleaved-1f1b"), k, v))
+    return [{repr(p) for p in walk} for walk in walks]
+
+
+@pytest.mark.parametrize("k,v", [(2, 2), (3, 3), (4, 2), (4, 4), (5, 3), (8, 2), (16, 4)])
+def test_the_walk_of_2k_microbatches_has_every_larger_walks_points(k: int, v: int) -> None:
+    short = _points(k, 2 * k, v)
+    for m in (3 * k, 4 * k, 7 * k):
+        assert walk_microbatches("interleaved-1f1b", k, m, v) == 2 * k
+        assert _points(k, m, v) == short, (k, v, m)
+    # below 2K, and every other schedule, list their own count
+    assert walk_microbatches("interleaved-1f1b", k, k, v) == k
+    assert walk_microbatches("1f1b", k, 8 * k) == 8 * k
+
+
+def test_a_rank_the_closed_form_would_make_recompute_fits_by_its_walk() -> None:
+    """20 layers in 8 chunks on 4 ranks, M = 24 (a schedule the search keeps to the closed
+    form); one chunk per rank keeps 8x the activations of the other: the closed form charges
+    every in-flight micro-batch the larger chunk, the walk knows most are of the smaller one."""
+    layers = []
+    for i in range(20):
+        big = i < 12 and i % 3 == 0
+        layers.append(LayerProfile(
+            name=f"l{i}", param_bytes=MiB, forward_ms=[1.0], backward_ms=[2.0],
+            activation_bytes=[(16 if big else 2) * MiB], output_bytes=[MiB],
+        ))
+    profile = Profile(model="uneven-chunks", measured_on=MeasuredOn(device="cpu"), microbatch_sizes=[1], layers=layers)
+    training = TrainingSetup(global_batch_size=24, optimizer="sgd")
+    ranges = [(0, 3), (3, 6), (6, 9), (9, 12), (12, 14), (14, 16), (16, 18), (18, 20)]
+    k, m, v = 4, 24, 2
+
+    def cluster(memory: int) -> Cluster:
+        return Cluster.model_validate({"devices": k, "memory": memory, "intra_node": "nvlink4", "devices_per_node": k})
+
+    from planner.search.space import Config
+
+    assert conservative(Config(1, k, m, "interleaved-1f1b", v), profile.num_layers)
+    exact = estimate(profile, cluster(2**40), training, ranges, num_microbatches=m, schedule="interleaved-1f1b",
+                     pipeline_degree=k)
+    costs = layer_costs(profile, 1)
+    closed = closed_form_walks("interleaved-1f1b", k, m, v)
+    assert closed is not None
+    own = rank_stages("loop", k, v)
+    exact_peak = max(s.memory_bytes for s in exact.stages)
+    closed_peak = max(
+        rank_memory_from_terms(rank_memory_terms(costs, [ranges[s] for s in stages], training), [False] * v, closed[r])
+        for r, stages in enumerate(own)
+    )
+    assert closed_peak > exact_peak * 1.2  # the closed form is far above the walk here
+    # usable memory (10 % margin) just above the walk's peak, below the closed form's
+    memory = math.ceil(exact_peak / 0.9) + 1
+    options = PlanOptions(stages=[StageRange(start=a, stop=b) for a, b in ranges], schedule="interleaved-1f1b",
+                          num_microbatches=m, virtual_stages=v, data_parallel=1, time_limit_s=2.0)
+    plan = solve(profile, cluster(memory), training, options)
+    assert not any(s.recompute for s in plan.stages)  # without the walk: recompute on every heavy rank
+    assert plan_fits(plan)
+    assert plan.predicted.step_time_ms == pytest.approx(exact.predicted.step_time_ms)
