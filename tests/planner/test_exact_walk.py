@@ -8,7 +8,13 @@ import math
 
 import pytest
 
-from planner.costmodel import estimate, plan_fits, rank_memory_from_terms, rank_memory_terms, layer_costs
+from planner.costmodel import (
+    estimate,
+    layer_costs,
+    plan_fits,
+    rank_memory_from_terms,
+    rank_memory_terms,
+)
 from planner.schedules import (
     closed_form_walks,
     memory_points,
@@ -17,7 +23,15 @@ from planner.schedules import (
     schedule_actions,
     walk_microbatches,
 )
-from planner.schema import Cluster, LayerProfile, MeasuredOn, PlanOptions, Profile, StageRange, TrainingSetup
+from planner.schema import (
+    Cluster,
+    LayerProfile,
+    MeasuredOn,
+    PlanOptions,
+    Profile,
+    StageRange,
+    TrainingSetup,
+)
 from planner.search.model import conservative
 from planner.solver import solve
 
