@@ -153,16 +153,19 @@ class LayerCosts:
         return self.input_bytes if start == 0 else self.cut_bytes[start - 1]
 
 
+def _times_at(profile: Profile, b: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Every layer's forward and backward time at micro-batch size ``b``."""
+    sizes = profile.microbatch_sizes
+    fwd = tuple(scaling.at_size(sizes, x.forward_ms, b, spread=x.forward_ms_spread) for x in profile.layers)
+    bwd = tuple(scaling.at_size(sizes, x.backward_ms, b, spread=x.backward_ms_spread) for x in profile.layers)
+    return fwd, bwd
+
+
 def layer_costs(profile: Profile, microbatch_size: int) -> LayerCosts:
     """Interpolate every layer of ``profile`` at ``microbatch_size``."""
     sizes = profile.microbatch_sizes
     b = microbatch_size
-    fwd = tuple(
-        scaling.at_size(sizes, layer.forward_ms, b, spread=layer.forward_ms_spread) for layer in profile.layers
-    )
-    bwd = tuple(
-        scaling.at_size(sizes, layer.backward_ms, b, spread=layer.backward_ms_spread) for layer in profile.layers
-    )
+    fwd, bwd = _times_at(profile, b)
     act = tuple(interpolate(sizes, layer.activation_bytes, b) for layer in profile.layers)
     cut = tuple(interpolate(sizes, layer.transfer_bytes(), b) for layer in profile.layers)
     params = tuple(layer.param_bytes for layer in profile.layers)
@@ -439,12 +442,9 @@ def lower_bound_ms(profile: Profile, cluster: Cluster, training: TrainingSetup) 
     g = training.global_batch_size
     candidates = sorted({1, g, *(b for b in profile.microbatch_sizes if b <= g)})
     best = math.inf
-    sizes = profile.microbatch_sizes
     for b in candidates:
-        # the forward and backward of every layer at b, as layer_costs reads them (only those)
-        fwd = _prefix([scaling.at_size(sizes, x.forward_ms, b, spread=x.forward_ms_spread) for x in profile.layers])
-        bwd = _prefix([scaling.at_size(sizes, x.backward_ms, b, spread=x.backward_ms_spread) for x in profile.layers])
-        best = min(best, (fwd[-1] + bwd[-1]) / b)
+        fwd, bwd = _times_at(profile, b)  # (only these of layer_costs)
+        best = min(best, (_prefix(fwd)[-1] + _prefix(bwd)[-1]) / b)
     return best * g / sum(d.speed for d in cluster.devices) + profile.step_overhead_ms
 
 

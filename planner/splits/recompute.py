@@ -42,8 +42,8 @@ def with_recompute(
             key=lambda c: sum(sm.F[ranges[s][1]] - sm.F[ranges[s][0]] for s, x in zip(own, c, strict=True) if x),
         )
         limit = groups[stage_groups[own[0]]].limit_bytes
+        chunks = [ranges[s] for s in own]
         for combo in combos[:16]:
-            chunks = [ranges[s] for s in own]
             mem = rank_peak(sm, chunks, combo, sm.owner[own[0]])
             if math.ceil(mem) > limit and not any(combo) and conservative(sm.cfg, sm.L):
                 # the closed form the search keeps to is an upper bound of the schedule's own
