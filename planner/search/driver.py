@@ -114,6 +114,7 @@ from planner.splits.greedy import greedy_candidates
 from planner.splits.interleaved import interleaved_candidates
 from planner.splits.polish import polish
 from planner.splits.recompute import with_recompute
+from planner.splits.vshape import V_SCHEDULES, vshape_candidates
 
 #: configurations solved in order of promise before the search turns best-first: this many of
 #: the classic schedules (gpipe, 1f1b, interleaved-1f1b), then of the others
@@ -354,6 +355,8 @@ def _branch_and_bound(search: SearchState, configs: Sequence[Config]) -> None:
     if classic:
         _round(search, classic, INCUMBENT_TRIES, SEARCH_SHARE)
     others = [c for c in configs if c.schedule not in CLASSIC]
+    if classic:
+        _vshape_on_best(search, others, group_cache)
     if classic and len(others) > NEW_CONFIG_LIMIT:
         # a large space: the newer schedules on the meshes and micro-batch counts of the best
         # classic plans only, and not on very long pipelines (the space the search then
@@ -372,6 +375,34 @@ def _branch_and_bound(search: SearchState, configs: Sequence[Config]) -> None:
             _reschedule_best(search, newer)
         _round(search, newer, INCUMBENT_TRIES_NEW if classic else INCUMBENT_TRIES,
                SEARCH_SHARE + NEW_SHARE if classic else SEARCH_SHARE)
+
+
+def _vshape_on_best(search: SearchState, configs: Sequence[Config], group_cache: dict[tuple[int, int], list[Group]]) -> None:
+    """The V-shaped zero-bubble schedules (zbv, dualpipev) on the best classic plan's D, K and
+    M, with their rank-balanced splits (:func:`planner.splits.vshape.vshape_candidates`): a
+    few simulations, also where the newer schedules' full search is left out (random layers at
+    scale, where the V schedules' small bubble and even ranks beat every classic plan)."""
+    if search.best is None:
+        return
+    best_cfg = search.best[0]
+    shape = (best_cfg.data_parallel, best_cfg.pipeline_degree, best_cfg.num_microbatches)
+    for cfg in configs:
+        if cfg.schedule not in V_SCHEDULES or (cfg.data_parallel, cfg.pipeline_degree, cfg.num_microbatches) != shape:
+            continue
+        if 2 * cfg.num_microbatches * cfg.num_stages > SIM_ACTION_LIMIT:
+            continue
+        key = (cfg.data_parallel, cfg.pipeline_degree)
+        if key not in group_cache:
+            group_cache[key] = make_groups(search.cluster, search.training, *key)
+        groups = group_cache[key]
+        if not static_fits(search, cfg, groups):
+            continue
+        search.work += CHEAP_WORK
+        if cheap_bound(search, cfg, groups) >= search.best_step:
+            continue
+        sm = search.stage_model(cfg)
+        for split in vshape_candidates(search, sm, groups, device_orders(groups)[0]):
+            consider(search, sm, groups, split)
 
 
 def _reschedule_best(search: SearchState, entries: list[tuple[float, Config, list[Group]]]) -> None:

@@ -1,6 +1,6 @@
 """Splits of an interleaved configuration (v > 1): K·v chunks, chunk j on rank j mod K.
 
-Three cuts per device order, each offered as a candidate by :func:`interleaved_candidates`:
+Cuts per device order, each offered as a candidate by :func:`interleaved_candidates`:
 
 * :func:`interleaved_split`: chunks balanced by time (min-max work), then recompute where
   memory needs it;
@@ -8,6 +8,8 @@ Three cuts per device order, each offered as a candidate by :func:`interleaved_c
   rank's memory in the test, so ranks holding many micro-batches take smaller chunks;
 * :func:`interleaved_mixed_split`: chunks cut with recompute chosen per chunk, whichever
   reaches farther, at the smallest per-chunk budget that covers every layer;
+* :func:`planner.splits.vshape.vshape_candidates` (V placements): ranks balanced exactly by a
+  DP over the cuts near even shares;
 * :func:`interleaved_rank_split`: chunks cut for balanced *ranks* without recompute: each
   chunk takes the nearest whole-layer share of what its rank has left of a per-rank budget,
   keeps room for the parameter state of its rank's later chunks, and stops where memory
@@ -32,6 +34,7 @@ from planner.search.model import (
 from planner.search.space import Group
 from planner.search.state import SearchState, consider
 from planner.splits.recompute import with_recompute
+from planner.splits.vshape import vshape_candidates
 
 
 def interleaved_candidates(
@@ -43,10 +46,13 @@ def interleaved_candidates(
     best_here = math.inf
     for i_order, order in enumerate(orders[:3]):
         tried: list[Split] = []
-        for variant in ("balanced", "memory-aware", "mixed", "ranks"):
-            if variant in ("mixed", "ranks") and i_order > 0:
+        for variant in ("balanced", "memory-aware", "mixed", "ranks", "v-ranks"):
+            if variant in ("mixed", "ranks", "v-ranks") and i_order > 0:
                 continue
-            if variant == "mixed":
+            splits: list[Split | None]
+            if variant == "v-ranks":
+                splits = [*vshape_candidates(search, sm, groups, order)]
+            elif variant == "mixed":
                 splits = [interleaved_mixed_split(search, sm, groups, order)]
             elif variant == "ranks":
                 splits = [*interleaved_rank_split(search, sm, groups, order)]
