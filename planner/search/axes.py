@@ -26,6 +26,12 @@ First every family's ZeRO-0 solve (1), then the ZeRO solves (2, 3):
    relaxed one, one driver solve each with D fixed: plans, not bounds (skipped once the
    relaxed bound reaches the best plan).
 
+The solves share the user's time limit: their own limits add up to it (the first solve gets
+``FIRST_SHARE`` of it when others may follow, each later one ``SOLVE_SHARE``, none is started
+with less than ``MIN_SOLVE_S`` left), counted in limits rather than seconds so that the same
+input gives the same plan; a small instance's solves, which end when they prove their optimum,
+each get the whole limit.
+
 Selective recompute (:func:`planner.mesh.selective_layer`) doubles the families when it is free
 and the profile gives its bytes: a selective family is solved with full recompute forbidden (one
 granularity per plan, as in Megatron).  Like ZeRO it only trades time for memory, so when it is
@@ -59,9 +65,11 @@ from planner.splits.exhaustive import SMALL_LAYERS
 #: share of the time limit each driver solve gets (at least MIN_SOLVE_S)
 SOLVE_SHARE = 0.125
 MIN_SOLVE_S = 0.2
-#: share the first family's ZeRO-0 solve gets (the most promising family: its plan prunes the rest)
+#: share the first family's ZeRO-0 solve gets when other solves may follow (the most promising
+#: family: its plan prunes the rest)
 FIRST_SHARE = 0.5
-#: stop starting solves after this multiple of the time limit (what is left keeps its bound)
+#: stop starting solves after this multiple of the time limit (what is left keeps its bound); the
+#: solves' own limits add up to the time limit (but a small instance's: each gets all of it)
 WALL_SAFETY = 3.0
 #: ZeRO stages tried when the stage is free
 ZERO_STAGES = (1, 2, 3)
@@ -175,6 +183,7 @@ def solve(
         zeros = [0]  # one replica: ZeRO shards nothing
 
     best: Plan | None = None
+    allotted = 0.0  # time limits given to the solves so far
     skipped_zero: list[_Family] = []
     bounds: list[float] = []
     solves = 0
@@ -214,7 +223,7 @@ def solve(
         fam: _Family, zero: int, data_parallel: int | None, *, relaxed: bool = False, first: bool = False,
         optimistic_link: bool = False,
     ) -> Plan | None:
-        nonlocal solves
+        nonlocal solves, allotted
         solves += 1
         mesh = fam.mesh(0 if relaxed else zero)
         train = _relaxed_training(training) if relaxed else training
@@ -231,8 +240,14 @@ def solve(
         if fam.selective_recompute:  # one granularity per plan: no stage recomputes in full
             opts = opts.model_copy(update={"recompute": False})
         if first and not relaxed:
-            share = 1.0 if len(families) == 1 else FIRST_SHARE
+            share = 1.0 if len(families) == 1 and not any(z > 0 for z in zeros) else FIRST_SHARE
             opts = opts.model_copy(update={"time_limit_s": max(per_solve, options.time_limit_s * share)})
+        if not small:
+            # the solves share the user's limit: each gets at most what the ones before it left
+            # (counted in limits, not seconds, so the same input gives the same plan; late()
+            # starts none once less than MIN_SOLVE_S is left)
+            opts = opts.model_copy(update={"time_limit_s": max(MIN_SOLVE_S, min(opts.time_limit_s, options.time_limit_s - allotted))})
+            allotted += opts.time_limit_s
         try:
             # (no diagnosis: a family or ZeRO stage where nothing fits is one bound of many here)
             return solve_mesh_family(prof, problem.cluster, problem.training, opts, templates=templates, explain=False)
@@ -263,7 +278,8 @@ def solve(
     deadline = start + WALL_SAFETY * options.time_limit_s
 
     def late() -> bool:
-        if time.perf_counter() > deadline and best is not None:
+        spent = not small and options.time_limit_s - allotted < MIN_SOLVE_S
+        if (spent or time.perf_counter() > deadline) and best is not None:
             notes.append("time limit reached: open families bounded by their work")
             return True
         return False
