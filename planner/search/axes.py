@@ -68,8 +68,9 @@ MIN_SOLVE_S = 0.2
 #: share the first family's ZeRO-0 solve gets when other solves may follow (the most promising
 #: family: its plan prunes the rest)
 FIRST_SHARE = 0.5
-#: stop starting solves after this multiple of the time limit (what is left keeps its bound); the
-#: solves' own limits add up to the time limit (but a small instance's: each gets all of it)
+#: a small instance starts no solve after this multiple of the time limit, a larger one none after
+#: the limit (what is left keeps its bound); the solves' own limits add up to the time limit (but
+#: a small instance's: each gets all of it)
 WALL_SAFETY = 3.0
 #: ZeRO stages tried when the stage is free
 ZERO_STAGES = (1, 2, 3)
@@ -275,7 +276,9 @@ def solve(
             return None
 
     work = {fam: _work_bound(base, cluster, training, fam) for fam in families}
-    deadline = start + WALL_SAFETY * options.time_limit_s
+    # no solve starts once the limits given out reach the time limit (late()), nor after the time
+    # limit on the clock (a small instance's only after WALL_SAFETY times it: a loaded machine's clock)
+    deadline = start + (WALL_SAFETY if small else min(WALL_SAFETY, 1.0)) * options.time_limit_s
 
     def late() -> bool:
         spent = not small and options.time_limit_s - allotted < MIN_SOLVE_S
