@@ -393,6 +393,10 @@ def solve(
     wall = time.perf_counter() - start
     searched = [f for f in families if not (skipped_selective and f in deferred)]
     mesh_desc = ", ".join(f.describe() for f in searched)
+    inner = best.solver.message
+    if any(n.startswith("time limit reached") for n in notes):
+        # the mesh search's note says it once, with what was left open
+        inner = inner.removesuffix("; time limit reached")
     message = (
         f"mesh search: {len(searched)} {'family' if len(searched) == 1 else 'families'} ({mesh_desc}), ZeRO "
         f"{'/'.join(map(str, zeros))}; {solves} D x K solves"
@@ -407,7 +411,7 @@ def solve(
             if skipped_selective
             else ""
         )
-        + "; " + best.solver.message + "".join(f"; {n}" for n in dict.fromkeys(notes))
+        + "; " + inner + "".join(f"; {n}" for n in dict.fromkeys(notes))
     )
     return best.model_copy(update={"solver": SolverInfo(status=status, gap=gap, wall_time_s=wall, message=message)})
 
