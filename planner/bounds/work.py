@@ -53,7 +53,12 @@ def cheap_bound(search: SearchState, cfg: Config, groups: Sequence[Group]) -> fl
         # over the ranks (weights speed_r / sum(speed)) bounds the slowest from below
         link = max((g.link for g in groups), key=lambda li: (li.bandwidth_bytes_per_s, -li.latency_s))
         grads = costs.prefix_param[-1] * search.training.gradient_bytes_per_param_byte
-        ar_all = (2 * (d - 1) / d * grads / link.bandwidth_bytes_per_s + k * 2 * (d - 1) * link.latency_s) * 1e3
+        # a rank with no gradient bytes all-reduces nothing and pays no latency (ZeRO 3, layers
+        # without parameters): every rank pays it only when every layer has parameters
+        everywhere = search.table(_Cached, ("params in every layer",), lambda: _Cached(float(all(
+            costs.prefix_param[i + 1] > costs.prefix_param[i] for i in range(costs.num_layers)))))
+        paying = 0 if grads <= 0 else (k if everywhere.value else 1)
+        ar_all = (2 * (d - 1) / d * grads / link.bandwidth_bytes_per_s + paying * 2 * (d - 1) * link.latency_s) * 1e3
         ar_all *= 1.0 - search.training.gradient_overlap
         bound = max(bound, m * w / ssum + smin * ar_all / ssum)
     # (both shared by the schedules of one shape: cached on what they read)

@@ -57,9 +57,19 @@ from planner.costmodel import ScheduleTemplates, estimate, lower_bound_ms, profi
 from planner.errors import InfeasibleError, InputError
 from planner.infeasible import any_fits
 from planner.mesh import Mesh, check_mesh, mesh_problem, recomputes_selectively
-from planner.schema import Cluster, Plan, PlanOptions, Profile, SolverInfo, TrainingSetup
-from planner.search.driver import SeedSplit, seed_split
+from planner.schema import (
+    Cluster,
+    Interconnect,
+    Plan,
+    PlanOptions,
+    Profile,
+    SolverInfo,
+    TrainingSetup,
+)
+from planner.search.driver import WORK_PER_SECOND, SeedSplit, seed_split
 from planner.search.driver import solve as solve_mesh_family
+from planner.search.floor import configuration_floor, floor_units
+from planner.search.space import enumerate_configs
 from planner.splits.exhaustive import SMALL_LAYERS
 
 #: share of the time limit each driver solve gets (at least MIN_SOLVE_S)
@@ -74,6 +84,9 @@ FIRST_SHARE = 0.5
 WALL_SAFETY = 3.0
 #: ZeRO stages tried when the stage is free
 ZERO_STAGES = (1, 2, 3)
+#: share of the time limit (in the driver's work units) the (ZeRO stage, D) floors may use to
+#: raise the relaxed ZeRO bounds (phase 4)
+FLOOR_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -297,6 +310,9 @@ def solve(
     deferred = [f for f in order if f.selective_recompute] if (
         options.selective_recompute is None and 0 in zeros and not small) else []
     memory_seen = False
+    # bounds phase 4 may raise: a family's work bound where the clock left it unsolved (True: its
+    # ZeRO-0 plans too), or the relaxed bound of its ZeRO plans
+    open_pieces: dict[_Family, tuple[float, bool]] = {}
 
     def phase1(fams: list[_Family], *, first_index: int) -> None:
         nonlocal skip_zero, memory_seen
@@ -305,7 +321,7 @@ def solve(
                 bounds.append(work[fam])  # its work alone reaches the best plan: every ZeRO stage too
                 continue
             if i > 0 and late():  # (the first family is solved whatever the clock says)
-                bounds.append(work[fam])
+                open_pieces[fam] = (work[fam], True)
                 continue
             zero_families.append(fam)
             if 0 not in zeros:
@@ -343,7 +359,7 @@ def solve(
         zero_families = []
     for fam in zero_families:
         if late():
-            bounds.append(work[fam])
+            open_pieces[fam] = (work[fam], False)
             continue
         exact = _exact_zero_degrees(base, cluster, training, options, fam)
         if exact:
@@ -362,7 +378,7 @@ def solve(
         if relaxed is None:
             continue  # not even the relaxation fits: no ZeRO plan of this family does
         lower = _bound_of(relaxed)
-        bounds.append(lower)
+        open_pieces[fam] = (lower, False)
         if options.data_parallel is not None:
             ds = [options.data_parallel]
         else:
@@ -370,8 +386,10 @@ def solve(
             if best is not None and best.tensor_parallel_degree == fam.tensor_parallel:
                 ds.insert(0, best.data_parallel_degree)
         groups = cluster.num_devices // fam.tensor_parallel
-        if 0 not in zeros and options.data_parallel is None:
-            # ZeRO fixed by the user: the relaxation's D may be 1 (nothing to shard), so every
+        promising = set(ds)
+        if options.data_parallel is None and (0 not in zeros or best is None):
+            # ZeRO fixed by the user (the relaxation's D may be 1: nothing to shard), or nothing
+            # found yet (the relaxation's D may not fit a ZeRO stage where another D does): every
             # other replica count is a candidate too, after the promising ones (late() bounds it)
             ds += [d for d in range(2, groups + 1) if groups % d == 0]
         ds = [d for d in dict.fromkeys(ds) if (d > 1 or 0 not in zeros) and d <= groups and training.global_batch_size % d == 0]
@@ -379,9 +397,29 @@ def solve(
             for d in ds:
                 if (best is not None and lower >= best.predicted.step_time_ms * (1 - 1e-9)) or late():
                     break
+                if d not in promising and 0 in zeros and best is not None:
+                    continue  # (the other replica counts were for a first plan, now found)
                 plan = run(fam, z, d)
                 if plan is not None:
                     offer(reprice(plan, fam, z))
+    # phase 4: the open pieces, least first, raised by their configuration floors where the
+    # budget allows (the plan is settled: only the proven gap can change)
+    searched_zero = any(z > 0 for z in zeros) and not skip_zero
+    budget = FLOOR_SHARE * options.time_limit_s * WORK_PER_SECOND
+    for fam in sorted(open_pieces, key=lambda f: (open_pieces[f][0], f.tensor_parallel, f.sequence_parallel,
+                                                  f.selective_recompute)):
+        if best is not None and open_pieces[fam][0] >= best.predicted.step_time_ms:
+            break
+        if time.perf_counter() > deadline and not small:
+            break
+        lower, zero0_too = open_pieces[fam]
+        floor, used = _family_floor(base, cluster, training, options, sub, fam, zeros if searched_zero else [0],
+                                    zero0_too=zero0_too and 0 in zeros, budget=budget)
+        budget -= used
+        if floor is None:
+            break  # its bound stays the least of them: raising the rest changes no gap
+        open_pieces[fam] = (max(lower, floor), zero0_too)
+    bounds.extend(b for b, _ in open_pieces.values())
     if best is None:
         raise _diagnose(base, cluster, training, options, families, zeros)
     bound = min(bounds) if bounds else best.predicted.step_time_ms
@@ -451,6 +489,69 @@ def _exact_zero_degrees(profile: Profile, cluster: Cluster, training: TrainingSe
 
 #: a plan is memory-bound when a stage recomputes or a device is this full
 MEMORY_BOUND_FILL = 0.85
+
+
+def _family_floor(
+    profile: Profile, cluster: Cluster, training: TrainingSetup, options: PlanOptions, sub: PlanOptions,
+    fam: _Family, zeros: list[int], *, zero0_too: bool, budget: float,
+) -> tuple[float | None, float]:
+    """(the least configuration floor over the family's ZeRO problems, work units used): one
+    problem per ZeRO stage > 0 in ``zeros`` and replica count D, each with its own static memory
+    and collectives (:func:`planner.search.floor.configuration_floor`), and with ``zero0_too``
+    the ZeRO-0 problem (D free), so their least floor bounds every plan of the family at those
+    stages.  D = 1 is left out when ZeRO 0 is in ``zeros`` (ZeRO shards nothing there: ZeRO 0's
+    bound covers it).  ZeRO-2/3's per-micro-batch collectives are priced on the faster link of
+    the two, which no placement beats.  ``None`` when the estimate exceeds ``budget`` (nothing
+    computed) or neither link is the faster in both bandwidth and latency."""
+    stages = [z for z in zeros if z > 0]
+    if not stages and not zero0_too:
+        return None, 0.0
+    intra, inter = cluster.intra_node, cluster.inter_node
+
+    def faster(a: Interconnect, b: Interconnect) -> bool:
+        return a.bandwidth_bytes_per_s >= b.bandwidth_bytes_per_s and a.latency_s <= b.latency_s
+
+    if faster(intra, inter):
+        k_hint = 1  # the intra-node link wherever D x T fits a node
+    elif faster(inter, intra):
+        k_hint = cluster.num_devices
+    elif any(z >= 2 for z in stages):
+        return None, 0.0
+    else:
+        k_hint = cluster.num_devices
+    groups = cluster.num_devices // fam.tensor_parallel
+    ds = [options.data_parallel] if options.data_parallel is not None else list(range(1, groups + 1))
+    # (every D the driver enumerates: divisors of the batch up to the groups, D x K <= groups)
+    ds = [d for d in ds if d <= groups and training.global_batch_size % d == 0 and (d > 1 or 0 not in zeros)]
+    opts = sub if not fam.selective_recompute else sub.model_copy(update={"recompute": False})
+    # the estimate before the work: every configuration of the family, once per ZeRO stage
+    try:
+        whole = mesh_problem(profile, cluster, training, fam.mesh(0), data_parallel=1, pipeline_degree=k_hint,
+                             across_nodes=options.tensor_parallel_across_nodes)
+        count = len(enumerate_configs(whole.profile, whole.cluster, whole.training,
+                                      opts.model_copy(update={"data_parallel": None})))
+    except InputError:
+        return None, 0.0
+    units = floor_units(profile.num_layers)
+    if (len(stages) + zero0_too) * count * units > budget:
+        return None, 0.0
+    least, used = math.inf, 0.0
+    if zero0_too:
+        floor, n = configuration_floor(whole.profile, whole.cluster, whole.training, opts)
+        used += n * units
+        least = floor
+    for z in stages:
+        for d in ds:
+            try:
+                problem = mesh_problem(profile, cluster, training, fam.mesh(z), data_parallel=d, pipeline_degree=k_hint,
+                                       across_nodes=options.tensor_parallel_across_nodes)
+                floor, n = configuration_floor(problem.profile, problem.cluster, problem.training,
+                                               opts.model_copy(update={"data_parallel": d}))
+            except InputError:
+                return None, used  # a problem the solves cannot pose either: keep the relaxation
+            used += n * units
+            least = min(least, floor)
+    return least, used
 
 
 def memory_bound(plan: Plan) -> bool:

@@ -56,12 +56,12 @@ def _cluster(n: int, memory: int) -> Cluster:
 
 
 def brute_force_mesh(profile: Profile, cl: Cluster, training: TrainingSetup, *, zeros: tuple[int, ...] = (0, 1, 2, 3),
-                     selective: tuple[bool, ...] = (False,)) -> float:
+                     selective: tuple[bool, ...] = (False,), tensor_parallel: tuple[int, ...] = (1, 2, 4)) -> float:
     """Best fitting 1F1B step over every T (powers of two inside the node), sequence parallelism,
     ZeRO stage, D, K, M, split and recompute choice (full per stage, or ``selective`` everywhere)."""
     n_dev, n, g = cl.num_devices, profile.num_layers, training.global_batch_size
     best = math.inf
-    for t, sr in itertools.product((1, 2, 4), selective):
+    for t, sr in itertools.product(tensor_parallel, selective):
         if t > n_dev:
             continue
         for sp in ((False, True) if t > 1 else (False,)):
