@@ -23,8 +23,15 @@ First every family's ZeRO-0 solve (1), then the ZeRO solves (2, 3):
    holds and moves at least that, and ZeRO-2/3's per-micro-batch collectives only add time), one
    driver solve whose bound covers every ZeRO plan of the family.
 3. ZeRO 1, 2, 3 (or the fixed stage) at the data-parallel degrees of the best plan and of the
-   relaxed one, one driver solve each with D fixed: plans, not bounds (skipped once the
-   relaxed bound reaches the best plan).
+   relaxed one (every other D too while nothing fits), one driver solve each with D fixed:
+   plans, not bounds (skipped once the relaxed bound reaches the best plan).
+4. The open bounds, least first: a family the clock left unsolved (its work bound) or ZeRO's
+   relaxation (which drops the static memory and the gradient collective) is raised to the least
+   *configuration floor* (:mod:`planner.search.floor`: the driver's level 0 alone) over the
+   family's problems, one per ZeRO stage and D with its own memory and collectives (and ZeRO 0
+   with D free for an unsolved family), within ``FLOOR_SHARE`` of the time limit in work units
+   and while the clock is within the limit; once the least open bound cannot be raised, the rest
+   would change no gap.  The plan is settled by then: only the gap changes.
 
 The solves share the user's time limit: their own limits add up to it (the first solve gets
 ``FIRST_SHARE`` of it when others may follow, each later one ``SOLVE_SHARE``, none is started
@@ -39,8 +46,8 @@ free its families are solved after the others and only if one of their plans is 
 one had no plan); otherwise the message says the gap covers plans without it.
 
 Every candidate is re-priced by :func:`planner.costmodel.estimate` on the real mesh and the
-fastest that fits is returned.  The proven bound is the least of the families' bounds (1 and
-2; a family not solved contributes its work bound), so the gap is valid over the whole space;
+fastest that fits is returned.  The proven bound is the least of the families' bounds (1, 2
+and 4; a family not solved contributes its work bound or floor), so the gap is valid over the whole space;
 when ZeRO's plans are memory-bound it can be loose (the relaxation drops the static memory),
 and the message says which bound is open.  A profile whose layers do not shard gets T = 1
 only (a larger T would run the same work on fewer groups).  T stays inside a node unless
