@@ -340,10 +340,7 @@ def _branch_and_bound(search: SearchState, configs: Sequence[Config]) -> None:
                 search.open_bounds.append(floor)
                 search.timed_out = True
                 break
-            key = (cfg.data_parallel, cfg.pipeline_degree)
-            if key not in group_cache:
-                group_cache[key] = make_groups(search.cluster, search.training, *key)
-            groups = group_cache[key]
+            groups = groups_of(search, cfg, group_cache)
             if not static_fits(search, cfg, groups):
                 search.infeasible += 1
                 continue
@@ -392,10 +389,7 @@ def _vshape_on_best(search: SearchState, configs: Sequence[Config], group_cache:
             continue
         if 2 * cfg.num_microbatches * cfg.num_stages > SIM_ACTION_LIMIT:
             continue
-        key = (cfg.data_parallel, cfg.pipeline_degree)
-        if key not in group_cache:
-            group_cache[key] = make_groups(search.cluster, search.training, *key)
-        groups = group_cache[key]
+        groups = groups_of(search, cfg, group_cache)
         if not static_fits(search, cfg, groups):
             continue
         search.work += CHEAP_WORK
@@ -542,6 +536,14 @@ def _promise(search: SearchState, cfg: Config, groups: Sequence[Group]) -> float
     k, m, v = cfg.pipeline_degree, cfg.num_microbatches, cfg.virtual_stages
     speed = sum(g.speed for g in groups) / len(groups)
     return w * (m + BUBBLE_SHARE[cfg.schedule] * (k - 1) / v) / (k * speed)
+
+
+def groups_of(search: SearchState, cfg: Config, cache: dict[tuple[int, int], list[Group]]) -> list[Group]:
+    """The device groups of ``cfg``'s D and K (made once per pair, kept in ``cache``)."""
+    key = (cfg.data_parallel, cfg.pipeline_degree)
+    if key not in cache:
+        cache[key] = make_groups(search.cluster, search.training, *key)
+    return cache[key]
 
 
 def static_fits(search: SearchState, cfg: Config, groups: Sequence[Group]) -> bool:

@@ -16,8 +16,8 @@ import math
 from planner.bounds.work import cheap_bound
 from planner.costmodel import profile_in_dtype
 from planner.schema import Cluster, PlanOptions, Profile, TrainingSetup
-from planner.search.driver import static_fits
-from planner.search.space import Group, enumerate_configs, make_groups
+from planner.search.driver import groups_of, static_fits
+from planner.search.space import Group, enumerate_configs
 from planner.search.state import SearchState
 
 #: work units (as the driver's budget counts them) of one configuration's cheap bound: a fixed
@@ -40,13 +40,10 @@ def configuration_floor(
     profile = profile_in_dtype(profile, training.dtype)
     configs = enumerate_configs(profile, cluster, training, options)
     search = SearchState(profile, cluster, training, options, deadline=math.inf)
-    groups_of: dict[tuple[int, int], list[Group]] = {}
+    cache: dict[tuple[int, int], list[Group]] = {}
     best = math.inf
     for cfg in configs:
-        key = (cfg.data_parallel, cfg.pipeline_degree)
-        if key not in groups_of:
-            groups_of[key] = make_groups(cluster, training, *key)
-        groups = groups_of[key]
+        groups = groups_of(search, cfg, cache)
         if static_fits(search, cfg, groups):
             best = min(best, cheap_bound(search, cfg, groups))
     return best + profile.step_overhead_ms, len(configs)
