@@ -90,3 +90,17 @@ def test_no_all_reduce_latency_where_no_gradient_bytes_move() -> None:
                                    PlanOptions(schedule="1f1b", data_parallel=4))
     optimum = brute_force_mesh(profile, cl, training, zeros=(3,), tensor_parallel=(1,))
     assert floor <= optimum * (1 + 1e-12), (floor, optimum)
+
+
+def test_zero_solves_try_every_replica_count_while_nothing_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing fits at ZeRO 0 and the relaxation's D fits no ZeRO stage: the ZeRO solves try the
+    other replica counts (it said "no plan fits" although ZeRO 2 at D = 2 does)."""
+    monkeypatch.setattr(axes, "small_instance", lambda *_: False)  # (the path of larger models)
+    profile = sharded_profile(5, 4)
+    cl = _cluster(4, 100 * MiB)
+    training = TrainingSetup(global_batch_size=4)
+    optimum = brute_force_mesh(profile, cl, training)
+    assert optimum < math.inf
+    plan = solve(profile, cl, training, PlanOptions(schedule="1f1b", time_limit_s=30.0))
+    assert plan.zero_stage > 0
+    assert plan.predicted.step_time_ms * (1 - plan.solver.gap) <= optimum * (1 + 1e-9)
