@@ -131,6 +131,8 @@ class LayerCosts:
     #: gradient through it), and the least forward share f / (f + b) of any layer
     prefix_grad: tuple[float, ...] = ()
     min_forward_share: float = 0.0
+    #: every layer has parameters (then every pipeline rank all-reduces some gradient bytes)
+    params_in_every_layer: bool = False
 
     @property
     def num_layers(self) -> int:
@@ -205,6 +207,7 @@ def layer_costs(profile: Profile, microbatch_size: int) -> LayerCosts:
         prefix_weight_grad=_prefix(wgrad),
         prefix_grad=_prefix([min(x, y) for x, y in zip(bwd, bin_, strict=True)]),
         min_forward_share=min((f / (f + b_) for f, b_ in zip(fwd, bwd, strict=True) if f + b_ > 0), default=0.0),
+        params_in_every_layer=all(p > 0 for p in params),
     )
 
 

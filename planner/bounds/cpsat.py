@@ -78,7 +78,7 @@ def config_bound(
         steps = 2 * (d - 1)
         alpha_ms = steps / d / link.bandwidth_bytes_per_s * 1e3 * sm.grad_factor * sm.ar_exposed
         # (a rank with no gradient bytes pays no latency: counted only where every layer has some)
-        paying = sm.grad_factor > 0 and all(b > a for a, b in zip(sm.PP, sm.PP[1:], strict=False))
+        paying = sm.grad_factor > 0 and sm.costs.params_in_every_layer
         beta = steps * link.latency_s * 1e3 * sm.ar_exposed if paying else 0.0
     else:
         alpha_ms = beta = 0.0

@@ -55,9 +55,7 @@ def cheap_bound(search: SearchState, cfg: Config, groups: Sequence[Group]) -> fl
         grads = costs.prefix_param[-1] * search.training.gradient_bytes_per_param_byte
         # a rank with no gradient bytes all-reduces nothing and pays no latency (ZeRO 3, layers
         # without parameters): every rank pays it only when every layer has parameters
-        everywhere = search.table(_Cached, ("params in every layer",), lambda: _Cached(float(all(
-            costs.prefix_param[i + 1] > costs.prefix_param[i] for i in range(costs.num_layers)))))
-        paying = 0 if grads <= 0 else (k if everywhere.value else 1)
+        paying = 0 if grads <= 0 else (k if costs.params_in_every_layer else 1)
         ar_all = (2 * (d - 1) / d * grads / link.bandwidth_bytes_per_s + paying * 2 * (d - 1) * link.latency_s) * 1e3
         ar_all *= 1.0 - search.training.gradient_overlap
         bound = max(bound, m * w / ssum + smin * ar_all / ssum)

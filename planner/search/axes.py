@@ -481,10 +481,7 @@ def _exact_zero_degrees(profile: Profile, cluster: Cluster, training: TrainingSe
                         fam: _Family) -> list[int]:
     """The replica counts D > 1 to solve one by one for ZeRO on a small instance (empty: not a
     small instance, or the intra-node link is not the faster one, which those solves assume)."""
-    intra, inter = cluster.intra_node, cluster.inter_node
-    if not small_instance(profile, cluster, training) or (
-        intra.bandwidth_bytes_per_s < inter.bandwidth_bytes_per_s or intra.latency_s > inter.latency_s
-    ):
+    if not small_instance(profile, cluster, training) or not _faster(cluster.intra_node, cluster.inter_node):
         return []
     groups = cluster.num_devices // fam.tensor_parallel
     g = training.global_batch_size
@@ -496,6 +493,11 @@ def _exact_zero_degrees(profile: Profile, cluster: Cluster, training: TrainingSe
 
 #: a plan is memory-bound when a stage recomputes or a device is this full
 MEMORY_BOUND_FILL = 0.85
+
+
+def _faster(a: Interconnect, b: Interconnect) -> bool:
+    """Link ``a`` is at least as fast as ``b`` in both bandwidth and latency."""
+    return a.bandwidth_bytes_per_s >= b.bandwidth_bytes_per_s and a.latency_s <= b.latency_s
 
 
 def _family_floor(
@@ -513,19 +515,12 @@ def _family_floor(
     stages = [z for z in zeros if z > 0]
     if not stages and not zero0_too:
         return None, 0.0
-    intra, inter = cluster.intra_node, cluster.inter_node
-
-    def faster(a: Interconnect, b: Interconnect) -> bool:
-        return a.bandwidth_bytes_per_s >= b.bandwidth_bytes_per_s and a.latency_s <= b.latency_s
-
-    if faster(intra, inter):
+    if _faster(cluster.intra_node, cluster.inter_node):
         k_hint = 1  # the intra-node link wherever D x T fits a node
-    elif faster(inter, intra):
-        k_hint = cluster.num_devices
-    elif any(z >= 2 for z in stages):
-        return None, 0.0
+    elif _faster(cluster.inter_node, cluster.intra_node) or all(z < 2 for z in stages):
+        k_hint = cluster.num_devices  # (ZeRO 0 and 1 move nothing per micro-batch)
     else:
-        k_hint = cluster.num_devices
+        return None, 0.0
     groups = cluster.num_devices // fam.tensor_parallel
     ds = [options.data_parallel] if options.data_parallel is not None else list(range(1, groups + 1))
     # (every D the driver enumerates: divisors of the batch up to the groups, D x K <= groups)
