@@ -54,7 +54,7 @@ class PlanResponse(_Body):
 
 
 class EstimateRequest(_Body):
-    """A fully specified split for the cost model (arguments of ``planner.costmodel.estimate``)."""
+    """A fully specified split for the cost model (arguments of ``planner.cost.estimate``)."""
 
     profile: Profile
     cluster: Cluster

@@ -84,7 +84,7 @@ def json_safe_details(details: Mapping[str, Any]) -> dict[str, Any]:
 def estimate_json(request_json: str) -> bytes:
     """The cost model's plan for a canonical :class:`EstimateRequest`, as an outcome like :func:`solve_json`."""
     from api.models import EstimateRequest
-    from planner.costmodel import estimate
+    from planner.cost import estimate
 
     try:
         body = EstimateRequest.model_validate_json(request_json)

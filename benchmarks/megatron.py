@@ -15,7 +15,7 @@ For each row:
 1. the model is synthesized (``profiler.synth.synth_transformer``: GPT blocks, embedding, LM
    head; its MFU is the one efficiency constant, fitted once for all rows so that the
    predictions' geometric mean matches the paper's);
-2. Megatron's own configuration is estimated (``planner.costmodel.estimate``): T and P from
+2. Megatron's own configuration is estimated (``planner.cost.estimate``): T and P from
    the table, D = GPUs / (T P), micro-batch 1 (4 in the ZeRO-3 row), full recompute (ZeRO-3 too), 1F1B, interleaved with v = 2
    chunks per device (v = 3 where the layers per stage are a multiple of 3 only) when P > 1,
    the embedding on the first stage and the head on the last, ZeRO 0, no sequence
@@ -44,7 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from planner.costmodel import estimate
+from planner.cost import estimate
 from planner.errors import InfeasibleError
 from planner.schema import Cluster, Plan, PlanOptions, Profile, TrainingSetup
 from planner.solver import solve
@@ -106,16 +106,17 @@ def training_of(row: Row) -> TrainingSetup:
     return TrainingSetup(global_batch_size=row.batch, optimizer="adam", dtype="bfloat16")
 
 
-def megatron_ranges(row: Row, v: int) -> list[tuple[int, int]]:
-    """Blocks split evenly over P·v stages; the embedding joins the first, the head the last."""
-    stages = row.p * v
-    per = row.layers // stages
-    bounds = [1 + i * per for i in range(stages)] + [row.layers + 2]
+def megatron_ranges(layers: int, p: int, v: int) -> list[tuple[int, int]]:
+    """``layers`` blocks split evenly over P·v stages; the embedding joins the first, the head the last."""
+    stages = p * v
+    per = layers // stages
+    bounds = [1 + i * per for i in range(stages)] + [layers + 2]
     bounds[0] = 0
     return list(itertools.pairwise(bounds))
 
 
 def chunks(row: Row) -> int:
+    """Megatron's chunks per pipeline rank assumed for a Table 1 row (the table does not say)."""
     if row.p == 1:
         return 1
     per = row.layers // row.p
@@ -129,7 +130,7 @@ def megatron_plan(row: Row, mfu: float) -> Plan:
     m = row.batch // (d * row.microbatch)
     schedule = "interleaved-1f1b" if v > 1 else "1f1b"
     return estimate(
-        profile, cluster_of(row), training_of(row), megatron_ranges(row, v), num_microbatches=m,
+        profile, cluster_of(row), training_of(row), megatron_ranges(row.layers, row.p, v), num_microbatches=m,
         schedule=schedule, recompute=True, data_parallel=d, pipeline_degree=row.p,
         tensor_parallel=row.t, zero_stage=3 if row.zero3 else 0,
     )

@@ -40,7 +40,7 @@ def main() -> int:
 
     import torch
 
-    from planner.costmodel import estimate
+    from planner.cost import estimate
     from planner.schema import Plan, Profile, parse_document
     from profiler import profile
     from profiler.loading import load_entrypoint

@@ -60,7 +60,7 @@ def main() -> int:
     parser.add_argument("--json", help="also write the rows as JSON here")
     args = parser.parse_args()
 
-    from planner.costmodel import estimate
+    from planner.cost import estimate
     from planner.schema import load_document, parse_document
 
     spec = f"{Path(__file__).resolve()}:model"

@@ -58,7 +58,7 @@ import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
 from planner.charts import figure_png, gantt_figure, memory_figure
-from planner.costmodel import estimate, plan_fits, simulate_plan
+from planner.cost import estimate, plan_fits, simulate_plan
 from planner.grid import text_grid
 from planner.schema import Cluster, PlanOptions, TrainingSetup
 from pipeplan.render import print_plan, summary_lines
@@ -123,7 +123,7 @@ SUMMARY["profile"] = {"layers": prof.num_layers, "sha256": prof.sha256()}""",
 
 The solver chooses the stages, the number of micro-batches, the schedule, recompute and the
 data x pipeline mesh for each cluster (here CPU "devices" of 16 GiB).  Every number it
-reports comes from the same cost model (`planner.costmodel.estimate`).  Below each plan: the
+reports comes from the same cost model (`planner.cost.estimate`).  Below each plan: the
 schedule as a text grid (what `pipeplan show plan.json` prints), the Gantt chart and the
 memory chart (`pipeplan show plan.json --gantt g.svg --memory m.svg`).""",
     ),

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 
-from planner.costmodel import estimate, layer_costs
+from planner.cost import estimate, layer_costs
 from planner.schema import Cluster, Plan, Profile, TrainingSetup
 from profiler.synth import synth_transformer
 

@@ -21,6 +21,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     g.add_argument("--microbatches", type=int, required=True, help="micro-batches per step (M)")
     g.add_argument("--schedule", choices=cli_args.schedule_choices(), default="1f1b")
     g.add_argument("--recompute", help="per stage 0/1, e.g. 0,1,0,0 (or a single 0/1 for all)")
+    g.add_argument("--recompute-layers", metavar="N[,N...]",
+                   help="per stage, how many of its first layers are checkpointed (a single N for every "
+                   "stage, capped at its layers); 0: none.  Default: all of a recomputing stage's layers")
     g.add_argument("--data-parallel", type=int, default=1, help="data-parallel degree D")
     g.add_argument("--pipeline-degree", type=int, help="K (interleaved: devices per pipeline)")
     cli_args.add_mesh_args(p, fixed_default=True)
@@ -29,7 +32,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from planner.costmodel import estimate
+    from planner.cost import estimate
     from planner.errors import InputError
     from planner.limits import check_schedule_size
 
@@ -53,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
         num_microbatches=args.microbatches,
         schedule=args.schedule,
         recompute=recompute,
+        recompute_layers=_recompute_layers(args.recompute_layers, [(r.start, r.stop) for r in stages]),
         data_parallel=args.data_parallel,
         pipeline_degree=args.pipeline_degree,
         tensor_parallel=args.tensor_parallel or 1,
@@ -63,6 +67,28 @@ def run(args: argparse.Namespace) -> int:
     )
     emit_plan(plan, args)
     return 0
+
+
+def _recompute_layers(text: str | None, stages: list[tuple[int, int]]) -> list[int | None] | None:
+    """``--recompute-layers`` as one count per stage (a single count for all, capped at each
+    stage's layers)."""
+    from planner.errors import InputError
+
+    if text is None:
+        return None
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise InputError(f"--recompute-layers {text!r}: give whole numbers, e.g. 2 or 2,2,0,1") from None
+    if any(c < 0 for c in counts):
+        raise InputError(f"--recompute-layers {text!r}: counts must be >= 0")
+    if len(counts) == 1:
+        return [min(counts[0], b - a) for a, b in stages]
+    if len(counts) != len(stages):
+        raise InputError(
+            f"--recompute-layers {text!r} gives {len(counts)} counts for {len(stages)} stages: one per stage, or one for all"
+        )
+    return list(counts)
 
 
 def emit_plan(plan, args, comparisons=()) -> None:  # type: ignore[no-untyped-def]

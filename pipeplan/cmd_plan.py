@@ -54,6 +54,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     g.add_argument("--no-recompute", action="store_true", help="never recompute activations")
     g.add_argument("--recompute", help="fix recompute per stage, e.g. 0,1,1,0 (needs --stages)")
+    g.add_argument("--no-partial-recompute", action="store_true",
+                   help="recompute whole stages only (default: then checkpoint only the first N layers of each "
+                   "recomputing stage, the least N that fits)")
     g.add_argument("--data-parallel", type=int, help="data-parallel degree D")
     g.add_argument("--time-limit", type=float, default=5.0, help="solver time limit in seconds (default 5)")
     cli_args.add_mesh_args(p, fixed_default=False)
@@ -122,6 +125,8 @@ def options_from_args(args: argparse.Namespace) -> PlanOptions:
         data["recompute"] = flags[0] if len(flags) == 1 else flags
     if args.data_parallel is not None:
         data["data_parallel"] = args.data_parallel
+    if args.no_partial_recompute:
+        data["partial_recompute"] = False
     if getattr(args, "tensor_parallel", None) is not None:
         data["tensor_parallel"] = args.tensor_parallel
     if getattr(args, "zero", None) is not None:

@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         if args.width > MAX_COLUMNS:
             raise InputError(f"--width {args.width}: at most {MAX_COLUMNS:,} columns")
         if args.slot_ms is not None:
-            from planner.costmodel import simulate_plan
+            from planner.cost import simulate_plan
 
             columns = simulate_plan(plan).makespan_ms / args.slot_ms
             if columns > MAX_COLUMNS:
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
 
 def write_actions(plan: Plan, path: str) -> None:
     """The plan's per-rank actions as torch's compute-only CSV (``-``: standard output)."""
-    from planner.costmodel import plan_orders
+    from planner.cost import plan_orders
     from planner.errors import InputError
     from planner.schedules import to_csv
 
@@ -112,7 +112,7 @@ def _check_suffix(path: str) -> None:
 
 def reevaluate(plan: Plan, profile_path: str) -> Plan:
     """The plan's decisions re-evaluated by the cost model on another profile of the same model."""
-    from planner.costmodel import reestimate
+    from planner.cost import reestimate
     from planner.errors import PlanMismatchError
     from planner.schema import Profile, load_document
 

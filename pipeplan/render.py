@@ -54,10 +54,60 @@ def plan_table(plan: Plan) -> Table:
             format_bytes(s.param_bytes),
             f"{s.forward_ms:.2f}+{s.backward_ms:.2f}",
             mem,
-            "yes" if s.recompute else "no",
+            recompute_cell(s.checkpointed_layers, s.stop - s.start, selective=plan.selective_recompute),
             devices if len(devices) <= 24 else devices[:21] + "...",
         )
     return table
+
+
+def recompute_cell(checkpointed: int, layers: int, *, selective: bool = False) -> str:
+    """A stage's recompute: every layer checkpointed, the first N of its layers, selective, or none."""
+    if checkpointed >= layers > 0:
+        return "all layers"
+    if checkpointed > 0:
+        return f"first {checkpointed} of {layers}"
+    return "selective" if selective else "no"
+
+
+def memory_table(plan: Plan) -> Table | None:
+    """Per pipeline rank: what its device's predicted peak is made of (None for older plans)."""
+    if any(s.memory_parts is None for s in plan.stages):
+        return None
+    table = Table(title="memory per device at its peak", title_justify="left")
+    for col in ("rank", "stages", "parameters", "gradients", "optimizer", "activations", "ZeRO-3 gathered", "peak"):
+        table.add_column(col, justify="left" if col == "stages" else "right")
+    k, v = plan.pipeline_degree, plan.virtual_stages
+    from planner.schedules import stage_rank
+
+    ranks: dict[int, list[int]] = {}
+    for st in plan.stages:
+        ranks.setdefault(stage_rank(plan.placement, st.index, k, v), []).append(st.index)
+    for r in sorted(ranks):
+        st = plan.stages[ranks[r][0]]
+        parts = st.memory_parts
+        assert parts is not None
+        table.add_row(
+            str(r), ",".join(map(str, ranks[r])), format_bytes(parts.parameters), format_bytes(parts.gradients),
+            format_bytes(parts.optimizer), format_bytes(parts.activations), format_bytes(parts.gathered),
+            format_bytes(st.memory_bytes),
+        )
+    return table
+
+
+def collective_lines(plan: Plan) -> list[str]:
+    """The step's communication per axis on the busiest rank (what the plan predicts)."""
+    p = plan.predicted
+    parts = [
+        (name, ms) for name, ms in (
+            ("data-parallel gradients after the last backward", p.allreduce_ms),
+            ("tensor-parallel collectives", p.tensor_parallel_ms),
+            ("ZeRO-2/3 collectives", p.zero_ms),
+            ("pipeline sends and receives", p.pipeline_transfer_ms),
+        ) if ms
+    ]
+    if not parts:
+        return []
+    return ["communication per step: " + ", ".join(f"{name} {ms:.2f} ms" for name, ms in parts)]
 
 
 def _ratio(a: float, b: float) -> str:
@@ -111,6 +161,7 @@ def summary_lines(plan: Plan, comparisons: Sequence[Comparison] = ()) -> list[st
     if s.message:
         solver += f" ({s.message})"
     lines.append(solver)
+    lines.extend(collective_lines(plan))
     lines.extend(f"note: {note}" for note in plan.notes)
     over = [st.index for st in plan.stages if st.memory_bytes > st.memory_limit_bytes]
     if over:
@@ -128,5 +179,8 @@ def make_console() -> Console:
 def print_plan(plan: Plan, comparisons: Sequence[Comparison] = (), *, console: Console | None = None) -> None:
     console = console or make_console()
     console.print(plan_table(plan))
+    memory = memory_table(plan)
+    if memory is not None:
+        console.print(memory)
     for line in summary_lines(plan, comparisons):
         console.print(line, highlight=False)

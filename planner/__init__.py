@@ -3,7 +3,7 @@
 Torch-free by design: the service and the CLI import it on machines without torch.
 """
 
-from planner.costmodel import estimate, plan_fits, simulate_plan
+from planner.cost import estimate, plan_fits, simulate_plan
 from planner.errors import InfeasibleError, InputError, PipeplanError, PlanMismatchError
 from planner.schema import (
     SCHEMA_VERSION,

@@ -22,7 +22,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from planner.costmodel import estimate, layer_costs, plan_fits
+from planner.cost import estimate, layer_costs, plan_fits
 from planner.errors import PipeplanError
 from planner.schedules import ScheduleError, check_schedule_shape
 from planner.schema import (
@@ -238,7 +238,7 @@ def evaluate_baselines(
     num_microbatches: int | None = None,
     options: PlanOptions | None = None,
 ) -> list[BaselineResult]:
-    """Each baseline's plan from :func:`planner.costmodel.estimate`, or why there is none."""
+    """Each baseline's plan from :func:`planner.cost.estimate`, or why there is none."""
     recompute = options.recompute if options is not None and options.recompute is not None else False
     results = []
     for name, cfg, ranges, note in _baseline_specs(profile, cluster, training, options, num_microbatches):

@@ -19,7 +19,7 @@ and returns a new profile that records where each figure came from (``Profile.ca
   rank's previous action ended) is a sample of the link between the two devices: from the
   producer's end to the consumer's start, for the bytes the profile says cross that cut (its
   activations forward, their gradients back).  Each data-parallel all-reduce is a sample too
-  (the fastest replica's time, ring formula of :func:`planner.costmodel.allreduce_ms`).
+  (the fastest replica's time, ring formula of :func:`planner.cost.allreduce_ms`).
   Latency and bandwidth are fitted by non-negative least squares on relative errors; when every
   sample moved about the same number of bytes, the bandwidth cannot be told from the latency, so
   the cluster's bandwidth is kept and only the latency fitted (the provenance says so).
@@ -32,7 +32,7 @@ and returns a new profile that records where each figure came from (``Profile.ca
 Stage times are read from each report's median step (:func:`stage_means`), the step that the
 report's step time is.
 
-The cost model adds ``Profile.step_overhead_ms`` to every step (:func:`planner.costmodel.estimate`);
+The cost model adds ``Profile.step_overhead_ms`` to every step (:func:`planner.cost.estimate`);
 clusters built from command-line flags use the fitted links (:func:`calibrated_cluster`).
 Calibrating a calibrated profile starts again from the profiled figures (its factors are divided
 out): pass every report that should count.
@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from numpy.typing import NDArray
 
-from planner.costmodel import layer_costs, reestimate
+from planner.cost import layer_costs, reestimate
 from planner.errors import InputError
 from planner.schema import (
     Calibration,

@@ -96,7 +96,7 @@ def allreduce_per_rank(plan: Plan) -> list[float]:
     """Each pipeline rank's gradient all-reduce after its last backward (ms), as the cost
     model counts it: ring all-reduce of the rank's gradient bytes over its D replicas, on the
     intra-node link when all replicas share a node."""
-    from planner.costmodel import allreduce_ms
+    from planner.cost import allreduce_ms
 
     k, d = plan.pipeline_degree, plan.data_parallel_degree
     out = []
@@ -124,12 +124,12 @@ def gantt_figure(
 ) -> Figure:
     """The schedule of ``plan`` as a Gantt chart (see the module doc).
 
-    ``simulation`` defaults to :func:`planner.costmodel.simulate_plan` of the plan.  The
+    ``simulation`` defaults to :func:`planner.cost.simulate_plan` of the plan.  The
     height defaults to 1.6 in plus 0.45 in per rank (capped at 16 in).
     """
     from matplotlib.patches import Patch
 
-    from planner.costmodel import simulate_plan
+    from planner.cost import simulate_plan
 
     sim = simulation if simulation is not None else simulate_plan(plan)
     k = len(sim.timelines)

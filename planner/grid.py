@@ -101,7 +101,7 @@ def text_grid(
     the schedule, the slot and the bubble; with ``legend`` the last line explains the cells.
     """
     if isinstance(plan_or_simulation, Plan):
-        from planner.costmodel import simulate_plan
+        from planner.cost import simulate_plan
 
         plan: Plan | None = plan_or_simulation
         sim = simulate_plan(plan_or_simulation)

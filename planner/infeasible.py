@@ -13,7 +13,7 @@ import math
 import time
 from collections.abc import Sequence
 
-from planner.costmodel import LayerCosts, layer_costs, memory_lower_bound, rank_memory_terms
+from planner.cost import LayerCosts, layer_costs, memory_lower_bound, rank_memory_terms
 from planner.errors import InfeasibleError, InputError
 from planner.schema import Cluster, Device, PlanOptions, Profile, TrainingSetup
 from planner.search.feasibility import config_fits

@@ -59,14 +59,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from planner.cost.collectives import group_on, half_ring_ms, replica_link, ring_link, ring_ms
+from planner.cost.compute import layer_times, shard_operation
+from planner.cost.layers import SHA_KEY
 from planner.errors import InputError
+from planner.presets import DEVICES
 from planner.schema import Cluster, Device, Interconnect, LayerProfile, Profile, TrainingSetup
 
 #: profile metadata key recording the mesh a profile was transformed for
 MESH_KEY = "mesh_transformed"
-#: profile metadata key of the original structure fingerprint (shared with costmodel.profile_in_dtype)
-SHA_KEY = "rescaled_from_structure_sha256"
 
 
 @dataclass(frozen=True)
@@ -103,22 +106,6 @@ class MeshProblem:
     param_bytes: tuple[int, ...]
     #: bytes of gathered ZeRO-3 parameters every device holds (taken off its memory)
     gathered_bytes: int
-
-
-def ring_ms(nbytes: float, members: int, collectives: int, link: Interconnect) -> float:
-    """``collectives`` ring all-reduces (or reduce-scatter + all-gather pairs) moving ``nbytes``
-    in all over ``members`` devices: 2(n-1)/n x bytes / bandwidth + 2(n-1) latencies each, ms."""
-    if members <= 1 or (nbytes <= 0 and collectives <= 0):
-        return 0.0
-    steps = 2 * (members - 1)
-    return (steps / members * nbytes / link.bandwidth_bytes_per_s + collectives * steps * link.latency_s) * 1e3
-
-
-def half_ring_ms(nbytes: float, members: int, link: Interconnect) -> float:
-    """One reduce-scatter or all-gather of ``nbytes``: (n-1)/n x bytes / bandwidth + (n-1) latencies, ms."""
-    if members <= 1 or nbytes <= 0:
-        return 0.0
-    return ((members - 1) / members * nbytes / link.bandwidth_bytes_per_s + (members - 1) * link.latency_s) * 1e3
 
 
 def check_mesh(mesh: Mesh, cluster: Cluster, *, across_nodes: bool = False) -> None:
@@ -167,15 +154,27 @@ def virtual_cluster(cluster: Cluster, t: int, *, gathered_bytes: int = 0, margin
         devices_per_node=max(1, cluster.devices_per_node // t),
         intra_node=cluster.intra_node,
         inter_node=cluster.inter_node,
+        # each virtual device is t devices, each with its share of the node's NICs
+        nics_per_node=None if cluster.nics_per_node is None else max(1, cluster.nics_per_node // t),
     )
 
 
 def dp_link(cluster: Cluster, t: int, data_parallel: int, pipeline_degree: int) -> Interconnect:
-    """The link of a data-parallel group under the default placement (replica d of pipeline rank k
-    on TP group d·K + k): intra-node when all D·K·T devices share a node."""
-    if data_parallel * pipeline_degree * t <= cluster.devices_per_node:
+    """The ring link of a data-parallel group under the default placement (replica d of pipeline
+    rank k on TP group d·K + k: members T·K devices apart), every device of a node in some such
+    group reducing at once (:func:`planner.cost.collectives.replica_link`)."""
+    stride = t * pipeline_degree
+    members = [d * stride for d in range(data_parallel) if d * stride < cluster.num_devices]
+    return replica_link(cluster, members or [0])
+
+
+def tp_link(cluster: Cluster, t: int) -> Interconnect:
+    """The ring link of a tensor-parallel group of ``t`` consecutive devices: NVLink inside a
+    node; a group spanning nodes runs its ring through the nodes' NICs
+    (:func:`planner.cost.collectives.ring_link`)."""
+    if t <= 1:
         return cluster.intra_node
-    return cluster.inter_node
+    return ring_link(group_on(cluster, min(t, cluster.num_devices)), cluster)
 
 
 def _scaled(values: Sequence[float] | None, factor: float) -> list[float] | None:
@@ -209,15 +208,87 @@ def zero_collectives_ms(
     return rs, (rs if zero == 3 else 0.0)
 
 
-def _tp_layer(layer: LayerProfile, mesh: Mesh, training: TrainingSetup, link: Interconnect) -> LayerProfile:
+def census_device(profile: Profile) -> str | None:
+    """The device preset whose device model prices ``profile``'s operation census: a synthesized
+    profile's preset, ``cpu`` for a CPU profile, a CUDA profile's GPU by its name; None when
+    unknown (the flat ``tensor_parallel_efficiency`` then scales its layers)."""
+    where = profile.measured_on
+    if where.device.startswith("synthetic:"):
+        name = where.device.removeprefix("synthetic:")
+        return name if name in DEVICES else None
+    if where.device == "cpu":
+        return "cpu"
+    label = where.device_name.upper()
+    for key, preset in (("H200", "h200-141g"), ("H100", "h100-80g"), ("A100-SXM4-40GB", "a100-40g"),
+                        ("A100", "a100-80g")):
+        if key in label:
+            return preset
+    return None
+
+
+@dataclass(frozen=True)
+class _Scales:
+    """How much of a layer's forward, backward, input and weight gradient one device of a
+    tensor-parallel group runs, and of its selective recompute."""
+
+    forward: float
+    backward: float
+    input: float
+    weight: float
+    redo: float
+
+
+def _census_scales(
+    layer: LayerProfile, t: int, sp: bool, device: str, memo: dict[tuple[Any, ...], _Scales]
+) -> list[_Scales] | None:
+    """Per profiled micro-batch size, the device model's shard / whole times of the layer's census
+    (:mod:`planner.cost.compute`): the measured times are the truth, the device model scales them
+    to the shard (small GEMMs under a large T run less efficiently, which the flat efficiency
+    misses).  None without a census."""
+    if not layer.operations:
+        return None
+    out = []
+    for ops in layer.operations:
+        key = (tuple(ops), t, sp, device)
+        if key not in memo:
+            whole = layer_times(ops, device_type=device)
+            part = layer_times(ops, device_type=device, tensor_parallel=t, sequence_parallel=sp)
+            core = [o for o in ops if o.kind == "attention"]
+            redo = (layer_times(core, device_type=device, tensor_parallel=t).forward
+                    / layer_times(core, device_type=device).forward) if core else 1.0 / t
+
+            def ratio(a: float, b: float) -> float:
+                return a / b if b > 0 else 1.0 / t
+
+            memo[key] = _Scales(
+                ratio(part.forward, whole.forward), ratio(part.backward, whole.backward),
+                ratio(part.backward_input, whole.backward_input), ratio(part.backward_weight, whole.backward_weight),
+                redo,
+            )
+        out.append(memo[key])
+    return out
+
+
+def _tp_layer(
+    layer: LayerProfile,
+    mesh: Mesh,
+    training: TrainingSetup,
+    link: Interconnect,
+    *,
+    device: str | None = None,
+    memo: dict[tuple[Any, ...], _Scales] | None = None,
+) -> LayerProfile:
     """What one device of a T-group runs and holds of ``layer`` (see the module docstring)."""
     t = mesh.tensor_parallel
     if t == 1 or not layer.shards:
         return layer
     sp = mesh.sequence_parallel
+    n = len(layer.forward_ms)
+    census = _census_scales(layer, t, sp, device, {} if memo is None else memo) if device else None
+    if census is not None:
+        return _tp_layer_census(layer, census, t, sp, link)
     c = 1.0 if layer.tp_compute_fraction is None else layer.tp_compute_fraction
     scale = c / (t * training.tensor_parallel_efficiency) + (1.0 - c) * (1.0 / t if sp else 1.0)
-    n = len(layer.forward_ms)
     comm_f, comm_b = tp_collectives_ms(layer, t, link)
     fwd = [f * scale + cf for f, cf in zip(layer.forward_ms, comm_f, strict=True)]
     bwd = [b * scale + cb for b, cb in zip(layer.backward_ms, comm_b, strict=True)]
@@ -269,6 +340,38 @@ def _tp_layer(layer: LayerProfile, mesh: Mesh, training: TrainingSetup, link: In
             "flops": _scaled(layer.flops, 1.0 / t),
         }
     )
+
+
+def _tp_layer_census(
+    layer: LayerProfile, scales: list[_Scales], t: int, sp: bool, link: Interconnect
+) -> LayerProfile:
+    """:func:`_tp_layer` where the device model scales the measured times (:func:`_census_scales`)."""
+    comm_f, comm_b = tp_collectives_ms(layer, t, link)
+    fwd = [f * x.forward + cf for f, x, cf in zip(layer.forward_ms, scales, comm_f, strict=True)]
+    bwd = [b * x.backward + cb for b, x, cb in zip(layer.backward_ms, scales, comm_b, strict=True)]
+    bin0 = layer.backward_input_ms or [b / 2 for b in layer.backward_ms]
+    bwt0 = layer.backward_weight_ms or [max(0.0, b - i) for b, i in zip(layer.backward_ms, bin0, strict=True)]
+    bin_ = [i * x.input + cb for i, x, cb in zip(bin0, scales, comm_b, strict=True)]
+    bwt = [w * x.weight for w, x in zip(bwt0, scales, strict=True)]
+    bwd = [max(b, i + w) for b, i, w in zip(bwd, bin_, bwt, strict=True)]
+    flat = _tp_layer(layer.model_copy(update={"operations": None}), Mesh(t, 0, sp), _NO_EFFICIENCY, link)
+    return flat.model_copy(update={
+        "forward_ms": fwd,
+        "backward_ms": bwd,
+        "backward_input_ms": bin_,
+        "backward_weight_ms": bwt,
+        "forward_ms_spread": None if layer.forward_ms_spread is None
+        else [v * x.forward for v, x in zip(layer.forward_ms_spread, scales, strict=True)],
+        "backward_ms_spread": None if layer.backward_ms_spread is None
+        else [v * x.backward for v, x in zip(layer.backward_ms_spread, scales, strict=True)],
+        "selective_recompute_ms": None if layer.selective_recompute_ms is None
+        else [v * x.redo for v, x in zip(layer.selective_recompute_ms, scales, strict=True)],
+        "operations": [[shard_operation(o, t, sequence_parallel=sp) for o in ops] for ops in layer.operations or []],
+    })
+
+
+#: the training setup :func:`_tp_layer_census` reads the memory split with (times it replaces)
+_NO_EFFICIENCY = TrainingSetup(tensor_parallel_efficiency=1.0)
 
 
 def selective_layer(layer: LayerProfile) -> LayerProfile:
@@ -381,7 +484,9 @@ def mesh_problem(
             "(synth gives them for transformer blocks; pipeplan profile for layers that keep attention scores, "
             "i.e. not fused attention): drop --selective-recompute, or use full recompute"
         )
-    layers = [_tp_layer(layer, mesh, training, cluster.intra_node) for layer in profile.layers]
+    device = census_device(profile)
+    memo: dict[tuple[Any, ...], _Scales] = {}
+    layers = [_tp_layer(layer, mesh, training, tp_link(cluster, t), device=device, memo=memo) for layer in profile.layers]
     tp_params = tuple(x.param_bytes for x in layers)
     if mesh.selective_recompute:
         layers = [selective_layer(x) for x in layers]

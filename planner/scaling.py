@@ -28,7 +28,7 @@ proportion (``value * b / b0``).  Beyond the largest measured size the figure is
 extrapolation: :func:`extrapolation_note` says so, and how to measure it instead.
 
 This module is the one place that turns measured points into a cost at a micro-batch size;
-the cost model (:func:`planner.costmodel.layer_costs`), and through it the bounds and the
+the cost model (:func:`planner.cost.layer_costs`), and through it the bounds and the
 baselines, read it.
 """
 

@@ -46,9 +46,9 @@ from planner.limits import (
 from planner.presets import DEVICES, INTERCONNECTS, OPTIMIZERS, unknown_preset
 from planner.units import parse_bytes
 
-SCHEMA_VERSION: Literal[3] = 3
+SCHEMA_VERSION: Literal[4] = 4
 #: versions a reader accepts (older ones are migrated when read)
-READABLE_VERSIONS = (1, 2, 3)
+READABLE_VERSIONS = (1, 2, 3, 4)
 
 Schedule = Literal[
     "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv", "dualpipev", "interleaved-zb", "planned"
@@ -115,6 +115,54 @@ class KeptInput(_Model):
         description="per micro-batch size (parallel to microbatch_sizes); negative when the input "
         "arrives smaller than the tensor activation_bytes counted (a slice of a larger one)"
     )
+
+
+#: what an operation of the census is (``Operation.kind``)
+OperationKind = Literal["gemm", "attention", "memory"]
+#: which of an operation's dimensions a tensor-parallel group of T divides (``Operation.tp_shard``)
+OperationShard = Literal["n", "k", "heads", "bytes"]
+
+
+class Operation(_Model):
+    """One kind of operation a layer's forward runs at one micro-batch size (the operation census).
+
+    ``gemm``: ``count`` x ``batch`` matrix products C[m, n] = A[m, k] B[k, n]; by convention ``m``
+    is the token dimension (it grows with the micro-batch).  ``attention``: scaled dot-product
+    attention over ``batch`` sequences of ``heads`` heads, ``query_len`` x ``key_len`` scores of
+    ``head_dim``; ``fused`` when the scores never reach memory (flash attention).  ``memory``: a
+    memory-bound operation (norm, activation function, dropout, residual add, softmax) moving
+    ``bytes`` (read + written).  The backward is derived from the forward
+    (:mod:`planner.cost.compute`).  ``tp_shard``: the dimension a tensor-parallel group divides
+    (column-parallel: n, row-parallel: k, attention: heads); absent: replicated (``bytes``: divided
+    only under sequence parallelism)."""
+
+    kind: OperationKind
+    count: PosInt = 1
+    dtype: str = "bfloat16"
+    m: PosInt | None = None
+    n: PosInt | None = None
+    k: PosInt | None = None
+    batch: PosInt = 1
+    heads: PosInt | None = None
+    query_len: PosInt | None = None
+    key_len: PosInt | None = None
+    head_dim: PosInt | None = None
+    causal: bool = False
+    fused: bool = True
+    bytes: NonNegInt | None = None
+    tp_shard: OperationShard | None = None
+
+    @model_validator(mode="after")
+    def _fields_of_kind(self) -> Operation:
+        need = {
+            "gemm": ("m", "n", "k"),
+            "attention": ("heads", "query_len", "key_len", "head_dim"),
+            "memory": ("bytes",),
+        }[self.kind]
+        missing = [f for f in need if getattr(self, f) is None]
+        if missing:
+            raise ValueError(f"a {self.kind} operation needs {', '.join(missing)}")
+        return self
 
 
 class LayerProfile(_Model):
@@ -219,6 +267,13 @@ class LayerProfile(_Model):
         default=None,
         description="time to recompute them (attention's score, softmax and dropout forward)",
     )
+    operations: list[list[Operation]] | None = Field(
+        default=None,
+        description="the operation census: per micro-batch size, the operations of one forward "
+        "(GEMMs with m, n, k; attention; memory-bound bytes), recorded by the profiler or written by "
+        "synth; the device model (planner.cost.compute) prices them for shapes and devices that were "
+        "not measured.  Absent in profiles made before schema version 4",
+    )
 
     @property
     def shards(self) -> bool:
@@ -249,6 +304,7 @@ _PARALLEL_FIELDS = (
     "sp_replicated_activation_bytes",
     "selective_recompute_bytes",
     "selective_recompute_ms",
+    "operations",
 )
 
 
@@ -308,7 +364,7 @@ class Calibration(_Model):
 class Profile(_Model):
     """A traced model: per-layer costs at several micro-batch sizes."""
 
-    schema_version: Literal[3] = SCHEMA_VERSION
+    schema_version: Literal[4] = SCHEMA_VERSION
     model: str = Field(min_length=1)
     measured_on: MeasuredOn
     microbatch_sizes: list[PosInt] = Field(min_length=1)
@@ -328,7 +384,7 @@ class Profile(_Model):
     @model_validator(mode="before")
     @classmethod
     def _migrate(cls, data: Any) -> Any:
-        return _migrate_v2(_migrate_v1("profile", data))
+        return _migrate_v3(_migrate_v2(_migrate_v1("profile", data)))
 
     @model_validator(mode="after")
     def _check_shapes(self) -> Profile:
@@ -434,8 +490,13 @@ class Cluster(_Model):
 
     devices: list[Device] = Field(min_length=1, max_length=MAX_DEVICES)
     devices_per_node: Annotated[int, Field(ge=1, le=MAX_DEVICES)]
-    intra_node: Interconnect
-    inter_node: Interconnect
+    intra_node: Interconnect = Field(description="each device's own link inside a node (NVLink: per GPU, per direction)")
+    inter_node: Interconnect = Field(description="one network interface (NIC) between nodes, per direction")
+    nics_per_node: Annotated[int, Field(ge=1, le=MAX_DEVICES)] | None = Field(
+        default=None,
+        description="network interfaces per node: a node's devices share nics_per_node x inter_node's "
+        "bandwidth across nodes.  Default: one per device (each device has inter_node to itself)",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -473,6 +534,7 @@ class Cluster(_Model):
             data.setdefault("devices_per_node", min(preset.devices_per_node, n))
             data.setdefault("intra_node", preset.intra_node)
             data.setdefault("inter_node", preset.inter_node)
+            data.setdefault("nics_per_node", preset.nics_per_node)
         else:
             data.setdefault("devices_per_node", n)
             data.setdefault("intra_node", "pcie4")
@@ -491,6 +553,14 @@ class Cluster(_Model):
     def link(self, a: int, b: int) -> Interconnect:
         """The link between devices ``a`` and ``b`` (by index)."""
         return self.intra_node if self.same_node(a, b) else self.inter_node
+
+    @property
+    def nic_share(self) -> float:
+        """How much of one NIC's bandwidth each device has across nodes when every device of a
+        node sends at once (``nics_per_node / devices_per_node``, at most 1: a device uses one NIC)."""
+        if self.nics_per_node is None:
+            return 1.0
+        return min(1.0, self.nics_per_node / self.devices_per_node)
 
     @property
     def homogeneous(self) -> bool:
@@ -630,7 +700,27 @@ class PlanOptions(_Model):
         "block (true: always, with no stage recomputed in full; false: never; default: the solver "
         "chooses, when the profile gives selective_recompute_bytes)",
     )
+    partial_recompute: bool = Field(
+        default=True,
+        description="after the search, checkpoint only the first N layers of each recomputing stage, the "
+        "least N that still fits (Megatron's --recompute-method block); false: whole stages only",
+    )
     time_limit_s: Annotated[float, Field(gt=0, le=MAX_TIME_LIMIT_S, allow_inf_nan=False)] = 5.0
+
+
+class MemoryParts(_Model):
+    """The parts of a device's predicted peak (``StagePlan.memory_parts``), in bytes."""
+
+    parameters: NonNegInt = Field(description="parameters, in their training dtype, after ZeRO-3")
+    gradients: NonNegInt = Field(description="gradients (after ZeRO-2)")
+    optimizer: NonNegInt = Field(description="optimizer state: master weights and moments (after ZeRO-1)")
+    activations: NonNegInt = Field(
+        description="activations at the peak of the schedule's walk: kept tensors of the micro-batches "
+        "in flight, checkpointed layers' inputs, the re-materialised layer (the last stage's float32 "
+        "logits and loss are the head's activations)"
+    )
+    gathered: NonNegInt = Field(default=0, description="ZeRO-3's gathered parameters (the running and the prefetched layer)")
+    context: NonNegInt = Field(default=0, description="the CUDA context and the framework's own buffers (device preset)")
 
 
 class StagePlan(_Model):
@@ -643,6 +733,12 @@ class StagePlan(_Model):
         "first of its T consecutive devices)"
     )
     recompute: bool = False
+    recompute_layers: NonNegInt | None = Field(
+        default=None,
+        description="how many of the stage's layers are checkpointed (activation checkpointing layer by "
+        "layer, the first ones: Megatron's --recompute-method block); each keeps only its input and "
+        "re-runs its forward in the backward.  Default: all of them when recompute, else none",
+    )
     param_bytes: NonNegInt = 0
     forward_ms: NonNegFloat = Field(description="per micro-batch")
     backward_ms: NonNegFloat = Field(description="per micro-batch, recompute included")
@@ -659,6 +755,43 @@ class StagePlan(_Model):
     send_ms: NonNegFloat = Field(
         default=0.0, description="time to send one micro-batch's output to the next stage (and its gradient back)"
     )
+    recompute_ms: NonNegFloat | None = Field(
+        default=None,
+        description="the recompute in backward_ms (the checkpointed layers' forwards); default: "
+        "forward_ms when the stage recomputes, else 0",
+    )
+    memory_parts: MemoryParts | None = Field(
+        default=None, description="what memory_bytes is made of on the device running this stage"
+    )
+
+    @property
+    def recompute_time_ms(self) -> float:
+        """The recompute in the stage's backward (``recompute_ms``, or the whole forward)."""
+        if self.recompute_ms is not None:
+            return self.recompute_ms
+        return self.forward_ms if self.recompute else 0.0
+
+    @model_validator(mode="after")
+    def _checkpoints_fit(self) -> StagePlan:
+        if self.recompute_layers is not None:
+            if self.recompute_layers > self.stop - self.start:
+                raise ValueError(
+                    f"stage {self.index} has {self.stop - self.start} layers but recompute_layers is "
+                    f"{self.recompute_layers}: give at most {self.stop - self.start}"
+                )
+            if (self.recompute_layers > 0) != self.recompute:
+                raise ValueError(
+                    f"stage {self.index}: recompute_layers {self.recompute_layers} needs recompute "
+                    f"{self.recompute_layers > 0}"
+                )
+        return self
+
+    @property
+    def checkpointed_layers(self) -> int:
+        """Layers of the stage that are checkpointed (``recompute_layers``, or all / none)."""
+        if self.recompute_layers is not None:
+            return self.recompute_layers
+        return self.stop - self.start if self.recompute else 0
 
 
 class Predicted(_Model):
@@ -670,7 +803,7 @@ class Predicted(_Model):
     step_overhead_ms: NonNegFloat = Field(
         default=0.0, description="fixed cost of every step a calibrated profile adds (in step_time_ms)"
     )
-    # per-axis communication per step (planner.costmodel.axis_collectives_ms); None: a plan made
+    # per-axis communication per step (planner.cost.mesh_collectives_ms); None: a plan made
     # before these were predicted
     tensor_parallel_ms: NonNegFloat | None = Field(
         default=None,
@@ -703,7 +836,7 @@ class SolverInfo(_Model):
 class Plan(_Model):
     """A pipeline-parallel execution plan for one model on one cluster."""
 
-    schema_version: Literal[3] = SCHEMA_VERSION
+    schema_version: Literal[4] = SCHEMA_VERSION
     model: str
     profile_sha256: str = Field(min_length=64, max_length=64)
     num_layers: PosInt
@@ -760,7 +893,7 @@ class Plan(_Model):
     @model_validator(mode="before")
     @classmethod
     def _migrate(cls, data: Any) -> Any:
-        return _migrate_v2(_migrate_v1("plan", data))
+        return _migrate_v3(_migrate_v2(_migrate_v1("plan", data)))
 
     @model_validator(mode="after")
     def _consistent(self) -> Plan:
@@ -1161,6 +1294,22 @@ def _migrate_v2(data: Any) -> Any:
     if not isinstance(data, dict) or data.get("schema_version") != 2:
         return data
     return dict(data, schema_version=3)
+
+
+def _migrate_v3(data: Any) -> Any:
+    """Read a version-3 profile or plan as version 4.
+
+    Version 4 added the operation census of each layer (``LayerProfile.operations``; absent:
+    the layer's measured or synthesized times are all there is), the cluster's
+    ``nics_per_node`` (absent: one NIC per device, as version 3 priced the inter-node link),
+    per-stage ``recompute_layers`` (absent: a recomputing stage checkpoints every layer) and the
+    stage's ``memory_parts`` (absent: not broken down).  Version 3's whole-stage recompute held a
+    stage's re-materialised activations all at once; version 4 checkpoints layer by layer, so an
+    old plan re-estimated predicts less memory for its recomputing stages.
+    """
+    if not isinstance(data, dict) or data.get("schema_version") != 3:
+        return data
+    return dict(data, schema_version=4)
 
 
 def format_validation_error(err: ValidationError, what: str) -> InputError:

@@ -362,7 +362,7 @@ def makespans(
     the previous stage's forward plus the transfer, a backward or input gradient for its own
     forward and the next stage's gradient plus the transfer, a weight gradient for its input
     gradient), without building events: the fast path of the planner and of
-    :func:`planner.costmodel.estimate`.  ``binput``/``bweight`` default to half of ``bwd``
+    :func:`planner.cost.estimate`.  ``binput``/``bweight`` default to half of ``bwd``
     each (only schedules with ``I``/``W`` read them).
     """
     half = [b / 2 for b in bwd] if binput is None or bweight is None else None

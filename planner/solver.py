@@ -5,11 +5,21 @@
 The mesh axes beyond D x K (tensor parallelism, sequence parallelism, ZeRO) are searched by
 :mod:`planner.search.axes`, which solves each mesh family with the D x K branch and bound of
 :mod:`planner.search.driver`; the method, and the map of the modules that implement it
-(configuration space, bounds, split searches, branch and bound), are in those two modules.
+(configuration space, bounds, split searches, branch and bound), are in those two modules.  The
+searched plan then checkpoints only the layers memory needs (:mod:`planner.search.partial`).
 """
 
 from __future__ import annotations
 
-from planner.search.axes import solve
+from planner.schema import Cluster, Plan, PlanOptions, Profile, TrainingSetup
+from planner.search.axes import solve as search
+from planner.search.partial import partial_recompute
 
 __all__ = ["solve"]
+
+
+def solve(profile: Profile, cluster: Cluster, training: TrainingSetup, options: PlanOptions | None = None) -> Plan:
+    """The fastest plan that fits (:mod:`planner.search.axes`), then checkpointing only the
+    layers memory needs (:mod:`planner.search.partial`)."""
+    options = options or PlanOptions()
+    return partial_recompute(search(profile, cluster, training, options), profile, options)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from planner.costmodel import plan_fits, reestimate
+from planner.cost import plan_fits, reestimate
 from planner.errors import InfeasibleError, InputError
 from planner.schema import (
     Cluster,

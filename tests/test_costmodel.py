@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.costmodel import (
+from planner.cost import (
     allreduce_ms,
     estimate,
     interpolate,
@@ -113,9 +113,18 @@ def test_memory_per_schedule_and_recompute() -> None:
     o = estimate(p, cluster(4), train, ranges, num_microbatches=8, schedule="1f1b")
     assert [s.memory_bytes for s in o.stages] == [static + (4 - k) * 2 * act for k in range(4)]
     r = estimate(p, cluster(4), train, ranges, num_microbatches=8, schedule="gpipe", recompute=True)
-    # stage 0 keeps the model input (0 bytes here); others keep the cut (100 B per sample)
-    assert r.stages[0].memory_bytes == static + 2 * act
-    assert r.stages[1].memory_bytes == static + 8 * out + 2 * act
+    # checkpointed layer by layer: each of a stage's two layers keeps its input per micro-batch
+    # in flight (the model input is 0 bytes here, every cut 100 B per sample), and the backward
+    # re-materialises one layer at a time (act), not the stage's two (2 act)
+    assert r.stages[0].memory_bytes == static + 8 * (0 + out) + act
+    assert r.stages[1].memory_bytes == static + 8 * (out + out) + act
+    # checkpointing only the first layer of each stage: it keeps that layer's input, the second
+    # layer's activations, and re-materialises one layer
+    h = estimate(p, cluster(4), train, ranges, num_microbatches=8, schedule="gpipe", recompute_layers=[1] * 4)
+    assert h.stages[1].memory_bytes == static + 8 * (out + act) + act
+    assert h.stages[1].recompute_layers == 1 and h.stages[1].recompute
+    assert h.stages[1].backward_ms == pytest.approx(o.stages[1].backward_ms + o.stages[1].forward_ms / 2)
+    assert [s.recompute_ms for s in h.stages] == pytest.approx([s.forward_ms / 2 for s in h.stages])
     # recompute adds one forward to the backward
     assert r.stages[1].backward_ms == pytest.approx(o.stages[1].backward_ms + o.stages[1].forward_ms)
 
@@ -216,7 +225,7 @@ def test_step_time_bounds(times: list[float], k: int, schedule: str) -> None:
 
 
 def test_reestimate_reproduces_a_plan_and_follows_a_new_profile() -> None:
-    from planner.costmodel import reestimate
+    from planner.cost import reestimate
 
     p = uniform_profile(4)
     plan = estimate(p, cluster(2), TrainingSetup(global_batch_size=4), [(0, 1), (1, 4)], num_microbatches=2, recompute=[True, False])
@@ -232,7 +241,7 @@ def test_reestimate_reproduces_a_plan_and_follows_a_new_profile() -> None:
 
 
 def _zb_plan(schedule: str, *, k: int = 2, m: int = 8, recompute: bool = False, split: bool = True):  # type: ignore[no-untyped-def]
-    from planner.costmodel import estimate
+    from planner.cost import estimate
     from planner.schema import SCHEDULE_CHUNKS, TrainingSetup
     from tests.planner.helpers import cluster, random_profile
 
@@ -252,7 +261,7 @@ def _zb_plan(schedule: str, *, k: int = 2, m: int = 8, recompute: bool = False, 
 def test_plan_carries_the_actions_it_predicted(schedule: str) -> None:
     """The plan lists what each rank runs; simulating exactly that gives the predicted step,
     the JSON round trip keeps it, and re-estimating with those actions changes nothing."""
-    from planner.costmodel import plan_orders, reestimate, simulate_plan
+    from planner.cost import plan_orders, reestimate, simulate_plan
     from planner.schedules import parse_actions, schedule_actions
     from planner.schema import Plan
 
@@ -273,24 +282,28 @@ def test_plan_carries_the_actions_it_predicted(schedule: str) -> None:
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("recompute", [False, True])
 def test_memory_from_the_walk_equals_the_closed_forms_for_gpipe_and_1f1b(schedule: str, recompute: bool) -> None:
-    """GPipe holds M micro-batches, 1F1B K - k on stage k; with recompute only the stage input
-    each, plus one micro-batch's activations during its backward: the walk gives exactly that."""
-    from planner.costmodel import layer_costs, static_bytes
+    """GPipe holds M micro-batches, 1F1B K - k on stage k; with recompute only its layers'
+    inputs each, plus one layer's activations during its backward: the walk gives exactly that."""
+    from planner.cost import layer_costs, static_bytes
 
     profile, plan = _zb_plan(schedule, k=3, m=6, recompute=recompute, split=False)
     costs = layer_costs(profile, plan.microbatch_size)
     for st_ in plan.stages:
         n = 6 if schedule == "gpipe" else 3 - st_.index
         acts = costs.prefix_activation[st_.stop] - costs.prefix_activation[st_.start]
-        stash = costs.stage_input_bytes(st_.start) if recompute else acts
-        closed = static_bytes(st_.param_bytes, plan.training) + n * stash + (acts if recompute else 0.0)
+        # checkpointed layer by layer: every layer's input (the stage input, then each cut
+        # inside the stage) per micro-batch, and the largest one layer during the backward
+        inputs = costs.stage_input_bytes(st_.start) + sum(costs.cut_bytes[i - 1] for i in range(st_.start + 1, st_.stop))
+        largest = max(costs.activation_bytes[st_.start:st_.stop])
+        stash = inputs if recompute else acts
+        closed = static_bytes(st_.param_bytes, plan.training) + n * stash + (largest if recompute else 0.0)
         assert st_.memory_bytes == math.ceil(closed)
 
 
 def test_interleaved_memory_is_at_most_the_old_closed_form() -> None:
     """Interleaved 1F1B: the walk never exceeds the old closed form (in-flight count x the
     largest chunk) and equals it when the chunks are alike."""
-    from planner.costmodel import layer_costs, static_bytes
+    from planner.cost import layer_costs, static_bytes
 
     for split in (False, True):
         profile, plan = _zb_plan("interleaved-1f1b", k=2, m=4, split=split)
@@ -304,7 +317,7 @@ def test_interleaved_memory_is_at_most_the_old_closed_form() -> None:
 
 
 def test_old_profiles_split_the_backward_in_half_and_hold_everything_until_w() -> None:
-    from planner.costmodel import layer_costs
+    from planner.cost import layer_costs
     from tests.planner.helpers import random_profile
 
     costs = layer_costs(random_profile(2, 5), 2)
@@ -333,10 +346,10 @@ def test_plan_documents_refuse_inconsistent_schedules() -> None:
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"])
 def test_shared_schedule_templates_price_the_same(schedule: str) -> None:
-    """An estimate that reuses a search's schedule templates (planner.costmodel.ScheduleTemplates)
+    """An estimate that reuses a search's schedule templates (planner.cost.ScheduleTemplates)
     is the estimate without them, to the byte and the nanosecond; a shape is made once, and a
     plan's own actions (given, or a planned schedule's) never come from it."""
-    from planner.costmodel import ScheduleTemplates
+    from planner.cost import ScheduleTemplates
 
     prof = uniform_profile(8)
     cl = Cluster.model_validate({"devices": 4, "memory": "1GiB"})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from planner.costmodel import estimate, layer_costs, rank_memory_bytes
+from planner.cost import estimate, layer_costs, rank_memory_bytes
 from planner.schedules import memory_points, schedule_actions
 from planner.schema import (
     KeptInput,

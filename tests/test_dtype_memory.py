@@ -7,7 +7,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from planner.costmodel import estimate, profile_in_dtype, static_bytes
+from planner.cost import estimate, profile_in_dtype, static_bytes
 from planner.schema import (
     KeptInput,
     LayerProfile,

@@ -92,7 +92,7 @@ def test_balanced_stages_is_optimal_on_a_small_case() -> None:
     """The dynamic program against brute force over every split of a 7-layer profile."""
     from itertools import combinations, pairwise
 
-    from planner.costmodel import layer_costs
+    from planner.cost import layer_costs
     from profiler.synth import synth_transformer
 
     gt = _import("gpipe_table")

@@ -72,7 +72,7 @@ def test_our_csv_is_what_torch_loads_and_validates(tmp_path) -> None:  # type: i
     the rank our placement gives (loop, V), for every schedule, planned included."""
     import csv
 
-    from planner.costmodel import estimate, plan_orders
+    from planner.cost import estimate, plan_orders
     from planner.schedules import placement_of, stage_rank, to_csv
     from planner.schema import SCHEDULES, TrainingSetup
     from tests.planner.helpers import cluster, random_profile

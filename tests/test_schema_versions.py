@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from planner.costmodel import estimate
+from planner.cost import estimate
 from planner.errors import InputError
 from planner.schema import SCHEMA_VERSION, Profile, load_document, parse_document
 
@@ -30,21 +30,21 @@ def _v1_profile() -> dict:
 
 
 def test_version_1_profiles_are_migrated() -> None:
-    assert SCHEMA_VERSION == 3
+    assert SCHEMA_VERSION == 4
     prof = parse_document("profile", _v1_profile())
-    assert prof.schema_version == 3 and prof.split_points == ["blocks.4", "head"]
+    assert prof.schema_version == 4 and prof.split_points == ["blocks.4", "head"]
     assert all(layer.kept_inputs is None for layer in prof.layers)
     again = parse_document("profile", json.loads(prof.model_dump_json()))
     assert again == prof
     # the API validates bodies with the class itself: the migration runs there too
     assert Profile.model_validate(_v1_profile()).split_points == ["blocks.4", "head"]
     bundled = load_document("profile", str(ROOT / "examples" / "profiles" / "tiny.json"))
-    assert bundled.schema_version == 3
+    assert bundled.schema_version == 4
 
 
 def test_unknown_versions_are_refused() -> None:
-    data = dict(_v1_profile(), schema_version=4)
-    with pytest.raises(InputError, match="schema_version 4 is not supported.*reads versions 1, 2, 3"):
+    data = dict(_v1_profile(), schema_version=5)
+    with pytest.raises(InputError, match="schema_version 5 is not supported.*reads versions 1, 2, 3, 4"):
         parse_document("profile", data)
 
 
@@ -53,12 +53,12 @@ def test_plans_record_the_split_points_and_read_version_1() -> None:
     cluster = parse_document("cluster", {"devices": 2, "memory": "1GiB"})
     training = parse_document("training", {"global_batch_size": 4})
     plan = estimate(prof, cluster, training, [(0, 1), (1, 3)], num_microbatches=2)
-    assert plan.split_points == ["blocks.4", "head"] and plan.schema_version == 3
+    assert plan.split_points == ["blocks.4", "head"] and plan.schema_version == 4
     old = json.loads(plan.model_dump_json())
     old["schema_version"] = 1
     del old["split_points"]
     read = parse_document("plan", old)
-    assert read.schema_version == 3 and read.split_points == []
+    assert read.schema_version == 4 and read.split_points == []
 
 
 def test_kept_inputs_are_checked() -> None:
@@ -77,7 +77,7 @@ def test_version_2_plans_and_profiles_read_as_replicated_d_by_k() -> None:
     """Version 3 added the mesh axes; a version-2 document means T = 1, ZeRO 0, no SP, and
     layers that do not shard."""
     prof = parse_document("profile", dict(_v1_profile(), schema_version=2, split_points=[]))
-    assert prof.schema_version == 3 and not any(layer.shards for layer in prof.layers)
+    assert prof.schema_version == 4 and not any(layer.shards for layer in prof.layers)
     cluster = parse_document("cluster", {"devices": 2, "memory": "1GiB"})
     training = parse_document("training", {"global_batch_size": 4})
     plan = estimate(prof, cluster, training, [(0, 1), (1, 3)], num_microbatches=2)
@@ -86,6 +86,6 @@ def test_version_2_plans_and_profiles_read_as_replicated_d_by_k() -> None:
     for key in ("tensor_parallel_degree", "zero_stage", "sequence_parallel"):
         del old[key]
     read = parse_document("plan", old)
-    assert read.schema_version == 3
+    assert read.schema_version == 4
     assert (read.tensor_parallel_degree, read.zero_stage, read.sequence_parallel) == (1, 0, False)
     assert read.world_size == 2

@@ -35,7 +35,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 )
 async def estimate_plan(request: Request, settings: SettingsDep, solver: SolverDep) -> Response:
     """Step time, bubble and per-stage memory of a fully specified plan (an
-    ``EstimateRequest``; ``planner.costmodel.estimate``, the same numbers every planner
+    ``EstimateRequest``; ``planner.cost.estimate``, the same numbers every planner
     reports).  The body is read off the event loop and the estimate runs in the solver pool,
     stopped after ``PIPEPLAN_MAX_TIME_LIMIT_S`` plus the grace period."""
     reader: RequestReader = request.app.state.reader

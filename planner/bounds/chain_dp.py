@@ -20,7 +20,7 @@ stage is exact, because the table is built from the last stage backwards:
 A stage ``[a, b)`` passes when ``in_f + M·work + idle + max(out_b, allreduce) <= t`` with
 ``idle`` computed from ``down = W[b:] + 2·x(b) + G[s+1][b]`` (the waits only grow with
 ``down``, so the least ``G`` is the best suffix for every earlier stage), and when it fits
-memory exactly as :func:`planner.costmodel.rank_memory_bytes` says.  In 1F1B it must also
+memory exactly as :func:`planner.cost.rank_memory_bytes` says.  In 1F1B it must also
 pass the ping-pong path it forms with the next rank (:func:`_pair_bound`): the table keeps
 beside ``G`` the least ``cycles·c_{s+1} + G`` over the next stage's choices, which is all that
 path needs of the suffix (taking the two minima apart is a relaxation, so still valid).
@@ -45,7 +45,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from planner.bounds.split import TransferBounds
-from planner.costmodel import boundary_transfer_ms
+from planner.cost import boundary_transfer_ms
 from planner.schema import Cluster, PlanOptions, TrainingSetup
 from planner.search.model import Split, StageModel, recompute_options
 from planner.search.space import Group
@@ -128,6 +128,9 @@ def chain_split(
     bwd = b_pre[ends] - b_pre[starts]
     static = (p_pre[ends] - p_pre[starts]) * state_factor
     acts = a_pre[ends] - a_pre[starts]
+    # the largest one layer of each stage: what a stage checkpointed layer by layer re-materialises
+    layer_acts = np.asarray(costs.activation_bytes, dtype=float)
+    top = np.maximum.accumulate(layer_acts[np.minimum(starts + np.arange(longest)[:, None], n_layers - 1)], axis=0)
     grads = (p_pre[ends] - p_pre[starts]) * training.gradient_bytes_per_param_byte
     after = total - f_pre[ends] - b_pre[ends]  # work of the later layers
     after_g = f_pre[-1] + g_pre[-1] - f_pre[ends] - g_pre[ends]  # their forwards and gradients
@@ -198,7 +201,9 @@ def chain_split(
                 else:
                     bound = (f_pre + up[s])[st] + m * (fw + bw_total) + idle + tail
                 # memory at the rank's first backward (exact for 1F1B and GPipe, a lower bound else)
-                kept = sm.inflight[s] * inputs[st] + acts[:, cols] if rc else sm.inflight[s] * acts[:, cols]
+                # (a recomputing stage keeps at least its input per micro-batch in flight, plus
+                # its largest layer during the backward: a lower bound of its checkpoints)
+                kept = sm.inflight[s] * inputs[st] + top[:, cols] if rc else sm.inflight[s] * acts[:, cols]
                 ok = usable & (bound <= t) & (np.ceil(static[:, cols] + kept) <= groups[s].limit_bytes)
                 if cycles:
                     ok &= _pair_bound(cycles, m, w, head, fw, bw_total, xfer, tail) <= t

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from planner.bounds.knapsack import knapsack_at, recompute_freedom, state_per_work
-from planner.costmodel import LayerCosts
+from planner.cost import LayerCosts
 from planner.search.model import bisect_feasible
 from planner.search.space import Config, Group
 from planner.search.state import SearchState

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 
-from planner.costmodel import static_bytes
+from planner.cost import static_bytes
 from planner.schedules import forwards_before_chunk
 from planner.search.model import Split, StageModel
 from planner.search.space import Group
@@ -89,6 +89,9 @@ def config_bound(
     spre = [math.floor(static_bytes(p, sm.training) / mem_unit) for p in sm.PP]
     apre = [math.floor(x / mem_unit) for x in sm.costs.prefix_activation]
     inp = [math.floor(sm.costs.stage_input_bytes(a) / mem_unit) if a < num_layers else 0 for a in range(num_layers + 1)]
+    # one layer's activations at each start: a lower bound of the largest layer a stage
+    # checkpointed layer by layer re-materialises in its backward
+    one = [math.floor(x / mem_unit) for x in sm.costs.activation_bytes] + [0]
     limit_u = math.floor(limit / mem_unit)
 
     model = cp_model.CpModel()
@@ -183,7 +186,7 @@ def config_bound(
             if isinstance(rj, int):
                 kept.append(count * (ix[j] if rj else acts))
                 if rj and v == 1:
-                    live = acts
+                    live = element(one, x[j], f"one{j}")
             else:
                 stash = model.new_int_var(0, big_m, f"stash{j}")
                 model.add(stash >= ix[j]).only_enforce_if(rj)
@@ -191,7 +194,7 @@ def config_bound(
                 kept.append(count * stash)
                 if v == 1:
                     lv = model.new_int_var(0, big_m, f"live{j}")
-                    model.add(lv >= acts).only_enforce_if(rj)
+                    model.add(lv >= element(one, x[j], f"one{j}")).only_enforce_if(rj)
                     live = lv
         slack = sum(sm.counts[r]) + v + 4
         # each floored difference is off by less than one unit

@@ -15,7 +15,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from planner.costmodel import LayerCosts, static_bytes
+from planner.cost import LayerCosts, static_bytes
 from planner.schema import PlanOptions, TrainingSetup
 from planner.search.state import SearchState
 
@@ -26,7 +26,7 @@ class Knapsack:
     sums: ``value(A)`` is the most forward + backward work (at speed 1) of any set of layers
     whose activations total at most ``A`` bytes, layers taken fractionally (an upper bound).
     A profile whose kept inputs can shrink a stage below its layers' sum (``slack`` bytes at
-    most, :attr:`planner.costmodel.LayerCosts.activation_slack`) gets ``slack`` more room."""
+    most, :attr:`planner.cost.LayerCosts.activation_slack`) gets ``slack`` more room."""
 
     acts: tuple[float, ...]
     prefix_acts: tuple[float, ...]

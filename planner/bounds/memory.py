@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from planner.bounds.chunk_memory import chunk_memory_bound
 from planner.bounds.knapsack import knapsack_at, recompute_freedom, state_per_work
-from planner.costmodel import static_bytes
+from planner.cost import static_bytes
 from planner.search.model import StageModel
 from planner.search.space import Config, Group
 from planner.search.state import SearchState

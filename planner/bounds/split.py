@@ -39,7 +39,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from planner.costmodel import LayerCosts, allreduce_ms, boundary_transfer_ms, transfer_ms
+from planner.cost import LayerCosts, allreduce_ms, boundary_transfer_ms, transfer_ms
 from planner.schedules import forwards_before_chunk
 from planner.schema import Cluster
 from planner.search.model import Split, StageModel
@@ -107,7 +107,7 @@ def split_lower_bound(sm: StageModel, cluster: Cluster, groups: Sequence[Group],
     if sm.split_backward:
         iw = [(sm.I[b] - sm.I[a]) / speed[s] + rec[s] for s, (a, b) in enumerate(ranges)]
         # a micro-batch's backward is a B, or an I and a W (together at least as long,
-        # planner.costmodel.split_backward); what sends its gradient on is a B or an I
+        # planner.cost.split_backward); what sends its gradient on is a B or an I
         grad = [min(x, y) for x, y in zip(bw, iw, strict=True)]
     else:
         grad = bw

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from planner.bounds.memory import memory_work_bound
-from planner.costmodel import LayerCosts, allreduce_ms
+from planner.cost import LayerCosts, allreduce_ms
 from planner.schedules import SPLIT_BACKWARD, placement_of
 from planner.search.model import StageModel, work_total
 from planner.search.space import Config, Group

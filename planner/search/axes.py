@@ -45,7 +45,7 @@ granularity per plan, as in Megatron).  Like ZeRO it only trades time for memory
 free its families are solved after the others and only if one of their plans is memory-bound (or
 one had no plan); otherwise the message says the gap covers plans without it.
 
-Every candidate is re-priced by :func:`planner.costmodel.estimate` on the real mesh and the
+Every candidate is re-priced by :func:`planner.cost.estimate` on the real mesh and the
 fastest that fits is returned.  The proven bound is the least of the families' bounds (1, 2
 and 4; a family not solved contributes its work bound or floor), so the gap is valid over the whole space;
 when ZeRO's plans are memory-bound it can be loose (the relaxation drops the static memory),
@@ -60,7 +60,7 @@ import math
 import time
 from dataclasses import dataclass
 
-from planner.costmodel import ScheduleTemplates, estimate, lower_bound_ms, profile_in_dtype
+from planner.cost import ScheduleTemplates, estimate, lower_bound_ms, profile_in_dtype
 from planner.errors import InfeasibleError, InputError
 from planner.infeasible import any_fits
 from planner.mesh import Mesh, check_mesh, mesh_problem, recomputes_selectively

@@ -44,7 +44,7 @@ were left out).  In each round:
    table of :mod:`planner.bounds.chain_dp` on homogeneous clusters, then CP-SAT
    (:mod:`planner.bounds.cpsat`).
 
-The returned plan comes out of :func:`planner.costmodel.estimate`.  ``optimal`` (gap 0) is
+The returned plan comes out of :func:`planner.cost.estimate`.  ``optimal`` (gap 0) is
 reported only when every configuration was solved to optimality or excluded by a bound;
 otherwise the status is ``feasible`` and ``gap`` is ``(step - bound) / step`` for the
 smallest bound still open.  When nothing fits, :func:`planner.infeasible.diagnose` says why.
@@ -85,7 +85,7 @@ from dataclasses import dataclass
 from planner.bounds.memory import memory_bounds
 from planner.bounds.relaxed import relaxed_bound, relaxed_memory_fits
 from planner.bounds.work import cheap_bound
-from planner.costmodel import (
+from planner.cost import (
     ScheduleTemplates,
     estimate,
     lower_bound_ms,
@@ -158,7 +158,7 @@ def solve(
 ) -> Plan:
     """The plan with the lowest predicted step time whose every stage fits its device.
     ``templates``: schedule templates to share with the caller's other estimates
-    (:class:`planner.costmodel.ScheduleTemplates`).
+    (:class:`planner.cost.ScheduleTemplates`).
 
     Raises :class:`planner.errors.InputError` for contradictory options and
     :class:`planner.errors.InfeasibleError` (with ``details``: ``layer``, ``layer_bytes``,

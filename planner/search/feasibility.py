@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from planner.costmodel import LayerCosts
+from planner.cost import LayerCosts
 from planner.schema import Cluster, PlanOptions, Profile, TrainingSetup
 from planner.search.space import Config, device_orders, fixed_ranges, make_groups
 from planner.search.state import SearchState

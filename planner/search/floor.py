@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 from planner.bounds.work import cheap_bound
-from planner.costmodel import profile_in_dtype
+from planner.cost import profile_in_dtype
 from planner.schema import Cluster, PlanOptions, Profile, TrainingSetup
 from planner.search.driver import groups_of, static_fits
 from planner.search.space import Group, enumerate_configs

@@ -1,13 +1,13 @@
 """The split model: a configuration's stages, their time and memory tests, and exact evaluation.
 
-Everything here works on :func:`planner.costmodel.layer_costs` prefix sums; the event
+Everything here works on :func:`planner.cost.layer_costs` prefix sums; the event
 simulator is only run (through :func:`quick_step`) on a few finished candidates.
 
 A *split* (:class:`Split`) of a configuration (:class:`planner.search.space.Config`) is K·v
 contiguous ``[start, stop)`` layer ranges plus a recompute flag per stage and the group (rank)
 of every stage.  :class:`StageModel` answers a stage's work, all-reduce and memory from prefix
 sums; :func:`split_memory_ok` and :func:`quick_step` decide a split exactly as
-:func:`planner.costmodel.estimate` would.  :func:`farthest` and :func:`bisect_feasible` are the
+:func:`planner.cost.estimate` would.  :func:`farthest` and :func:`bisect_feasible` are the
 two searches every bound and split search is built on (largest passing stage end; least
 passing step time).
 """
@@ -19,7 +19,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from planner.costmodel import (
+from planner.cost import (
     LayerCosts,
     RankTerms,
     allreduce_ms,
@@ -157,7 +157,7 @@ class StageModel:
 
     def work_ms(self, a: int, b: int, rc: bool, speed: float) -> float:
         """Forward + backward (+ recompute) of one micro-batch on stage [a, b) (a split
-        backward's two parts take at least as long: :func:`planner.costmodel.split_backward`)."""
+        backward's two parts take at least as long: :func:`planner.cost.split_backward`)."""
         f = self.F[b] - self.F[a]
         return (2 * f if rc else f) / speed + (self.B[b] - self.B[a]) / speed
 
@@ -213,9 +213,9 @@ class StageModel:
         for (a, b), rc in zip(chunks, recompute, strict=True):
             act = self.costs.stage_activation_bytes(a, b) if self.costs.kept_inputs else pa[b] - pa[a]
             params += pp[b] - pp[a]
-            held = self.costs.stage_input_bytes(a) if rc else act
+            held = self.costs.checkpoint_bytes(a, b) if rc else act
             if rc and act > live:
-                live = act
+                live = act  # at least the largest checkpointed layer
             if weights and pw[b] - pw[a] > held:
                 held = pw[b] - pw[a]
             if held > per:
@@ -237,11 +237,14 @@ class StageModel:
         n = self.count[stage]
         stash = self.pmin_input[a]
         if rc:
+            # checkpointed layer by layer: it keeps at least its input, and its backward
+            # re-materialises its largest layer (monotone in both ends, as the range)
+            live = self.costs.max_activation(a, b)
             if self.cfg.virtual_stages == 1:
-                return static_bytes(params, self.training) + n * stash + acts
+                return static_bytes(params, self.training) + n * stash + live
             # several chunks: the first-backward moment may be another chunk's backward; the
-            # stage's own backward holds its micro-batch's input and the live activations
-            return static_bytes(params, self.training) + max(n * stash, stash + acts)
+            # stage's own backward holds its micro-batch's input and the live layer
+            return static_bytes(params, self.training) + max(n * stash, stash + live)
         return static_bytes(params, self.training) + n * acts
 
 
@@ -277,7 +280,7 @@ def conservative(cfg: Config, num_layers: int) -> bool:
     ``SMALL_MODEL_LAYERS`` layers is searched, and bounded, with its closed form (the
     warm-up count times its largest chunk's footprint, an upper bound of its walk, the older
     cost model's), so its long walk is not listed and its bounds stay as strong as they were.
-    Its plans fit exactly too (their memory, walked by :func:`planner.costmodel.estimate`, can
+    Its plans fit exactly too (their memory, walked by :func:`planner.cost.estimate`, can
     only be lower); the search's space, and so its gap, covers the interleaved 1F1B plans
     fitting that closed form (a documented limit, like the largest micro-batch it
     extrapolates to).  Small models are searched with the exact walk."""
@@ -407,7 +410,7 @@ def quick_step(
     split: Split,
     compiled: dict[tuple[Schedule, int, int, int], CompiledSchedule] | None = None,
 ) -> float:
-    """The step time :func:`planner.costmodel.estimate` would predict, without building a Plan.
+    """The step time :func:`planner.cost.estimate` would predict, without building a Plan.
 
     Uses the cost model's times, transfers and all-reduce and the simulator's schedules
     (compiled once per shape into ``compiled``; ``planned`` is list-scheduled for the split);

@@ -18,6 +18,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from planner.cost.collectives import replica_link
 from planner.errors import InputError
 from planner.schedules import ScheduleError, check_schedule_shape
 from planner.schema import (
@@ -85,7 +86,7 @@ class Group:
 
 
 def usable_bytes(memory_bytes: int, training: TrainingSetup) -> int:
-    """A device's memory less the margin, rounded as :func:`planner.costmodel.estimate` does."""
+    """A device's memory less the margin, rounded as :func:`planner.cost.estimate` does."""
     return int(memory_bytes * (1 - training.memory_margin))
 
 
@@ -94,7 +95,7 @@ def make_groups(
 ) -> list[Group]:
     """The K device groups of a D x K mesh.
 
-    Homogeneous clusters use :func:`planner.costmodel.default_devices` (replica d of rank k is
+    Homogeneous clusters use :func:`planner.cost.default_devices` (replica d of rank k is
     device d·K + k).  Heterogeneous ones sort devices by speed, then memory (fastest and
     largest first), keep the first D·K and give each rank D consecutive ones, so a rank's
     replicas are alike; which rank takes which pipeline position is the solver's choice.
@@ -113,8 +114,7 @@ def make_groups(
     for devs in groups_devs:
         speed = min(cluster.devices[i].speed for i in devs)
         limit = usable_bytes(min(cluster.devices[i].memory_bytes for i in devs), training)
-        same = all(cluster.same_node(devs[0], i) for i in devs)
-        out.append(Group(devs, speed, limit, cluster.intra_node if same else cluster.inter_node))
+        out.append(Group(devs, speed, limit, replica_link(cluster, devs)))
     return out
 
 

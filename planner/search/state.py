@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from planner.bounds.split import TransferBounds, split_lower_bound
-from planner.costmodel import LayerCosts, ScheduleTemplates, layer_costs
+from planner.cost import LayerCosts, ScheduleTemplates, layer_costs
 from planner.schedules import (
     SPLIT_BACKWARD,
     walk_microbatches,

@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from planner.bounds.relaxed import idle_bound
-from planner.costmodel import boundary_transfer_ms
+from planner.cost import boundary_transfer_ms
 from planner.search.model import Split, StageModel, bisect_feasible, farthest, recompute_options
 from planner.search.space import Config, Group
 from planner.search.state import SearchState, consider

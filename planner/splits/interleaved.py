@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from planner.costmodel import static_bytes
+from planner.cost import static_bytes
 from planner.search.model import (
     Split,
     StageModel,

@@ -20,7 +20,7 @@ import itertools
 import math
 from collections.abc import Sequence
 
-from planner.costmodel import rank_memory_from_terms, rank_memory_terms
+from planner.cost import rank_memory_from_terms, rank_memory_terms
 from planner.search.model import Split, StageModel, conservative, planned_memory, recompute_options
 from planner.search.space import Group
 from planner.search.state import SearchState

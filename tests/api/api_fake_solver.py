@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from planner.costmodel import estimate
+from planner.cost import estimate
 from planner.errors import InfeasibleError
 from planner.schema import Cluster, Plan, PlanOptions, Profile, TrainingSetup
 

@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from api.settings import ApiSettings
-from planner.costmodel import estimate
+from planner.cost import estimate
 from planner.presets import DEVICES
 from planner.schema import Cluster, Plan, Profile, StageRange, TrainingSetup
 

@@ -10,7 +10,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from planner.costmodel import plan_fits, reestimate
+from planner.cost import plan_fits, reestimate
 from planner.schema import Cluster, Plan, Profile, TrainingSetup
 
 pytest.importorskip("planner.solver")

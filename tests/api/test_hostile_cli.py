@@ -25,7 +25,7 @@ from hostile_inputs import document_paths, hostile_document
 from hypothesis import HealthCheck, given, settings
 
 from pipeplan.cli import main
-from planner.costmodel import estimate
+from planner.cost import estimate
 from planner.schema import Cluster, Profile, TrainingSetup
 
 TINY = str(ROOT / "examples" / "profiles" / "tiny.json")

@@ -13,7 +13,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from planner.costmodel import allreduce_ms, estimate, reestimate, simulate_plan
+from planner.cost import allreduce_ms, estimate, reestimate, simulate_plan
 from planner.schema import (
     Cluster,
     Interconnect,

@@ -6,7 +6,7 @@ import itertools
 import math
 import random
 
-from planner.costmodel import estimate, plan_fits
+from planner.cost import estimate, plan_fits
 from planner.schema import Cluster, LayerProfile, MeasuredOn, Plan, Profile, Schedule, TrainingSetup
 
 MiB = 2**20

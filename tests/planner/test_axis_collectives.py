@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from planner.costmodel import estimate, pipeline_transfer_ms, reestimate
+from planner.cost import estimate, pipeline_transfer_ms, reestimate
 from planner.schema import parse_document
 from tests.planner.test_mesh import BW, _cluster, _profile, _training
 

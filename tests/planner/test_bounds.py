@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from planner.bounds.chunk_memory import chunk_memory_bound
 from planner.bounds.memory import memory_work_bound, static_memory_bound
 from planner.bounds.work import cheap_bound
-from planner.costmodel import estimate, plan_fits
+from planner.cost import estimate, plan_fits
 from planner.schedules import placement_of, stage_rank
 from planner.schema import Cluster, PlanOptions, Profile, TrainingSetup
 from planner.search.space import Config, make_groups
@@ -258,7 +258,7 @@ def test_split_bound_with_fill_and_drain_is_below_the_simulated_step(
     import random
 
     from planner.bounds.split import split_lower_bound
-    from planner.costmodel import layer_costs
+    from planner.cost import layer_costs
     from planner.search.model import Split, StageModel, quick_step
 
     rng = random.Random(seed)
@@ -293,7 +293,7 @@ def test_split_bound_is_tight_when_the_first_stage_is_the_bottleneck(k: int, ext
     the wait for the first backward (only the last-backward wait, which is 0 here) every
     rank's bound stays at most ``6·M``."""
     from planner.bounds.split import split_lower_bound
-    from planner.costmodel import layer_costs
+    from planner.cost import layer_costs
     from planner.search.model import Split, StageModel, quick_step
 
     m = k + extra  # M >= K + 1, so both waits count on rank 0
@@ -328,7 +328,7 @@ def test_relaxed_stage_test_is_monotone(
     """The relaxed bound's farthest-reach greedy is exact only if each stage's time test
     ``M·work + idle`` grows with the stage's end; the waits must never break that."""
     from planner.bounds.relaxed import idle_bound
-    from planner.costmodel import layer_costs
+    from planner.cost import layer_costs
     from planner.search.model import StageModel
 
     m = k + extra
@@ -393,7 +393,7 @@ def test_relaxed_bound_cutoff_agrees_with_the_full_bound(seed: int, k: int, m: i
 def test_mixed_interleaved_split_covers_and_fits(seed: int, k: int, v: int, fraction: float) -> None:
     """The per-chunk recompute split is contiguous, covers every layer, and fits memory
     exactly as estimate checks it, whenever it returns one."""
-    from planner.costmodel import plan_fits
+    from planner.cost import plan_fits
     from planner.search.model import StageModel
     from planner.splits.interleaved import interleaved_mixed_split
 
@@ -450,7 +450,7 @@ def test_layer_runs_give_the_most_work_of_any_run_that_fits(
     """``Windows.value(A)`` is the most work of consecutive layers, none excluded, whose
     activations fit ``A`` (checked against every run); never less, so the bound stays valid."""
     from planner.bounds.chunk_memory import Windows
-    from planner.costmodel import layer_costs
+    from planner.cost import layer_costs
 
     costs = layer_costs(random_profile(seed, layers), 2)
     skip = frozenset(i for i in exclude if i < layers)
@@ -553,7 +553,7 @@ def test_layer_runs_past_their_limit_claim_nothing(monkeypatch: pytest.MonkeyPat
     """With more runs than ``WINDOW_LIMIT`` the table gives up: every answer, the first and
     every later one, is infinity (no information), never a too-small value."""
     import planner.bounds.chunk_memory as chunk_memory
-    from planner.costmodel import layer_costs
+    from planner.cost import layer_costs
 
     monkeypatch.setattr(chunk_memory, "WINDOW_LIMIT", 3)
     runs = chunk_memory.Windows(layer_costs(random_profile(1, 8), 2))

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from planner.baselines import block_partition, minmax_split, uniform_split
 from planner.bounds.split import split_lower_bound
-from planner.costmodel import estimate
+from planner.cost import estimate
 from planner.schedules import placement_of, stage_rank
 from planner.schema import TrainingSetup
 from planner.search.model import Split, StageModel, quick_step
@@ -48,7 +48,7 @@ def test_quick_step_equals_estimate_and_bound_is_below(seed: int, shape: tuple, 
     training = TrainingSetup(global_batch_size=d * m * 2)
     cfg = Config(d, k, m, sched, v)
     groups = make_groups(cl, training, d, k)
-    from planner.costmodel import layer_costs
+    from planner.cost import layer_costs
 
     sm = StageModel(layer_costs(profile, 2), cfg, training)
     ranges = _random_split(rng, 10, k * v)
@@ -89,7 +89,7 @@ def test_compiled_program_runs_the_simulators_orders(shape: tuple[str, int, int,
 @SETTINGS
 @given(seed=st.integers(0, 10_000), rank=st.integers(0, 2), rc=st.booleans())
 def test_relaxed_memory_is_a_lower_bound(seed: int, rank: int, rc: bool) -> None:
-    from planner.costmodel import layer_costs
+    from planner.cost import layer_costs
 
     profile = random_profile(seed, 9)
     sm = StageModel(layer_costs(profile, 2), Config(1, 3, 4, "1f1b"), TrainingSetup())
@@ -104,7 +104,7 @@ def test_relaxed_memory_is_a_lower_bound(seed: int, rank: int, rc: bool) -> None
 @pytest.mark.parametrize("seed", range(7))
 def test_cpsat_bound_is_below_the_brute_force_optimum(seed: int) -> None:
     from planner.bounds.cpsat import config_bound
-    from planner.costmodel import layer_costs
+    from planner.cost import layer_costs
 
     profile = random_profile(seed, 9, split_backward=seed > 3)
     cl = cluster(3, ["60MiB", "90MiB", "1GiB"][seed % 3])

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from planner.costmodel import (
+from planner.cost import (
     estimate,
     layer_costs,
     plan_fits,

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from planner.costmodel import estimate, reestimate
+from planner.cost import estimate, reestimate
 from planner.errors import InputError
 from planner.schema import parse_document
 

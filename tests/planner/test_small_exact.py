@@ -115,7 +115,7 @@ def test_prefix_sum_memory_bounds_hold_with_kept_inputs(profile: Profile, b: int
     """The solver's prefix-sum memory relaxations never exceed a stage's exact memory, also
     when kept inputs are negative (a stage input that is a slice of a larger tensor)."""
     from planner.bounds.knapsack import Knapsack
-    from planner.costmodel import layer_costs
+    from planner.cost import layer_costs
     from planner.search.model import StageModel
     from planner.search.space import Config
 

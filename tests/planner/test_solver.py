@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from planner.baselines import evaluate_baselines
-from planner.costmodel import estimate, reestimate
+from planner.cost import estimate, reestimate
 from planner.errors import InputError
 from planner.schema import PlanOptions, StageRange, TrainingSetup
 from planner.solver import solve
@@ -327,7 +327,7 @@ def test_relaxed_bound_is_below_the_optimum(seed: int, k: int, m: int, schedule:
 def _brute_with_devices(profile, cl, training, k, m, schedule, devices) -> float:  # type: ignore[no-untyped-def]
     import itertools
 
-    from planner.costmodel import plan_fits
+    from planner.cost import plan_fits
 
     best = math.inf
     n = profile.num_layers

@@ -9,7 +9,7 @@ import random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner.costmodel import estimate, plan_fits
+from planner.cost import estimate, plan_fits
 from planner.schema import Cluster, LayerProfile, MeasuredOn, PlanOptions, Profile, TrainingSetup
 from planner.search.model import StageModel, quick_step
 from planner.search.space import Config, make_groups

@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from planner.costmodel import estimate, plan_fits
+from planner.cost import estimate, plan_fits
 from planner.errors import InputError
 from planner.schema import Cluster, PlanOptions, TrainingSetup
 from planner.search import driver

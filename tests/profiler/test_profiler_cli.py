@@ -36,7 +36,7 @@ def test_profile_command_split_points(capsys: pytest.CaptureFixture[str]) -> Non
     assert main(argv.split()) == 0
     data = json.loads(capsys.readouterr().out)
     assert [layer["name"] for layer in data["layers"]] == ["embed", "blocks.2"]
-    assert data["split_points"] == ["blocks.2"] and data["schema_version"] == 3
+    assert data["split_points"] == ["blocks.2"] and data["schema_version"] == 4
 
 
 def test_profile_command_warns_about_blocks_it_cannot_cut(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -106,7 +106,7 @@ def test_bundled_measured_profile_matches_the_example_model() -> None:
 
 
 def test_measured_profile_feeds_the_cost_model() -> None:
-    from planner.costmodel import estimate
+    from planner.cost import estimate
     from planner.schema import parse_document
 
     p = load_document("profile", str(ROOT / "examples" / "profiles" / "gpt-tiny-cpu.json"))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import examples.gpt as gpt
-from planner.costmodel import estimate
+from planner.cost import estimate
 from planner.schema import parse_document
 from profiler.measure import profile
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import profiler
-from planner.costmodel import estimate
+from planner.cost import estimate
 from planner.schema import TrainingSetup
 from tests.planner.helpers import cluster
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from planner.costmodel import layer_costs
+from planner.cost import layer_costs
 from profiler.loading import load_entrypoint
 from profiler.measure import measure_split, resize_batch, stage_saved_bytes
 from profiler.split import CutWarning, RngStreams, split_model

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from planner.costmodel import estimate
+from planner.cost import estimate
 from planner.schema import Cluster, Plan, Profile, TrainingSetup
 
 #: (schedule, stage ranges, recompute per stage, data-parallel degree, pipeline degree)

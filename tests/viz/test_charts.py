@@ -18,7 +18,7 @@ from planner.charts import (
     memory_svg,
     save_chart,
 )
-from planner.costmodel import simulate_plan, static_bytes
+from planner.cost import simulate_plan, static_bytes
 from planner.errors import InputError
 from planner.schema import Plan, Profile
 
@@ -146,7 +146,7 @@ def test_gantt_spans_the_predicted_step_with_the_allreduce(tiny_profile: Profile
 
 def test_large_plan_is_rasterized_and_labels_thinned() -> None:
     """40 ranks x 40 micro-batches = 3200 boxes: rows become an image in the SVG, <= 48 row labels."""
-    from planner.costmodel import estimate
+    from planner.cost import estimate
     from planner.schema import Cluster, TrainingSetup
     from profiler.synth import synth_transformer
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.costmodel import simulate_plan
+from planner.cost import simulate_plan
 from planner.errors import InputError
 from planner.grid import grid_rows, text_grid
 from planner.schema import Plan

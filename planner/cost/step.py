@@ -1,4 +1,4 @@
-"""The cost model: a plan's step time and per-device peak memory.
+"""The step estimate: a plan's step time and per-device peak memory.
 
 Sources of the formulas:
 
@@ -27,13 +27,22 @@ cost per sample non-increasing) and reads it at the size a plan needs.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from planner import scaling
+from planner.cost.collectives import allreduce_ms, boundary_transfer_ms, replica_link
+from planner.cost.layers import (
+    LayerCosts,
+    _prefix,
+    _times_at,
+    layer_costs,
+    profile_in_dtype,
+    structure_sha,
+)
+from planner.cost.memory import RankTerms, held_bytes, rank_memory_from_terms, rank_memory_terms
 from planner.errors import InputError
 from planner.mesh import (
-    SHA_KEY,
     Mesh,
     MeshProblem,
     check_mesh,
@@ -41,11 +50,11 @@ from planner.mesh import (
     mesh_problem,
     replicated_note,
     tp_collectives_ms,
+    tp_link,
     zero_collectives_ms,
 )
 from planner.schedules import (
     Action,
-    MemoryPoint,
     RankWalk,
     ScheduleError,
     check_schedule_shape,
@@ -53,7 +62,6 @@ from planner.schedules import (
     list_schedule,
     memory_points,
     parse_actions,
-    peak_bytes,
     placement_of,
     rank_stages,
     schedule_actions,
@@ -62,7 +70,7 @@ from planner.schedules import (
 from planner.schema import (
     SCHEDULE_CHUNKS,
     Cluster,
-    LayerProfile,
+    MemoryParts,
     Placement,
     Plan,
     Predicted,
@@ -82,345 +90,6 @@ from planner.simulator import (
     makespans,
     simulate,
 )
-
-
-def interpolate(sizes: Sequence[int], values: Sequence[float], b: float, *, clamp: bool = True) -> float:
-    """Value at micro-batch size ``b`` of one series measured at ``sizes``: the physical fit
-    (:func:`planner.scaling.at_size`), or with ``clamp=False`` a signed correction read
-    linearly (:func:`planner.scaling.linear`)."""
-    return scaling.at_size(sizes, values, b) if clamp else scaling.linear(sizes, values, b)
-
-
-@dataclass(frozen=True)
-class LayerCosts:
-    """Every layer's costs at one micro-batch size, with prefix sums for O(1) stage sums.
-
-    ``prefix_x[i]`` is the sum of ``x`` over layers ``0..i-1``, so a stage ``[a, b)`` costs
-    ``prefix_x[b] - prefix_x[a]``.
-    """
-
-    microbatch_size: int
-    forward_ms: tuple[float, ...]
-    backward_ms: tuple[float, ...]
-    #: input- and weight-gradient parts of the backward (split-backward schedules)
-    input_ms: tuple[float, ...]
-    weight_ms: tuple[float, ...]
-    activation_bytes: tuple[float, ...]
-    #: bytes held between the input and the weight gradient
-    weight_grad_bytes: tuple[float, ...]
-    param_bytes: tuple[int, ...]
-    #: bytes crossing a cut right after each layer
-    cut_bytes: tuple[float, ...]
-    #: bytes of the model input
-    input_bytes: float
-    prefix_forward: tuple[float, ...]
-    prefix_backward: tuple[float, ...]
-    prefix_activation: tuple[float, ...]
-    prefix_param: tuple[int, ...]
-    #: per layer: (offset, bytes) a stage starting there keeps of its own inputs once it
-    #: reaches layer + offset (``LayerProfile.kept_inputs``); empty tuples when not profiled
-    kept_inputs: tuple[tuple[tuple[int, float], ...], ...] = ()
-    #: how far below the plain prefix sums a stage's activations can fall (the most negative
-    #: ``kept_inputs`` of any start, as a positive number; 0 for almost every profile): the
-    #: solver's prefix-sum memory bounds subtract it, or step aside, to stay valid
-    activation_slack: float = 0.0
-    prefix_input: tuple[float, ...] = ()
-    prefix_weight: tuple[float, ...] = ()
-    prefix_weight_grad: tuple[float, ...] = ()
-    #: prefix sums of each layer's cheaper of backward and input gradient (what can carry a
-    #: gradient through it), and the least forward share f / (f + b) of any layer
-    prefix_grad: tuple[float, ...] = ()
-    min_forward_share: float = 0.0
-    #: every layer has parameters (then every pipeline rank all-reduces some gradient bytes)
-    params_in_every_layer: bool = False
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.forward_ms)
-
-    def stage_activation_bytes(self, start: int, stop: int) -> float:
-        """Bytes a stage ``[start, stop)`` keeps for backward per micro-batch, run as one module.
-
-        The layers' ``activation_bytes`` count each saved tensor once, on the first layer that
-        saves it; a stage that starts after a cut also keeps the inputs it receives when its
-        layers save them (``kept_inputs``).
-        """
-        acts = self.prefix_activation[stop] - self.prefix_activation[start]
-        if self.kept_inputs and start > 0:
-            acts += sum(nbytes for offset, nbytes in self.kept_inputs[start] if start + offset < stop)
-        return max(0.0, acts)
-
-    def stage_input_bytes(self, start: int) -> float:
-        """Bytes a stage starting at layer ``start`` receives per micro-batch (kept when recomputing)."""
-        return self.input_bytes if start == 0 else self.cut_bytes[start - 1]
-
-
-def _times_at(profile: Profile, b: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Every layer's forward and backward time at micro-batch size ``b``."""
-    sizes = profile.microbatch_sizes
-    fwd = tuple(scaling.at_size(sizes, x.forward_ms, b, spread=x.forward_ms_spread) for x in profile.layers)
-    bwd = tuple(scaling.at_size(sizes, x.backward_ms, b, spread=x.backward_ms_spread) for x in profile.layers)
-    return fwd, bwd
-
-
-def layer_costs(profile: Profile, microbatch_size: int) -> LayerCosts:
-    """Interpolate every layer of ``profile`` at ``microbatch_size``."""
-    sizes = profile.microbatch_sizes
-    b = microbatch_size
-    fwd, bwd = _times_at(profile, b)
-    act = tuple(interpolate(sizes, layer.activation_bytes, b) for layer in profile.layers)
-    cut = tuple(interpolate(sizes, layer.transfer_bytes(), b) for layer in profile.layers)
-    params = tuple(layer.param_bytes for layer in profile.layers)
-    inp = interpolate(sizes, profile.input_bytes, b) if profile.input_bytes else 0.0
-    kept: tuple[tuple[tuple[int, float], ...], ...] = ()
-    if any(layer.kept_inputs for layer in profile.layers):
-        kept = tuple(
-            tuple((k.offset, interpolate(sizes, k.bytes, b, clamp=False)) for k in layer.kept_inputs or ())
-            for layer in profile.layers
-        )
-    split = [split_backward(sizes, layer, b, total) for layer, total in zip(profile.layers, bwd, strict=True)]
-    bin_ = tuple(x for x, _ in split)
-    bwt = tuple(y for _, y in split)
-    wgrad = tuple(
-        interpolate(sizes, layer.weight_grad_bytes, b) if layer.weight_grad_bytes is not None else a
-        for layer, a in zip(profile.layers, act, strict=True)
-    )
-    return LayerCosts(
-        microbatch_size=b,
-        forward_ms=fwd,
-        backward_ms=bwd,
-        input_ms=bin_,
-        weight_ms=bwt,
-        activation_bytes=act,
-        weight_grad_bytes=wgrad,
-        param_bytes=params,
-        cut_bytes=cut,
-        input_bytes=inp,
-        prefix_forward=_prefix(fwd),
-        prefix_backward=_prefix(bwd),
-        prefix_activation=_prefix(act),
-        prefix_param=tuple(int(x) for x in _prefix(params)),
-        kept_inputs=kept,
-        activation_slack=max((-sum(min(0.0, n) for _, n in entries) for entries in kept), default=0.0),
-        prefix_input=_prefix(bin_),
-        prefix_weight=_prefix(bwt),
-        prefix_weight_grad=_prefix(wgrad),
-        prefix_grad=_prefix([min(x, y) for x, y in zip(bwd, bin_, strict=True)]),
-        min_forward_share=min((f / (f + b_) for f, b_ in zip(fwd, bwd, strict=True) if f + b_ > 0), default=0.0),
-        params_in_every_layer=all(p > 0 for p in params),
-    )
-
-
-def split_backward(sizes: Sequence[int], layer: LayerProfile, b: int, backward: float) -> tuple[float, float]:
-    """A layer's (input-gradient, weight-gradient) ms at micro-batch size ``b``.
-
-    Profiles that measured the split give it (each part fitted like every series); a profile
-    that gives one part gets the other as the rest of ``backward``; older profiles without
-    either split the backward in half (a matrix product's two gradients cost the same).
-    The two parts never sum to less than the backward: when measured parts do, both are
-    scaled up to it (so a split backward is never cheaper than the whole one, and every
-    bound that counts a backward as work holds for split schedules too).
-    """
-    if layer.backward_input_ms is None and layer.backward_weight_ms is None:
-        return backward / 2, backward / 2
-    if layer.backward_input_ms is not None and layer.backward_weight_ms is not None:
-        i = scaling.at_size(sizes, layer.backward_input_ms, b)
-        w = scaling.at_size(sizes, layer.backward_weight_ms, b)
-    elif layer.backward_input_ms is not None:
-        i = min(backward, scaling.at_size(sizes, layer.backward_input_ms, b))
-        w = backward - i
-    else:
-        assert layer.backward_weight_ms is not None
-        w = min(backward, scaling.at_size(sizes, layer.backward_weight_ms, b))
-        i = backward - w
-    if i + w < backward:
-        if i + w <= 0:
-            return backward / 2, backward / 2
-        scale = backward / (i + w)
-        i, w = i * scale, w * scale
-    return i, w
-
-
-#: bytes per element of the dtypes a profile or a plan may name
-DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
-#: metadata key of a profile rescaled by :func:`profile_in_dtype`: the original structure fingerprint
-_SHA_KEY = SHA_KEY
-
-
-def profile_in_dtype(profile: Profile, dtype: str | None) -> Profile:
-    """``profile`` with its memory in the bytes of a run in ``dtype`` (the memory-by-dtype hook).
-
-    A run in ``dtype`` computes under autocast with float32 master weights, gradients and
-    optimizer state.  So each layer's ``activation_bytes`` and ``kept_inputs`` are scaled by
-    ``bytes(dtype) / bytes(profile dtype)`` and its ``param_bytes`` by ``4 / bytes(profile
-    dtype)``.  What crosses a cut (``output_bytes``, ``cut_bytes``, ``input_bytes``) and the
-    times keep the profile's values.  ``dtype`` ``None``, a float32 profile for a float32 run,
-    or a profile this function made already: ``profile`` itself.  The element-size ratio is a simplification: autocast keeps
-    normalisation, softmax and residual streams in float32 and saves 16-bit copies of the
-    weights, so a float32 GPT profile run in bfloat16 keeps about 0.67 of its bytes, not 0.5
-    (see the README).  The result keeps the original's structure fingerprint (:func:`structure_sha`).
-    """
-    src = profile.measured_on.dtype
-    if dtype is None or src not in DTYPE_BYTES or _SHA_KEY in profile.metadata:
-        return profile  # nothing asked, an unknown dtype, or rescaled already
-    act = DTYPE_BYTES[dtype] / DTYPE_BYTES[src]
-    par = DTYPE_BYTES["float32"] / DTYPE_BYTES[src]
-    if act == 1 and par == 1:
-        return profile
-    layers = [
-        layer.model_copy(
-            update={
-                "param_bytes": round(layer.param_bytes * par),
-                "activation_bytes": [round(x * act) for x in layer.activation_bytes],
-                "weight_grad_bytes": None
-                if layer.weight_grad_bytes is None
-                else [round(x * act) for x in layer.weight_grad_bytes],
-                "kept_inputs": None
-                if layer.kept_inputs is None
-                else [k.model_copy(update={"bytes": [round(x * act) for x in k.bytes]}) for k in layer.kept_inputs],
-                # the tensor-parallel split of those bytes scales with them
-                "tp_param_bytes": None if layer.tp_param_bytes is None else round(layer.tp_param_bytes * par),
-                **{
-                    key: None if getattr(layer, key) is None else [round(x * act) for x in getattr(layer, key)]
-                    for key in ("tp_replicated_activation_bytes", "sp_replicated_activation_bytes",
-                                "selective_recompute_bytes")
-                },
-            }
-        )
-        for layer in profile.layers
-    ]
-    return profile.model_copy(
-        update={
-            "layers": layers,
-            "measured_on": profile.measured_on.model_copy(update={"dtype": dtype}),
-            "metadata": {**profile.metadata, _SHA_KEY: structure_sha(profile)},
-        }
-    )
-
-
-def structure_sha(profile: Profile) -> str:
-    """The structure fingerprint of the model ``profile`` measured (that of the original
-    profile when it was rescaled by :func:`profile_in_dtype`)."""
-    sha = profile.metadata.get(_SHA_KEY)
-    return sha if isinstance(sha, str) else profile.sha256()
-
-
-def _prefix(values: Sequence[float]) -> tuple[float, ...]:
-    out = [0.0]
-    for v in values:
-        out.append(out[-1] + v)
-    return tuple(out)
-
-
-# --------------------------------------------------------------------------- memory
-
-
-def static_bytes(param_bytes: float, training: TrainingSetup) -> float:
-    """Parameters + gradients + optimizer state."""
-    return param_bytes * (1.0 + training.gradient_bytes_per_param_byte + training.optimizer_state_factor)
-
-
-@dataclass(frozen=True)
-class RankTerms:
-    """What a rank's memory reads of its stages (chunks in increasing stage order): its static
-    bytes, and per chunk the activations, input bytes and bytes held for the weight gradient."""
-
-    static: float
-    acts: tuple[float, ...]
-    inputs: tuple[float, ...]
-    weight_grads: tuple[float, ...]
-
-
-def rank_memory_terms(costs: LayerCosts, ranges: Sequence[tuple[int, int]], training: TrainingSetup) -> RankTerms:
-    """:class:`RankTerms` of a rank holding the stages ``ranges`` (for searches that try many
-    recompute choices)."""
-    params = sum(costs.prefix_param[b] - costs.prefix_param[a] for a, b in ranges)
-    return RankTerms(
-        static_bytes(params, training),
-        tuple(costs.stage_activation_bytes(a, b) for a, b in ranges),
-        tuple(costs.stage_input_bytes(a) for a, _ in ranges),
-        tuple(costs.prefix_weight_grad[b] - costs.prefix_weight_grad[a] for a, b in ranges),
-    )
-
-
-def held_bytes(terms: RankTerms, recompute: Sequence[bool]) -> tuple[list[float], list[float], list[float]]:
-    """Per chunk: bytes a forward holds (its activations, or its input when it recomputes),
-    bytes its input gradient leaves for the weight gradient, and bytes live during its
-    backward (the re-materialized activations of a recomputing chunk)."""
-    rc = list(recompute)
-    hf = [inp if r else act for act, inp, r in zip(terms.acts, terms.inputs, rc, strict=True)]
-    live = [act if r else 0.0 for act, r in zip(terms.acts, rc, strict=True)]
-    return hf, list(terms.weight_grads), live
-
-
-def rank_memory_from_terms(terms: RankTerms, recompute: Sequence[bool], points: Iterable[MemoryPoint]) -> float:
-    """Peak bytes of a rank: its static bytes plus the peak of its walk
-    (:func:`planner.schedules.peak_bytes` of its memory points)."""
-    hf, hw, live = held_bytes(terms, recompute)
-    return terms.static + peak_bytes(points, hf, hw, live)
-
-
-def rank_memory_bytes(
-    costs: LayerCosts,
-    ranges: Sequence[tuple[int, int]],
-    recompute: Sequence[bool],
-    training: TrainingSetup,
-    *,
-    points: Iterable[MemoryPoint],
-) -> float:
-    """Peak bytes of one rank holding the stages ``ranges`` (its chunks, in stage order),
-    from its action list's memory ``points`` (:func:`planner.schedules.memory_points`)."""
-    return rank_memory_from_terms(rank_memory_terms(costs, ranges, training), recompute, points)
-
-
-def memory_lower_bound(terms: RankTerms, recompute: Sequence[bool], counts: Sequence[int]) -> float:
-    """A lower bound of the rank's peak from the closed-form ``counts`` of
-    :func:`planner.schedules.first_backward_counts` (a moment of its walk, when it starts its
-    first backward): static + counts x held bytes, plus the live bytes of the chunk that
-    backward runs on (a recomputing one-chunk rank) - what the solver's bounds use."""
-    hf, _, live = held_bytes(terms, recompute)
-    total = terms.static + sum(c * h for c, h in zip(counts, hf, strict=True))
-    if len(counts) == 1:
-        total += live[0]
-    return total
-
-
-# --------------------------------------------------------------------------- time
-
-
-def transfer_ms(nbytes: float, bandwidth_bytes_per_s: float, latency_s: float) -> float:
-    """Point-to-point time: bytes / bandwidth + latency, in ms."""
-    return (nbytes / bandwidth_bytes_per_s + latency_s) * 1e3
-
-
-def allreduce_ms(nbytes: float, replicas: int, bandwidth_bytes_per_s: float, latency_s: float) -> float:
-    """Ring all-reduce: 2(D-1)/D x bytes / bandwidth, plus 2(D-1) latencies, in ms."""
-    if replicas <= 1 or nbytes <= 0:
-        return 0.0
-    steps = 2 * (replicas - 1)
-    return (steps / replicas * nbytes / bandwidth_bytes_per_s + steps * latency_s) * 1e3
-
-
-def boundary_transfer_ms(
-    costs: LayerCosts,
-    ranges: Sequence[tuple[int, int]],
-    placement: Sequence[Sequence[int]],
-    cluster: Cluster,
-) -> list[float]:
-    """Time to move one micro-batch across each stage boundary (the slowest replica's link).
-
-    Stages on the same device exchange nothing over a link.
-    """
-    out = []
-    for s in range(len(ranges) - 1):
-        nbytes = costs.cut_bytes[ranges[s][1] - 1]
-        worst = 0.0
-        for src, dst in zip(placement[s], placement[s + 1], strict=True):
-            if src != dst:
-                link = cluster.link(src, dst)
-                worst = max(worst, transfer_ms(nbytes, link.bandwidth_bytes_per_s, link.latency_s))
-        out.append(worst)
-    return out
 
 
 def default_devices(
@@ -462,6 +131,8 @@ class StageTimes:
     input: list[float]
     weight: list[float]
     transfer: list[float]
+    #: the recompute in each stage's backward (0 where it does not recompute)
+    recompute: list[float] = field(default_factory=list)
 
 
 def planned_actions(
@@ -546,6 +217,7 @@ def estimate(
     num_microbatches: int,
     schedule: Schedule = "1f1b",
     recompute: bool | Sequence[bool] = False,
+    recompute_layers: Sequence[int | None] | None = None,
     data_parallel: int = 1,
     pipeline_degree: int | None = None,
     devices: Sequence[Sequence[int]] | None = None,
@@ -573,11 +245,14 @@ def estimate(
     (default: :func:`default_devices`).  ``actions`` (one string per rank, as
     ``Plan.actions``) replaces the schedule's own order, e.g. to re-evaluate a plan.
     ``templates`` reuses the schedule templates of earlier estimates (:class:`ScheduleTemplates`).
+    ``recompute_layers[s]``: how many of stage s's first layers a recomputing stage checkpoints
+    (None or absent: all of them; a count > 0 makes the stage recompute).
     """
     profile = profile_in_dtype(profile, training.dtype)
     ranges = [(s.start, s.stop) if isinstance(s, StageRange) else (int(s[0]), int(s[1])) for s in stages]
     mesh = Mesh(tensor_parallel, zero_stage, sequence_parallel, selective_recompute)
-    if selective_recompute and (recompute is True or (not isinstance(recompute, bool) and any(recompute))):
+    full = recompute is True or (not isinstance(recompute, bool) and any(recompute)) or any(recompute_layers or ())
+    if selective_recompute and full:
         raise InputError(
             f"selective recompute and full recompute ({recompute!r}) exclude each other (one recompute "
             "granularity per plan, as in Megatron): drop one of them"
@@ -586,6 +261,7 @@ def estimate(
         return _mesh_estimate(
             profile, cluster, training, ranges, mesh,
             num_microbatches=num_microbatches, schedule=schedule, recompute=recompute,
+            recompute_layers=recompute_layers,
             data_parallel=data_parallel, pipeline_degree=pipeline_degree, devices=devices,
             solver=solver, actions=actions, across_nodes=tensor_parallel_across_nodes, templates=templates,
         )
@@ -636,6 +312,8 @@ def estimate(
     rc = [bool(recompute)] * num_stages if isinstance(recompute, bool) else [bool(x) for x in recompute]
     if len(rc) != num_stages:
         raise InputError(f"recompute has {len(rc)} entries for {num_stages} stages: give one per stage")
+    ckpt = checkpoint_counts(ranges, rc, recompute_layers)
+    rc = [n > 0 for n in ckpt]
     placement = placement_of(schedule)
     devs = (
         [list(d) for d in devices]
@@ -649,9 +327,12 @@ def estimate(
     costs = layer_costs(profile, b)
 
     times = stage_times(costs, ranges, rc, [min(cluster.devices[d].speed for d in devs[s]) for s in range(num_stages)],
-                        boundary_transfer_ms(costs, ranges, devs, cluster))
+                        boundary_transfer_ms(costs, ranges, devs, cluster), checkpointed=ckpt)
     own_stages = rank_stages(placement, k, v)
-    terms = [rank_memory_terms(costs, [ranges[s] for s in own], training) for own in own_stages]
+    terms = [
+        rank_memory_terms(costs, [ranges[s] for s in own], training, checkpointed=[ckpt[s] for s in own])
+        for own in own_stages
+    ]
     limit_rank = [
         int(min(cluster.devices[d].memory_bytes for s in own for d in devs[s]) * (1 - training.memory_margin))
         for own in own_stages
@@ -689,12 +370,16 @@ def estimate(
     points = templates.memory(*shape) if templates is not None and shape else memory_points(orders, own_stages)
     mem_rank: list[float] = []
     ar_rank: list[float] = []
+    parts_rank: list[MemoryParts] = []
     for r, own in enumerate(own_stages):
         mem_rank.append(rank_memory_from_terms(terms[r], [rc[s] for s in own], points[r]))
+        parts_rank.append(memory_parts(
+            sum(costs.prefix_param[ranges[s][1]] - costs.prefix_param[ranges[s][0]] for s in own),
+            mem_rank[-1], training,
+        ))
         grad = sum(costs.prefix_param[ranges[s][1]] - costs.prefix_param[ranges[s][0]] for s in own)
         grad_bytes = grad * training.gradient_bytes_per_param_byte
-        replicas = devs[own[0]]
-        link = cluster.intra_node if all(cluster.same_node(replicas[0], d) for d in replicas) else cluster.inter_node
+        link = replica_link(cluster, devs[own[0]])
         ar_rank.append(allreduce_ms(grad_bytes, data_parallel, link.bandwidth_bytes_per_s, link.latency_s))
     # the calibrated fixed cost of a step (optimizer, launch: planner/calibrate.py), 0 as profiled
     overhead = profile.step_overhead_ms
@@ -710,12 +395,15 @@ def estimate(
             layer_names=[profile.layers[i].name for i in range(a, e)],
             devices=devs[s],
             recompute=rc[s],
+            recompute_layers=ckpt[s] if 0 < ckpt[s] < e - a else None,
+            recompute_ms=times.recompute[s],
             param_bytes=costs.prefix_param[e] - costs.prefix_param[a],
             forward_ms=times.forward[s],
             backward_ms=times.backward[s],
             backward_input_ms=times.input[s],
             backward_weight_ms=times.weight[s],
             memory_bytes=math.ceil(mem_rank[owner[s]]),
+            memory_parts=parts_rank[owner[s]],
             memory_limit_bytes=limit_rank[owner[s]],
             send_ms=times.transfer[s] if s < num_stages - 1 else 0.0,
         )
@@ -765,6 +453,7 @@ def _mesh_estimate(
     schedule: Schedule,
     recompute: bool | Sequence[bool],
     data_parallel: int,
+    recompute_layers: Sequence[int | None] | None = None,
     pipeline_degree: int | None,
     devices: Sequence[Sequence[int]] | None,
     solver: SolverInfo | None,
@@ -814,22 +503,30 @@ def _mesh_estimate(
     inner = estimate(
         problem.profile, problem.cluster, problem.training, ranges,
         num_microbatches=num_microbatches, schedule=schedule, recompute=recompute,
+        recompute_layers=recompute_layers,
         data_parallel=data_parallel, pipeline_degree=k, devices=virt, solver=solver, actions=actions,
         templates=templates,
     )
     pre = _prefix(problem.param_bytes)
     margin = training.memory_margin
+    rank_of = [stage_rank(inner.placement, x.index, inner.pipeline_degree, inner.virtual_stages) for x in inner.stages]
     stage_plans = []
     for st in inner.stages:
         phys = [d * t for d in st.devices]
         limit = min(
             int(cluster.devices[x].memory_bytes * (1 - margin)) for d in phys for x in range(d, d + t)
         )
+        own = [x for x in inner.stages if rank_of[x.index] == rank_of[st.index]]
+        parts = memory_parts(
+            sum(pre[x.stop] - pre[x.start] for x in own), st.memory_bytes, training,
+            zero=mesh.zero_stage, data_parallel=data_parallel, gathered=problem.gathered_bytes,
+        )
         stage_plans.append(st.model_copy(update={
             "devices": phys,
             "param_bytes": int(pre[st.stop] - pre[st.start]),
             "memory_bytes": st.memory_bytes + problem.gathered_bytes,
             "memory_limit_bytes": limit,
+            "memory_parts": parts,
         }))
     notes = list(inner.notes)
     note = replicated_note(profile, t)
@@ -849,6 +546,33 @@ def _mesh_estimate(
             **mesh_collectives_ms(profile, cluster, training, mesh, problem, inner),
         }),
     })
+
+
+def memory_parts(
+    param_bytes: float,
+    peak_bytes: float,
+    training: TrainingSetup,
+    *,
+    zero: int = 0,
+    data_parallel: int = 1,
+    gathered: int = 0,
+) -> MemoryParts:
+    """What a device's predicted peak ``peak_bytes`` (without ZeRO-3's ``gathered`` bytes) is made
+    of: its ``param_bytes`` (one tensor-parallel rank's, before ZeRO) as parameters, gradients and
+    optimizer state, each sharded over the ``data_parallel`` replicas from ZeRO stage 3, 2 and 1
+    on; the rest of the peak is activations."""
+    d = data_parallel if data_parallel > 1 else 1
+    params = param_bytes / (d if zero >= 3 else 1)
+    grads = param_bytes * training.gradient_bytes_per_param_byte / (d if zero >= 2 else 1)
+    opt = param_bytes * training.optimizer_state_factor / (d if zero >= 1 else 1)
+    static = math.ceil(params) + math.ceil(grads) + math.ceil(opt)
+    return MemoryParts(
+        parameters=math.ceil(params),
+        gradients=math.ceil(grads),
+        optimizer=math.ceil(opt),
+        activations=max(0, math.ceil(peak_bytes) - static),
+        gathered=gathered,
+    )
 
 
 def pipeline_transfer_ms(transfer: Sequence[float], owner: Sequence[int], num_microbatches: int) -> float:
@@ -878,7 +602,7 @@ def mesh_collectives_ms(
     sizes = profile.microbatch_sizes
     tp_f, tp_b = [], []
     for layer in profile.layers:
-        f, bw = tp_collectives_ms(layer, t, cluster.intra_node)
+        f, bw = tp_collectives_ms(layer, t, tp_link(cluster, t))
         tp_f.append(scaling.at_size(sizes, f, b) if any(f) else 0.0)
         tp_b.append(scaling.at_size(sizes, bw, b) if any(bw) else 0.0)
     link = dp_link(cluster, t, d, k)
@@ -887,11 +611,36 @@ def mesh_collectives_ms(
     zero_rank = [0.0] * k
     for st in inner.stages:
         r = stage_rank(inner.placement, st.index, k, inner.virtual_stages)
-        forwards = 2 if st.recompute else 1
+        redone = st.start + st.checkpointed_layers  # layers [start, redone) run their forward twice
         layers = range(st.start, st.stop)
-        tp_rank[r] += m * sum(forwards * tp_f[i] + tp_b[i] for i in layers)
-        zero_rank[r] += m * sum(rs + (forwards + 1) * ag for rs, ag in (zero[i] for i in layers))
+        tp_rank[r] += m * sum((2 if i < redone else 1) * tp_f[i] + tp_b[i] for i in layers)
+        zero_rank[r] += m * sum(rs + (3 if i < redone else 2) * ag for i, (rs, ag) in ((i, zero[i]) for i in layers))
     return {"tensor_parallel_ms": max(tp_rank), "zero_ms": max(zero_rank)}
+
+
+def checkpoint_counts(
+    ranges: Sequence[tuple[int, int]], recompute: Sequence[bool], recompute_layers: Sequence[int | None] | None
+) -> list[int]:
+    """Per stage, how many of its first layers are checkpointed: ``recompute_layers[s]`` when
+    given (None: all of them where the stage recomputes), else all or none by ``recompute``."""
+    if recompute_layers is None:
+        return [b - a if r else 0 for (a, b), r in zip(ranges, recompute, strict=True)]
+    if len(recompute_layers) != len(ranges):
+        raise InputError(
+            f"recompute_layers has {len(recompute_layers)} entries for {len(ranges)} stages: give one per stage"
+        )
+    out = []
+    for s, ((a, b), r, n) in enumerate(zip(ranges, recompute, recompute_layers, strict=True)):
+        if n is None:
+            out.append(b - a if r else 0)
+        elif not 0 <= n <= b - a:
+            raise InputError(
+                f"stage {s} ({a}:{b}) has {b - a} layers but recompute_layers asks to checkpoint {n}: "
+                f"give 0..{b - a}"
+            )
+        else:
+            out.append(n)
+    return out
 
 
 def stage_times(
@@ -900,16 +649,25 @@ def stage_times(
     recompute: Sequence[bool],
     speed: Sequence[float],
     transfer: Sequence[float],
+    *,
+    checkpointed: Sequence[int] | None = None,
 ) -> StageTimes:
-    """:class:`StageTimes` of a split (each stage at its devices' ``speed``)."""
+    """:class:`StageTimes` of a split (each stage at its devices' ``speed``).  A recomputing
+    stage re-runs the forward of its checkpointed layers (``checkpointed[s]`` first layers;
+    default: all) in its backward."""
     fwd = [(costs.prefix_forward[e] - costs.prefix_forward[a]) / speed[s] for s, (a, e) in enumerate(ranges)]
-    rec = [f if r else 0.0 for f, r in zip(fwd, recompute, strict=True)]
+    pf = costs.prefix_forward
+    rec = [
+        0.0 if not r else f if checkpointed is None else (pf[min(e, a + checkpointed[s])] - pf[a]) / speed[s]
+        for s, ((a, e), f, r) in enumerate(zip(ranges, fwd, recompute, strict=True))
+    ]
     return StageTimes(
         forward=fwd,
         backward=[(costs.prefix_backward[e] - costs.prefix_backward[a]) / speed[s] + rec[s] for s, (a, e) in enumerate(ranges)],
         input=[(costs.prefix_input[e] - costs.prefix_input[a]) / speed[s] + rec[s] for s, (a, e) in enumerate(ranges)],
         weight=[(costs.prefix_weight[e] - costs.prefix_weight[a]) / speed[s] for s, (a, e) in enumerate(ranges)],
         transfer=list(transfer),
+        recompute=rec,
     )
 
 
@@ -936,9 +694,16 @@ def reestimate(
     cluster: Cluster | None = None,
     training: TrainingSetup | None = None,
     solver: SolverInfo | None = None,
+    recompute_layers: Sequence[int | None] | None = None,
+    templates: ScheduleTemplates | None = None,
 ) -> Plan:
     """Re-run :func:`estimate` for the decisions ``plan`` made (stages, M, schedule, recompute,
-    mesh, placement), with ``profile`` and the plan's own cluster and training setup unless given."""
+    mesh, placement), with ``profile`` and the plan's own cluster and training setup unless given.
+    ``recompute_layers`` replaces the stages' checkpointed-layer counts.  With ``templates``, a
+    named schedule runs its template from there (the same order as the plan's actions, without
+    parsing them again)."""
+    own_actions = plan.actions if templates is None or plan.schedule == "planned" else None
+    layers = [s.recompute_layers for s in plan.stages] if recompute_layers is None else list(recompute_layers)
     return estimate(
         profile,
         cluster or plan.cluster,
@@ -947,12 +712,14 @@ def reestimate(
         num_microbatches=plan.num_microbatches,
         schedule=plan.schedule,
         recompute=[s.recompute for s in plan.stages],
+        recompute_layers=layers,
         data_parallel=plan.data_parallel_degree,
         pipeline_degree=plan.pipeline_degree,
         devices=[s.devices for s in plan.stages],
         solver=solver,
         # what runs is the plan's own order (a planned schedule too: it is not rebuilt)
-        actions=plan.actions,
+        actions=own_actions,
+        templates=templates,
         tensor_parallel=plan.tensor_parallel_degree,
         zero_stage=plan.zero_stage,
         sequence_parallel=plan.sequence_parallel,
@@ -975,7 +742,7 @@ def plan_orders(plan: Plan) -> list[list[Action]]:
 
 def simulate_plan(plan: Plan) -> Simulation:
     """Re-run the simulator for a plan (for timelines and charts); needs nothing but the plan."""
-    rec = [s.forward_ms if s.recompute else 0.0 for s in plan.stages]
+    rec = [s.recompute_time_ms for s in plan.stages]
     bwd = [s.backward_ms - r for s, r in zip(plan.stages, rec, strict=True)]
     inp = [s.backward_input_ms - r if s.backward_input_ms is not None else b / 2 for s, r, b in zip(plan.stages, rec, bwd, strict=True)]
     wgt = [s.backward_weight_ms if s.backward_weight_ms is not None else b - i for s, b, i in zip(plan.stages, bwd, inp, strict=True)]

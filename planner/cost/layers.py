@@ -1,0 +1,286 @@
+"""Per-layer costs at one micro-batch size, read from a profile.
+
+Every per-layer quantity of a profile is measured at a few micro-batch sizes;
+:mod:`planner.scaling` fits each series to what physics allows (non-negative, non-decreasing,
+cost per sample non-increasing) and reads it at the size a plan needs.  :class:`LayerCosts`
+holds the result with prefix sums, so a stage's sums cost O(1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+from planner import scaling
+from planner.schema import LayerProfile, Profile
+
+#: profile metadata key of the original structure fingerprint (a profile rescaled by
+#: :func:`profile_in_dtype` or transformed for a mesh keeps its model's fingerprint)
+SHA_KEY = "rescaled_from_structure_sha256"
+
+
+def interpolate(sizes: Sequence[int], values: Sequence[float], b: float, *, clamp: bool = True) -> float:
+    """Value at micro-batch size ``b`` of one series measured at ``sizes``: the physical fit
+    (:func:`planner.scaling.at_size`), or with ``clamp=False`` a signed correction read
+    linearly (:func:`planner.scaling.linear`)."""
+    return scaling.at_size(sizes, values, b) if clamp else scaling.linear(sizes, values, b)
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Every layer's costs at one micro-batch size, with prefix sums for O(1) stage sums.
+
+    ``prefix_x[i]`` is the sum of ``x`` over layers ``0..i-1``, so a stage ``[a, b)`` costs
+    ``prefix_x[b] - prefix_x[a]``.
+    """
+
+    microbatch_size: int
+    forward_ms: tuple[float, ...]
+    backward_ms: tuple[float, ...]
+    #: input- and weight-gradient parts of the backward (split-backward schedules)
+    input_ms: tuple[float, ...]
+    weight_ms: tuple[float, ...]
+    activation_bytes: tuple[float, ...]
+    #: bytes held between the input and the weight gradient
+    weight_grad_bytes: tuple[float, ...]
+    param_bytes: tuple[int, ...]
+    #: bytes crossing a cut right after each layer
+    cut_bytes: tuple[float, ...]
+    #: bytes of the model input
+    input_bytes: float
+    prefix_forward: tuple[float, ...]
+    prefix_backward: tuple[float, ...]
+    prefix_activation: tuple[float, ...]
+    prefix_param: tuple[int, ...]
+    #: per layer: (offset, bytes) a stage starting there keeps of its own inputs once it
+    #: reaches layer + offset (``LayerProfile.kept_inputs``); empty tuples when not profiled
+    kept_inputs: tuple[tuple[tuple[int, float], ...], ...] = ()
+    #: how far below the plain prefix sums a stage's activations can fall (the most negative
+    #: ``kept_inputs`` of any start, as a positive number; 0 for almost every profile): the
+    #: solver's prefix-sum memory bounds subtract it, or step aside, to stay valid
+    activation_slack: float = 0.0
+    prefix_input: tuple[float, ...] = ()
+    prefix_weight: tuple[float, ...] = ()
+    prefix_weight_grad: tuple[float, ...] = ()
+    #: prefix sums of each layer's cheaper of backward and input gradient (what can carry a
+    #: gradient through it), and the least forward share f / (f + b) of any layer
+    prefix_grad: tuple[float, ...] = ()
+    #: prefix sums of ``cut_bytes`` (the inputs of checkpointed layers after a chunk's first)
+    prefix_cut: tuple[float, ...] = ()
+    min_forward_share: float = 0.0
+    #: every layer has parameters (then every pipeline rank all-reduces some gradient bytes)
+    params_in_every_layer: bool = False
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.forward_ms)
+
+    def stage_activation_bytes(self, start: int, stop: int) -> float:
+        """Bytes a stage ``[start, stop)`` keeps for backward per micro-batch, run as one module.
+
+        The layers' ``activation_bytes`` count each saved tensor once, on the first layer that
+        saves it; a stage that starts after a cut also keeps the inputs it receives when its
+        layers save them (``kept_inputs``).
+        """
+        acts = self.prefix_activation[stop] - self.prefix_activation[start]
+        if self.kept_inputs and start > 0:
+            acts += sum(nbytes for offset, nbytes in self.kept_inputs[start] if start + offset < stop)
+        return max(0.0, acts)
+
+    def stage_input_bytes(self, start: int) -> float:
+        """Bytes a stage starting at layer ``start`` receives per micro-batch (what its first
+        checkpointed layer keeps)."""
+        return self.input_bytes if start == 0 else self.cut_bytes[start - 1]
+
+    def checkpoint_bytes(self, start: int, stop: int, layers: int | None = None) -> float:
+        """Bytes a chunk ``[start, stop)`` keeps per micro-batch when its first ``layers`` layers
+        (default: all) are checkpointed one by one, as Megatron, torchtitan and DeepSpeed do.
+
+        A checkpointed layer keeps only its input: the stage's input for the first, for each
+        later one what crosses a cut right before it (``cut_bytes``: its input with any skip
+        connections).  The layers after the checkpointed ones keep their activations.  A tensor
+        two checkpoints share (a skip connection) is counted at each: an upper bound there.
+        """
+        n = stop - start if layers is None else max(0, min(layers, stop - start))
+        if n == 0:
+            return self.stage_activation_bytes(start, stop)
+        inputs = self.stage_input_bytes(start) + self.prefix_cut[start + n - 1] - self.prefix_cut[start]
+        rest = self.prefix_activation[stop] - self.prefix_activation[start + n] if start + n < stop else 0.0
+        return inputs + max(0.0, rest)
+
+    def max_activation(self, start: int, stop: int) -> float:
+        """The largest one layer's activation bytes in ``[start, stop)`` (0 when empty): what a
+        checkpointed chunk re-materialises at once in its backward.  O(1) from a sparse table."""
+        if stop <= start:
+            return 0.0
+        table = self._max_table
+        level = (stop - start).bit_length() - 1
+        return max(table[level][start], table[level][stop - (1 << level)])
+
+    @cached_property
+    def _max_table(self) -> list[list[float]]:
+        """``table[j][i]``: the largest activation of layers ``i .. i + 2**j - 1``."""
+        table = [list(self.activation_bytes)]
+        width = 1
+        while 2 * width <= len(self.activation_bytes):
+            prev = table[-1]
+            table.append([max(prev[i], prev[i + width]) for i in range(len(prev) - width)])
+            width *= 2
+        return table
+
+
+def _times_at(profile: Profile, b: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Every layer's forward and backward time at micro-batch size ``b``."""
+    sizes = profile.microbatch_sizes
+    fwd = tuple(scaling.at_size(sizes, x.forward_ms, b, spread=x.forward_ms_spread) for x in profile.layers)
+    bwd = tuple(scaling.at_size(sizes, x.backward_ms, b, spread=x.backward_ms_spread) for x in profile.layers)
+    return fwd, bwd
+
+
+def layer_costs(profile: Profile, microbatch_size: int) -> LayerCosts:
+    """Interpolate every layer of ``profile`` at ``microbatch_size``."""
+    sizes = profile.microbatch_sizes
+    b = microbatch_size
+    fwd, bwd = _times_at(profile, b)
+    act = tuple(interpolate(sizes, layer.activation_bytes, b) for layer in profile.layers)
+    cut = tuple(interpolate(sizes, layer.transfer_bytes(), b) for layer in profile.layers)
+    params = tuple(layer.param_bytes for layer in profile.layers)
+    inp = interpolate(sizes, profile.input_bytes, b) if profile.input_bytes else 0.0
+    kept: tuple[tuple[tuple[int, float], ...], ...] = ()
+    if any(layer.kept_inputs for layer in profile.layers):
+        kept = tuple(
+            tuple((k.offset, interpolate(sizes, k.bytes, b, clamp=False)) for k in layer.kept_inputs or ())
+            for layer in profile.layers
+        )
+    split = [split_backward(sizes, layer, b, total) for layer, total in zip(profile.layers, bwd, strict=True)]
+    bin_ = tuple(x for x, _ in split)
+    bwt = tuple(y for _, y in split)
+    wgrad = tuple(
+        interpolate(sizes, layer.weight_grad_bytes, b) if layer.weight_grad_bytes is not None else a
+        for layer, a in zip(profile.layers, act, strict=True)
+    )
+    return LayerCosts(
+        microbatch_size=b,
+        forward_ms=fwd,
+        backward_ms=bwd,
+        input_ms=bin_,
+        weight_ms=bwt,
+        activation_bytes=act,
+        weight_grad_bytes=wgrad,
+        param_bytes=params,
+        cut_bytes=cut,
+        input_bytes=inp,
+        prefix_forward=_prefix(fwd),
+        prefix_backward=_prefix(bwd),
+        prefix_activation=_prefix(act),
+        prefix_param=tuple(int(x) for x in _prefix(params)),
+        kept_inputs=kept,
+        activation_slack=max((-sum(min(0.0, n) for _, n in entries) for entries in kept), default=0.0),
+        prefix_input=_prefix(bin_),
+        prefix_weight=_prefix(bwt),
+        prefix_weight_grad=_prefix(wgrad),
+        prefix_grad=_prefix([min(x, y) for x, y in zip(bwd, bin_, strict=True)]),
+        prefix_cut=_prefix(cut),
+        min_forward_share=min((f / (f + b_) for f, b_ in zip(fwd, bwd, strict=True) if f + b_ > 0), default=0.0),
+        params_in_every_layer=all(p > 0 for p in params),
+    )
+
+
+def split_backward(sizes: Sequence[int], layer: LayerProfile, b: int, backward: float) -> tuple[float, float]:
+    """A layer's (input-gradient, weight-gradient) ms at micro-batch size ``b``.
+
+    Profiles that measured the split give it (each part fitted like every series); a profile
+    that gives one part gets the other as the rest of ``backward``; older profiles without
+    either split the backward in half (a matrix product's two gradients cost the same).
+    The two parts never sum to less than the backward: when measured parts do, both are
+    scaled up to it (so a split backward is never cheaper than the whole one, and every
+    bound that counts a backward as work holds for split schedules too).
+    """
+    if layer.backward_input_ms is None and layer.backward_weight_ms is None:
+        return backward / 2, backward / 2
+    if layer.backward_input_ms is not None and layer.backward_weight_ms is not None:
+        i = scaling.at_size(sizes, layer.backward_input_ms, b)
+        w = scaling.at_size(sizes, layer.backward_weight_ms, b)
+    elif layer.backward_input_ms is not None:
+        i = min(backward, scaling.at_size(sizes, layer.backward_input_ms, b))
+        w = backward - i
+    else:
+        assert layer.backward_weight_ms is not None
+        w = min(backward, scaling.at_size(sizes, layer.backward_weight_ms, b))
+        i = backward - w
+    if i + w < backward:
+        if i + w <= 0:
+            return backward / 2, backward / 2
+        scale = backward / (i + w)
+        i, w = i * scale, w * scale
+    return i, w
+
+
+#: bytes per element of the dtypes a profile or a plan may name
+DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def profile_in_dtype(profile: Profile, dtype: str | None) -> Profile:
+    """``profile`` with its memory in the bytes of a run in ``dtype`` (the memory-by-dtype hook).
+
+    A run in ``dtype`` computes under autocast with float32 master weights, gradients and
+    optimizer state.  So each layer's ``activation_bytes`` and ``kept_inputs`` are scaled by
+    ``bytes(dtype) / bytes(profile dtype)`` and its ``param_bytes`` by ``4 / bytes(profile
+    dtype)``.  What crosses a cut (``output_bytes``, ``cut_bytes``, ``input_bytes``) and the
+    times keep the profile's values.  ``dtype`` ``None``, a float32 profile for a float32 run,
+    or a profile this function made already: ``profile`` itself.  The element-size ratio is a simplification: autocast keeps
+    normalisation, softmax and residual streams in float32 and saves 16-bit copies of the
+    weights, so a float32 GPT profile run in bfloat16 keeps about 0.67 of its bytes, not 0.5
+    (see the README).  The result keeps the original's structure fingerprint (:func:`structure_sha`).
+    """
+    src = profile.measured_on.dtype
+    if dtype is None or src not in DTYPE_BYTES or SHA_KEY in profile.metadata:
+        return profile  # nothing asked, an unknown dtype, or rescaled already
+    act = DTYPE_BYTES[dtype] / DTYPE_BYTES[src]
+    par = DTYPE_BYTES["float32"] / DTYPE_BYTES[src]
+    if act == 1 and par == 1:
+        return profile
+    layers = [
+        layer.model_copy(
+            update={
+                "param_bytes": round(layer.param_bytes * par),
+                "activation_bytes": [round(x * act) for x in layer.activation_bytes],
+                "weight_grad_bytes": None
+                if layer.weight_grad_bytes is None
+                else [round(x * act) for x in layer.weight_grad_bytes],
+                "kept_inputs": None
+                if layer.kept_inputs is None
+                else [k.model_copy(update={"bytes": [round(x * act) for x in k.bytes]}) for k in layer.kept_inputs],
+                # the tensor-parallel split of those bytes scales with them
+                "tp_param_bytes": None if layer.tp_param_bytes is None else round(layer.tp_param_bytes * par),
+                **{
+                    key: None if getattr(layer, key) is None else [round(x * act) for x in getattr(layer, key)]
+                    for key in ("tp_replicated_activation_bytes", "sp_replicated_activation_bytes",
+                                "selective_recompute_bytes")
+                },
+            }
+        )
+        for layer in profile.layers
+    ]
+    return profile.model_copy(
+        update={
+            "layers": layers,
+            "measured_on": profile.measured_on.model_copy(update={"dtype": dtype}),
+            "metadata": {**profile.metadata, SHA_KEY: structure_sha(profile)},
+        }
+    )
+
+
+def structure_sha(profile: Profile) -> str:
+    """The structure fingerprint of the model ``profile`` measured (that of the original
+    profile when it was rescaled by :func:`profile_in_dtype`)."""
+    sha = profile.metadata.get(SHA_KEY)
+    return sha if isinstance(sha, str) else profile.sha256()
+
+
+def _prefix(values: Sequence[float]) -> tuple[float, ...]:
+    out = [0.0]
+    for v in values:
+        out.append(out[-1] + v)
+    return tuple(out)

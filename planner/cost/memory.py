@@ -1,0 +1,108 @@
+"""Memory: a rank's static bytes and the activations its schedule's walk holds.
+
+Each rank's peak activation bytes come from walking its action list
+(:func:`planner.schedules.memory_points`): a forward adds the stage's activations, an input
+gradient frees what the weight gradient does not need, the weight gradient (or a full backward)
+frees the rest.  Korthikanti et al. 2022 give the bytes a Transformer layer keeps.
+
+Recompute is activation checkpointing layer by layer, as Megatron-LM
+(``--recompute-granularity full``), torchtitan (``activation_checkpoint.mode = "full"``) and
+DeepSpeed run it: a checkpointed layer keeps only its input
+(:meth:`planner.cost.layers.LayerCosts.checkpoint_bytes`), and its backward re-runs that one
+layer, whose activations are live only then (:meth:`~planner.cost.layers.LayerCosts.max_activation`:
+the largest layer of the chunk, one at a time).  A chunk may checkpoint only its first layers
+(Megatron's ``--recompute-method block``): the others keep their activations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from planner.cost.layers import LayerCosts
+from planner.schedules import MemoryPoint, peak_bytes
+from planner.schema import TrainingSetup
+
+
+def static_bytes(param_bytes: float, training: TrainingSetup) -> float:
+    """Parameters + gradients + optimizer state."""
+    return param_bytes * (1.0 + training.gradient_bytes_per_param_byte + training.optimizer_state_factor)
+
+
+@dataclass(frozen=True)
+class RankTerms:
+    """What a rank's memory reads of its stages (chunks in increasing stage order): its static
+    bytes, and per chunk the activations it keeps without recompute, what it keeps when it
+    recomputes (its checkpointed layers' inputs and the other layers' activations), the bytes
+    live during a recomputing chunk's backward (its largest checkpointed layer) and the bytes
+    held for the weight gradient."""
+
+    static: float
+    acts: tuple[float, ...]
+    checkpoints: tuple[float, ...]
+    lives: tuple[float, ...]
+    weight_grads: tuple[float, ...]
+
+
+def rank_memory_terms(
+    costs: LayerCosts,
+    ranges: Sequence[tuple[int, int]],
+    training: TrainingSetup,
+    *,
+    checkpointed: Sequence[int | None] | None = None,
+) -> RankTerms:
+    """:class:`RankTerms` of a rank holding the stages ``ranges`` (for searches that try many
+    recompute choices).  ``checkpointed[j]``: how many of chunk j's first layers a recompute
+    checkpoints (default, or None: all of them)."""
+    params = sum(costs.prefix_param[b] - costs.prefix_param[a] for a, b in ranges)
+    counts = [None] * len(ranges) if checkpointed is None else list(checkpointed)
+    ends = [b if n is None else min(b, a + n) for (a, b), n in zip(ranges, counts, strict=True)]
+    return RankTerms(
+        static_bytes(params, training),
+        tuple(costs.stage_activation_bytes(a, b) for a, b in ranges),
+        tuple(costs.checkpoint_bytes(a, b, n) for (a, b), n in zip(ranges, counts, strict=True)),
+        tuple(costs.max_activation(a, e) for (a, _), e in zip(ranges, ends, strict=True)),
+        tuple(costs.prefix_weight_grad[b] - costs.prefix_weight_grad[a] for a, b in ranges),
+    )
+
+
+def held_bytes(terms: RankTerms, recompute: Sequence[bool]) -> tuple[list[float], list[float], list[float]]:
+    """Per chunk: bytes a forward holds (its activations, or its checkpoints when it
+    recomputes), bytes its input gradient leaves for the weight gradient, and bytes live during
+    its backward (the one re-materialised layer of a recomputing chunk)."""
+    rc = list(recompute)
+    hf = [ck if r else act for act, ck, r in zip(terms.acts, terms.checkpoints, rc, strict=True)]
+    live = [lv if r else 0.0 for lv, r in zip(terms.lives, rc, strict=True)]
+    return hf, list(terms.weight_grads), live
+
+
+def rank_memory_from_terms(terms: RankTerms, recompute: Sequence[bool], points: Iterable[MemoryPoint]) -> float:
+    """Peak bytes of a rank: its static bytes plus the peak of its walk
+    (:func:`planner.schedules.peak_bytes` of its memory points)."""
+    hf, hw, live = held_bytes(terms, recompute)
+    return terms.static + peak_bytes(points, hf, hw, live)
+
+
+def rank_memory_bytes(
+    costs: LayerCosts,
+    ranges: Sequence[tuple[int, int]],
+    recompute: Sequence[bool],
+    training: TrainingSetup,
+    *,
+    points: Iterable[MemoryPoint],
+) -> float:
+    """Peak bytes of one rank holding the stages ``ranges`` (its chunks, in stage order),
+    from its action list's memory ``points`` (:func:`planner.schedules.memory_points`)."""
+    return rank_memory_from_terms(rank_memory_terms(costs, ranges, training), recompute, points)
+
+
+def memory_lower_bound(terms: RankTerms, recompute: Sequence[bool], counts: Sequence[int]) -> float:
+    """A lower bound of the rank's peak from the closed-form ``counts`` of
+    :func:`planner.schedules.first_backward_counts` (a moment of its walk, when it starts its
+    first backward): static + counts x held bytes, plus the live bytes of the chunk that
+    backward runs on (a recomputing one-chunk rank) - what the solver's bounds use."""
+    hf, _, live = held_bytes(terms, recompute)
+    total = terms.static + sum(c * h for c, h in zip(counts, hf, strict=True))
+    if len(counts) == 1:
+        total += live[0]
+    return total
