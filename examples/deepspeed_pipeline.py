@@ -3,8 +3,8 @@
 DeepSpeed balances a ``PipelineModule`` by parameters, layer type or layer count, and has no
 argument for explicit boundaries.  This subclass overrides ``_partition_layers`` to use the
 boundaries that ``pipeplan export PLAN --to deepspeed -o ds_config.json`` writes, and turns on
-activation checkpointing for the stages the plan recomputes (the whole stage as one checkpoint,
-as pipeplan prices it).  Copy this file next to your training script::
+activation checkpointing for the stages the plan recomputes (layer by layer, each layer its own
+checkpoint, as pipeplan prices it).  Copy this file next to your training script::
 
     from deepspeed_pipeline import PlannedPipelineModule
 
@@ -32,8 +32,8 @@ from deepspeed.runtime.pipe import PipelineModule
 class PlannedPipelineModule(PipelineModule):  # type: ignore[misc]
     """``PipelineModule`` with explicit boundaries: stage ``s`` holds ``layers[parts[s]:parts[s+1]]``.
 
-    ``recompute[s]`` checkpoints stage ``s`` as one block (``activation_checkpoint_interval``
-    = its layer count).  Other keyword arguments go to ``PipelineModule`` (``num_stages``
+    ``recompute[s]`` checkpoints the layers of stage ``s`` one by one
+    (``activation_checkpoint_interval`` = 1: each keeps its input and re-runs in the backward).  Other keyword arguments go to ``PipelineModule`` (``num_stages``
     defaults to ``len(parts) - 1``; give ``topology`` instead for tensor parallelism).
     """
 
@@ -60,7 +60,7 @@ class PlannedPipelineModule(PipelineModule):  # type: ignore[misc]
             kwargs.setdefault("num_stages", len(parts) - 1)
         super().__init__(layers, partition_method="pipeplan", **kwargs)
         if recompute[self.stage_id]:
-            interval = self._local_stop - self._local_start
+            interval = 1
             if hasattr(self, "set_checkpoint_interval"):
                 self.set_checkpoint_interval(interval)
             else:  # DeepSpeed before set_checkpoint_interval existed

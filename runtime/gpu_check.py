@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("runtime gpu check: no CUDA device visible, nothing to check")
         return 0
-    from planner.costmodel import estimate
+    from planner.cost import estimate
     from planner.schema import parse_document
     from profiler import profile
     from profiler.loading import load_entrypoint

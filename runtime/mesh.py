@@ -33,7 +33,10 @@ into what the pipeline stage runs, one function per axis in a fixed order:
    (:func:`_make_sequence_parallel`), so its norms, dropout and residual adds run on 1/T of the
    sequence; consecutive sharded units of a stage hand each other sequence shards, and the
    activations are gathered whole where the stage ends or a unit without a rule follows.
-2. recompute (``torch.utils.checkpoint`` of the whole stage) when the stage plan says so.
+2. recompute: the first ``checkpointed_layers`` units of the stage (``StagePlan.checkpointed_layers``)
+   each under its own ``torch.utils.checkpoint`` (:func:`runtime.modules.checkpoint_layers`):
+   a checkpointed unit keeps only its input and re-runs its forward in the backward, one unit at
+   a time, as Megatron-LM, torchtitan and DeepSpeed checkpoint layer by layer.
 3. :func:`apply_data_sharding` (ZeRO 2 and 3): FSDP2 ``fully_shard`` over "dp_shard" of each
    layer (unit), then of the stage;
    ``reshard_after_forward`` is ``zero_stage == 3``, forced to False under the split-backward
@@ -748,24 +751,26 @@ def apply_mesh(
     spec: MeshSpec,
     mesh: Any,
     *,
-    recompute: bool = False,
+    checkpointed_layers: int = 0,
     shardings: Mapping[int, UnitSharding] | None = None,
     wrap: Callable[[Any], Any] | None = None,
     keep_whole: Iterable[Any] = (),
 ) -> Any:
     """The module a ``PipelineStage`` runs for one stage: tensor parallelism (``shardings``,
-    unit index within the stage -> sharding, from :func:`plan_sharding`), then recompute, then
-    ``wrap`` (e.g. the runtime's autocast), then FSDP2 over the data axis for ZeRO 2 and 3.
+    unit index within the stage -> sharding, from :func:`plan_sharding`), then recompute (the
+    first ``checkpointed_layers`` units each under its own checkpoint), then ``wrap`` (e.g. the
+    runtime's autocast), then FSDP2 over the data axis for ZeRO 2 and 3 (of each unit, a
+    checkpointed one with its checkpoint inside, as torchtitan shards its checkpointed blocks).
     The stage's parameters keep their qualified names inside the units.  ``keep_whole``: the
     parameters FSDP2 must leave alone (tied across pipeline ranks, see
     :func:`apply_data_sharding`)."""
-    from runtime.modules import Recompute
+    from runtime.modules import checkpoint_layers
 
     mod: Any = stage_module
     if spec.tensor_parallel_degree > 1 and shardings:
         apply_tensor_parallel(stage_module, shardings, mesh["tp"], sequence_parallel=spec.sequence_parallel)
-    if recompute:
-        mod = Recompute(mod)
+    if checkpointed_layers:
+        checkpoint_layers(stage_module, checkpointed_layers)
     if wrap is not None:
         mod = wrap(mod)
     if spec.zero_stage >= 2 and spec.data_parallel_degree > 1:

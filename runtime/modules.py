@@ -10,27 +10,43 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 
-class Recompute(nn.Module):
-    """Runs ``inner`` (a :class:`profiler.split.StageModule`) under ``torch.utils.checkpoint``:
-    the stage keeps only its input per micro-batch and recomputes its activations during the
-    backward pass.  The recomputation draws the same random numbers as the forward: the
-    forward's RNG key is captured and reused."""
+class CheckpointedUnit(nn.Module):
+    """Runs ``inner`` (one unit of a :class:`profiler.split.StageModule`) under
+    ``torch.utils.checkpoint`` (non-reentrant): the unit keeps only its inputs per micro-batch
+    and re-runs its own forward in the backward pass, when its first saved tensor is needed.
+
+    The recomputation draws the same random numbers as the forward: the stage module seeds
+    the unit's own stream (:attr:`StageModule.rng`) right before calling it, so the RNG state
+    the checkpoint stashes on entry (``preserve_rng_state``) is that stream's start, and it is
+    restored for the recomputation -- whatever step or micro-batch the streams are at by then.
+    """
 
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()
         self.inner = inner
 
     def forward(self, *args: Any) -> Any:
-        rng = getattr(self.inner, "rng", None)
-        key = rng.key() if rng is not None else None
-        run_with = getattr(self.inner, "run_with", None)
-        if run_with is None:
-            return checkpoint(self.inner, *args, use_reentrant=False)
+        return checkpoint(self.inner, *args, use_reentrant=False, preserve_rng_state=True)
 
-        def run(*a: Any) -> Any:
-            return run_with(a, key)
 
-        return checkpoint(run, *args, use_reentrant=False)
+def checkpoint_layers(stage_module: nn.Module, layers: int) -> nn.Module:
+    """Checkpoint the first ``layers`` units of ``stage_module`` (a ``StageModule``) one by one,
+    as Megatron-LM (``--recompute-method block``), torchtitan and DeepSpeed do; returns it.
+
+    Each of them becomes a :class:`CheckpointedUnit` in place (the stage's other units, its
+    parameters and their names inside the units stay as they are)."""
+    units: Any = getattr(stage_module, "units", None)
+    if units is None:
+        raise TypeError(f"{type(stage_module).__name__} has no units to checkpoint: give a profiler StageModule")
+    if not 0 <= layers <= len(units):
+        raise ValueError(
+            f"cannot checkpoint {layers} layer(s) of a stage of {len(units)}: give a count from 0 to "
+            f"{len(units)} (the plan's recompute_layers)"
+        )
+    for i in range(layers):
+        if not isinstance(units[i], CheckpointedUnit):
+            units[i] = CheckpointedUnit(units[i])
+    return stage_module
 
 
 class Autocast(nn.Module):

@@ -459,6 +459,14 @@ def _fmt(x: float | None, spec: str = ".2f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _recompute_mark(report: RunReport, stage: int) -> str:
+    """The ``rc`` column: ``y`` (every layer checkpointed), ``n`` (none), or how many of the
+    stage's first layers are (a partial recompute)."""
+    st = report.plan.stages[stage]
+    n = st.checkpointed_layers
+    return "n" if n == 0 else "y" if n == st.stop - st.start else str(n)
+
+
 def render_lines(report: RunReport) -> list[str]:
     """The report as plain text lines (two tables and a summary)."""
     out = [
@@ -486,7 +494,7 @@ def render_lines(report: RunReport) -> list[str]:
     ]
     for st in report.stages:
         line = (
-            f"{st.index:>5} {st.pipeline_rank:>4}  {st.layers[:28]:<28} {'y' if st.recompute else 'n':>2}  "
+            f"{st.index:>5} {st.pipeline_rank:>4}  {st.layers[:28]:<28} {_recompute_mark(report, st.index):>2}  "
             f"{_fmt(st.forward_ms):>9} {st.predicted_forward_ms:>8.2f} {_fmt(st.forward_ratio):>5}  "
             f"{_fmt(st.backward_ms):>9} {st.predicted_backward_ms:>8.2f} {_fmt(st.backward_ratio):>5}"
         )

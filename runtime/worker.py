@@ -14,10 +14,11 @@ agree), else on synthetic batches.  Targets reach the last stage through the sch
 float32 master weights (fp16: dynamic loss scaling, one decision for the whole job).  The
 ranks form the plan's ``DeviceMesh`` (:mod:`runtime.mesh`: axes ``("pp", "dp_replicate",
 "dp_shard", "tp")``, rank = (k * D + d) * T + t); each stage module gets tensor parallelism
-(T > 1, the layers with a sharding rule), recompute, autocast, then FSDP2 over the data axis
-(ZeRO 2/3); ZeRO 1 shards the optimizer state.  Gradients are averaged over the data axis
-(the flat all-reduce, for what FSDP2 does not shard), and tied parameters whose copies sit
-on different pipeline ranks have their gradients summed between those ranks;
+(T > 1, the layers with a sharding rule), recompute (its first checkpointed layers, each under
+its own checkpoint), autocast, then FSDP2 over the data axis (ZeRO 2/3); ZeRO 1 shards the
+optimizer state.  Gradients are averaged over the data axis (the flat all-reduce, for what
+FSDP2 does not shard), and tied parameters whose copies sit on different pipeline ranks have
+their gradients summed between those ranks;
 ``--clip-grad-norm`` clips to the norm of that whole gradient (summed over the pipeline
 ranks).  ``--checkpoint DIR [--every N]`` saves model and optimizer state with
 ``torch.distributed.checkpoint`` (:mod:`runtime.checkpoint`, every rank its own shards);
@@ -378,7 +379,7 @@ def _train(
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage
 
-    from planner.costmodel import plan_orders
+    from planner.cost import plan_orders
     from planner.schedules import SPLIT_BACKWARD, format_actions, schedule_actions, stage_ranks
     from profiler.split import RngStreams
     from runtime._comm_timing import (
@@ -470,7 +471,7 @@ def _train(
             mod,
             spec,
             mesh,
-            recompute=sp.recompute,
+            checkpointed_layers=sp.checkpointed_layers,
             shardings=stage_shardings(coords.shardings, sp.start, sp.stop),
             wrap=lambda inner: _wrap_stage(inner, opts, device, plan.schedule in SPLIT_BACKWARD),
             keep_whole=[p for _, p in tied],

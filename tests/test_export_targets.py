@@ -28,7 +28,16 @@ from planner.export import megatron as mg
 from planner.export.mapping import decoder_stack
 from planner.schema import Plan, Schedule
 from profiler.synth import synth_transformer
-from tests.planner.test_export import GPT_TINY, TINY, _plan, _profile, _random_split, read_megatron
+from tests.planner.test_export import (
+    GPT_TINY,
+    TINY,
+    _plan,
+    _profile,
+    _random_split,
+    _units,
+    decoders_checkpointed,
+    read_megatron,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -101,6 +110,71 @@ def test_megatron_core_reads_every_layout() -> None:
         PipelineParallelLayerLayout.from_str("Ett|tt|tL", 3).validate_layer_layout(num_layers=6, mtp_num_layers=None)
 
 
+def _partial_plans() -> list[Plan]:
+    """Plans whose stages checkpoint the first N decoder layers each (all of a stage with fewer)."""
+    tiny = _profile(TINY)  # embed, blocks.0-5, head
+    synth = synth_transformer(layers=12, hidden=256, heads=4, seq=128, vocab=1000)  # embed, blocks.0-11, head
+    return [
+        _plan(tiny, [(0, 3), (3, 5), (5, 8)], m=6, recompute_layers=[2, 1, 1], batch=12),
+        _plan(tiny, [(0, 3), (3, 4), (4, 8)], m=6, recompute_layers=[3, 1, 2], batch=12),
+        _plan(synth, [(0, 4), (4, 8), (8, 11), (11, 14)], k=2, m=4, schedule="interleaved-1f1b",
+              recompute_layers=[3, 2, 2, 2], batch=16),
+    ]  # fmt: skip
+
+
+def test_megatron_core_checkpoints_the_layers_the_plan_checkpoints(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Megatron-core's own TransformerBlock._checkpointed_forward, run under the exported flags on
+    each stage's decoder layers (stub layers, a recording checkpoint): the layers it checkpoints
+    are the plan's, for full recompute (uniform 1) and for the first N of each stage (block N)."""
+    pytest.importorskip("megatron.core")
+    import inspect
+    from types import SimpleNamespace
+
+    import torch
+    from megatron.core.transformer import transformer_block
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    inside: list[bool] = [False]
+    ran: list[tuple[int, bool]] = []
+
+    def recording_checkpoint(fn: Any, distribute: bool, *args: Any) -> Any:
+        inside[0] = True
+        try:
+            return fn(*args)
+        finally:
+            inside[0] = False
+
+    def stub(index: int) -> Any:
+        def layer(hidden_states: Any, context: Any = None, **_: Any) -> Any:
+            ran.append((index, inside[0]))
+            return hidden_states, context
+
+        return layer
+
+    monkeypatch.setattr(transformer_block.tensor_parallel, "checkpoint", recording_checkpoint)
+    forward = transformer_block.TransformerBlock._checkpointed_forward
+    names = set(inspect.signature(forward).parameters) - {"self"}
+    plans = [p for p in [*_partial_plans(), *_plans()] if any(p.stages[s].recompute for s in range(len(p.stages)))]
+    for plan in plans:
+        assert not problems(plan, "megatron")
+        flags = read_megatron(export_plan(plan, "megatron")[0].files[0].text)
+        k = int(str(flags["--pipeline-model-parallel-size"]))
+        config = TransformerConfig(
+            num_layers=decoder_stack([n for s in plan.stages for n in s.layer_names]).num_decoder_layers,
+            hidden_size=64, num_attention_heads=4, pipeline_model_parallel_size=k, pipeline_dtype=torch.float32,
+            recompute_granularity=flags["--recompute-granularity"], recompute_method=flags["--recompute-method"],
+            recompute_num_layers=int(str(flags["--recompute-num-layers"])),
+        )  # fmt: skip
+        for s, units in enumerate(_units(plan)):
+            layers = sum(u.kind == "decoder" for u in units)
+            fake = SimpleNamespace(config=config, num_layers_per_pipeline_rank=layers, _get_layer=stub)
+            ran.clear()
+            forward(fake, **{n: (torch.zeros(1) if n == "hidden_states" else False if n.startswith("use_") else None) for n in names})
+            assert [i for i, _ in ran] == list(range(layers))  # every layer ran once, in order
+            assert sum(c for _, c in ran) == decoders_checkpointed(plan)[s], (flags, s, ran)
+            assert all(c for _, c in ran[: decoders_checkpointed(plan)[s]])  # the first ones
+
+
 # --------------------------------------------------------------------------- torchtitan
 
 
@@ -136,8 +210,11 @@ def test_torchtitan_reads_the_fragment_and_the_overrides() -> None:
         kw_only=True,
     )
 
-    for plan in _plans():
-        text = export_plan(plan, "torchtitan")[0].files[0].text
+    partial = _partial_plans()  # refused (every block or none), written as the nearest plan
+    assert all(problems(plan, "torchtitan") for plan in partial)
+    for plan in [*_plans(), *partial]:
+        near = plan in partial
+        text = export_plan(plan, "torchtitan", use_nearest=near)[0].files[0].text
         toml = tomllib.loads(text)
         par = ParallelismConfig(**toml["parallelism"])  # keyword-only dataclass: unknown keys raise
         tr = TrainingConfig(**toml["training"])
@@ -211,7 +288,7 @@ def test_deepspeed_runs_the_exported_boundaries(tmp_path: Path) -> None:
             if p.is_alive():
                 p.kill()
     assert [(r["stage"], r["start"], r["stop"]) for r in results] == [(0, 0, 3), (1, 3, 8)]
-    assert [r["interval"] for r in results] == [3, 0]  # stage 0 checkpointed as one block
+    assert [r["interval"] for r in results] == [1, 0]  # stage 0 checkpointed layer by layer
     assert all(r["engine"] == "PipelineEngine" and r["gas"] == 4 and math.isfinite(r["loss"]) for r in results)
 
 

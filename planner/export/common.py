@@ -1,10 +1,11 @@
 """What every exporter shares: a plan's decisions, refusals with the nearest plan, the result.
 
-An exporter looks at a plan's *decisions* (:class:`Decisions`: stages, recompute, schedule, M,
-K, D and the mesh axes the schema will carry) and lists the :class:`Problem` s its target cannot
-express.  Each problem offers fixes: candidate decisions the target is closer to expressing.
+An exporter looks at a plan's *decisions* (:class:`Decisions`: stages, recompute and how many
+layers each stage checkpoints, schedule, M, K, D and the mesh axes the schema will carry) and
+lists the :class:`Problem` s its target cannot express.  Each problem offers fixes: candidate
+decisions the target is closer to expressing.
 :func:`nearest` applies fixes until nothing is left to fix, prices every candidate with
-:func:`planner.costmodel.estimate` and keeps the fastest one that fits memory.
+:func:`planner.cost.estimate` and keeps the fastest one that fits memory.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from planner.costmodel import estimate, plan_fits
+from planner.cost import estimate, plan_fits
 from planner.errors import InputError, PipeplanError
 from planner.export.mapping import DecoderStack
 from planner.schedules import (
@@ -48,6 +49,11 @@ def own_actions(plan: Plan) -> tuple[tuple[str, ...], ...] | None:
     return ranks
 
 
+def _all_or_none(stages: Sequence[tuple[int, int]], recompute: Sequence[bool]) -> tuple[int, ...]:
+    """Every layer of each recomputing stage checkpointed, none of the others."""
+    return tuple(b - a if r else 0 for (a, b), r in zip(stages, recompute, strict=True))
+
+
 @dataclass(frozen=True)
 class Decisions:
     """The decisions of a plan that an exporter writes out (layer ranges are ``[start, stop)``).
@@ -57,6 +63,12 @@ class Decisions:
     and default to 1, 0, False.  ``actions`` is the plan's own per-rank action list
     (``"0F3"``, ``"1B2"``, ...) when it carries one that is not its named schedule's template
     (:func:`own_actions`), else ``None``.
+
+    ``checkpointed_layers[s]``: how many of stage ``s``'s first layers are checkpointed, one by
+    one (``StagePlan.checkpointed_layers``: every layer of a recomputing stage unless the plan
+    says fewer, Megatron's ``--recompute-method block``); left empty, every layer of each
+    recomputing stage.  :meth:`replace` keeps it consistent when the stages or ``recompute``
+    change (:meth:`with_recompute` sets both).
     """
 
     stages: tuple[tuple[int, int], ...]
@@ -71,6 +83,11 @@ class Decisions:
     sequence_parallel: bool = False
     actions: tuple[tuple[str, ...], ...] | None = None
     selective_recompute: bool = False
+    checkpointed_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.checkpointed_layers:
+            object.__setattr__(self, "checkpointed_layers", _all_or_none(self.stages, self.recompute))
 
     @classmethod
     def from_plan(cls, plan: Plan) -> Decisions:
@@ -87,10 +104,42 @@ class Decisions:
             sequence_parallel=bool(getattr(plan, "sequence_parallel", False)),
             actions=own_actions(plan),
             selective_recompute=bool(getattr(plan, "selective_recompute", False)),
+            checkpointed_layers=tuple(s.checkpointed_layers for s in plan.stages),
         )
 
     def replace(self, **changes: object) -> Decisions:
+        """These decisions with ``changes``.  New ``stages`` or ``recompute`` without new
+        ``checkpointed_layers``: a stage that checkpointed only its first N layers keeps N
+        (at most its size) when the number of stages stays, every other recomputing stage
+        checkpoints all its layers."""
+        if ("stages" in changes or "recompute" in changes) and "checkpointed_layers" not in changes:
+            stages: tuple[tuple[int, int], ...] = changes.get("stages", self.stages)  # type: ignore[assignment]
+            recompute: tuple[bool, ...] = changes.get("recompute", self.recompute)  # type: ignore[assignment]
+            changes["checkpointed_layers"] = self._carried_checkpoints(stages, recompute)
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    def with_recompute(self, recompute: Sequence[bool]) -> Decisions:
+        """Recompute on the stages ``recompute`` names, every layer of each checkpointed."""
+        flags = tuple(bool(r) for r in recompute)
+        return self.replace(recompute=flags, checkpointed_layers=_all_or_none(self.stages, flags))
+
+    def with_checkpoints(self, counts: Sequence[int]) -> Decisions:
+        """Stage ``s`` checkpoints its first ``counts[s]`` layers (0: it does not recompute)."""
+        return self.replace(recompute=tuple(n > 0 for n in counts), checkpointed_layers=tuple(counts))
+
+    def _carried_checkpoints(self, stages: Sequence[tuple[int, int]], recompute: Sequence[bool]) -> tuple[int, ...]:
+        same = len(stages) == len(self.stages)
+        out = []
+        for s, ((a, b), r) in enumerate(zip(stages, recompute, strict=True)):
+            old = self.checkpointed_layers[s] if same else 0
+            partial = same and 0 < old < self.stages[s][1] - self.stages[s][0]
+            out.append(0 if not r else min(old, b - a) if partial else b - a)
+        return tuple(out)
+
+    @property
+    def partial_stages(self) -> list[int]:
+        """Stages that checkpoint some of their layers but not all."""
+        return [s for s, ((a, b), n) in enumerate(zip(self.stages, self.checkpointed_layers, strict=True)) if 0 < n < b - a]
 
     def action_lines(self) -> tuple[tuple[str, ...], ...]:
         """Each rank's actions: the plan's own list, or its named schedule's template
@@ -186,7 +235,8 @@ def merge_chunks(d: Decisions) -> list[tuple[str, Decisions]]:
     v = d.virtual_stages
     stages = tuple((d.stages[r * v][0], d.stages[r * v + v - 1][1]) for r in range(d.pipeline_degree))
     rc = tuple(any(d.recompute[r * v : (r + 1) * v]) for r in range(d.pipeline_degree))
-    return _with_schedule(d.replace(stages=stages, recompute=rc), "1f1b", f"{v} chunks per rank merged into one stage")
+    merged = d.replace(stages=stages, recompute=rc)  # a merged stage checkpoints all its layers, or none
+    return _with_schedule(merged, "1f1b", f"{v} chunks per rank merged into one stage")
 
 
 def to_1f1b(d: Decisions) -> list[tuple[str, Decisions]]:
@@ -228,7 +278,7 @@ def uniform_recompute(d: Decisions, applies: Sequence[bool]) -> list[tuple[str, 
     """Recompute on every stage where the target's recompute ``applies``, or on none."""
     on = tuple(bool(a) for a in applies)
     off = tuple(False for _ in applies)
-    return [("recompute on every stage", d.replace(recompute=on)), ("recompute on no stage", d.replace(recompute=off))]
+    return [("recompute on every stage", d.with_recompute(on)), ("recompute on no stage", d.with_recompute(off))]
 
 
 def snap_cuts(d: Decisions, legal: Callable[[int], bool], what: str) -> list[tuple[str, Decisions]]:
@@ -268,10 +318,12 @@ def cut_problems(d: Decisions, names: Sequence[str], stack: DecoderStack, why: s
 
 def recompute_problems(d: Decisions, stack: DecoderStack, why: str) -> list[Problem]:
     """Recompute that is on for some stages with decoder layers and off for others (a stage
-    without decoder layers does not count: these targets recompute decoder layers only)."""
-    applies = [stack.decoder_layers(a, b) > 0 for a, b in d.stages]
-    on = [s for s, (r, ap) in enumerate(zip(d.recompute, applies, strict=True)) if ap and r]
-    off = [s for s, (r, ap) in enumerate(zip(d.recompute, applies, strict=True)) if ap and not r]
+    without decoder layers does not count, nor does a checkpointed embedding before them: these
+    targets recompute decoder layers only)."""
+    ckpts = decoder_checkpoints(d, stack)
+    applies = [c is not None for c in ckpts]
+    on = [s for s, c in enumerate(ckpts) if c is not None and c.touched]
+    off = [s for s, c in enumerate(ckpts) if c is not None and not c.touched]
     if not on or not off:
         return []
     return [
@@ -281,6 +333,55 @@ def recompute_problems(d: Decisions, stack: DecoderStack, why: str) -> list[Prob
             "--no-recompute",
         )
     ]
+
+
+@dataclass(frozen=True)
+class DecoderCheckpoints:
+    """What a stage with decoder layers checkpoints of them (the first ones): ``whole`` layers
+    wholly checkpointed, ``touched`` at least in part (a layer cut into parts by split points),
+    of ``layers``."""
+
+    whole: int
+    touched: int
+    layers: int
+
+
+def decoder_checkpoints(d: Decisions, stack: DecoderStack) -> list[DecoderCheckpoints | None]:
+    """Per stage, its :class:`DecoderCheckpoints`; ``None`` for a stage without decoder layers
+    (these targets checkpoint decoder layers only, never the embedding or the head)."""
+    out: list[DecoderCheckpoints | None] = []
+    for (a, b), n in zip(d.stages, d.checkpointed_layers, strict=True):
+        decoders = [u for u in stack.stage_units(a, b) if u.kind == "decoder"]
+        if not decoders:
+            out.append(None)
+            continue
+        touched = {u for u in stack.units[a : a + n] if u.kind == "decoder"}
+        whole = [u for u in touched if u not in stack.units[a + n : b]]
+        out.append(DecoderCheckpoints(len(whole), len(touched), len(decoders)))
+    return out
+
+
+def layers_for_decoders(stack: DecoderStack, start: int, stop: int, decoders: int) -> int:
+    """How many of stage ``[start, stop)``'s first layers to checkpoint so that its first
+    ``decoders`` decoder layers are (all of them: every layer of the stage; 0: none)."""
+    if decoders <= 0:
+        return 0
+    if decoders >= stack.decoder_layers(start, stop):
+        return stop - start
+    seen = 0
+    for i in range(start, stop):
+        unit = stack.units[i]
+        if unit.kind == "decoder" and (i + 1 == stop or stack.units[i + 1] != unit):
+            seen += 1
+            if seen == decoders:
+                return i + 1 - start
+    return stop - start
+
+
+def checkpoint_decoders(d: Decisions, stack: DecoderStack, per_stage: Sequence[int]) -> Decisions:
+    """``d`` with stage ``s`` checkpointing its first ``per_stage[s]`` decoder layers."""
+    counts = [layers_for_decoders(stack, a, b, c) for (a, b), c in zip(d.stages, per_stage, strict=True)]
+    return d.with_checkpoints(counts)
 
 
 def _short(stages: Sequence[int]) -> str:
@@ -336,6 +437,7 @@ def price(plan: Plan, d: Decisions, profile: Profile) -> Plan:
         num_microbatches=d.num_microbatches,
         schedule=d.schedule,
         recompute=list(d.recompute),
+        recompute_layers=[n if 0 < n < b - a else None for (a, b), n in zip(d.stages, d.checkpointed_layers, strict=True)],
         data_parallel=d.data_parallel,
         pipeline_degree=d.pipeline_degree,
         devices=[s.devices for s in plan.stages] if same_stages else None,

@@ -6,13 +6,16 @@ batch and ZeRO settings, and under ``pipeline.pipeplan`` the boundaries as posit
 layer list (``parts``: stage *s* holds ``layers[parts[s]:parts[s+1]]``) with per-stage recompute.
 ``examples/deepspeed_pipeline.py`` is a short ``PipelineModule`` subclass that reads them
 (it overrides ``_partition_layers``); copy it next to your training script.  Its ``layers``
-must be one entry per plan layer, in the plan's order (the config lists their names).
+must be one entry per plan layer, in the plan's order (the config lists their names).  A stage
+that recomputes checkpoints its layers one by one (``activation_checkpoint_interval`` = 1), as
+pipeplan's cost model prices it.
 
 Units are list positions, so any model whose layers you can list works.  Refused, with the
 nearest plan: interleaving and GPipe (the pipeline engine runs one stage per rank with its 1F1B
-``TrainSchedule``), ZeRO 2-3 (the pipeline engine allows ZeRO 0-1), an action list.  DeepSpeed's
-``train_batch_size`` is micro-batch x gradient accumulation x data-parallel size, i.e. the plan's
-global batch with M accumulation steps.
+``TrainSchedule``), ZeRO 2-3 (the pipeline engine allows ZeRO 0-1), an action list, and a stage
+that checkpoints only its first layers (the interval checkpoints every layer of the stage: every
+layer of such stages, or none).  DeepSpeed's ``train_batch_size`` is micro-batch x gradient
+accumulation x data-parallel size, i.e. the plan's global batch with M accumulation steps.
 """
 
 from __future__ import annotations
@@ -66,10 +69,19 @@ def problems(d: Decisions, names: Sequence[str]) -> list[Problem]:
         out.append(
             Problem(
                 "selective recompute: DeepSpeed's activation checkpointing recomputes whole layers",
-                lambda x: [("full recompute on every stage", x.replace(selective_recompute=False,
-                                                                       recompute=(True,) * len(x.stages))),
+                lambda x: [("full recompute on every stage",
+                            x.replace(selective_recompute=False).with_recompute((True,) * len(x.stages))),
                            ("no recompute", x.replace(selective_recompute=False))],
                 "--no-selective-recompute",
+            )
+        )
+    if d.partial_stages:
+        out.append(
+            Problem(
+                f"stage(s) {','.join(map(str, d.partial_stages[:6]))} checkpoint only their first layers "
+                f"({', '.join(str(d.checkpointed_layers[s]) for s in d.partial_stages[:6])}): DeepSpeed's "
+                "activation_checkpoint_interval checkpoints every layer of a stage",
+                _whole_stages,
             )
         )
     if d.zero_stage >= 2:
@@ -87,6 +99,15 @@ def problems(d: Decisions, names: Sequence[str]) -> list[Problem]:
             )
         )
     return out
+
+
+def _whole_stages(d: Decisions) -> list[tuple[str, Decisions]]:
+    """The stages that checkpoint only their first layers checkpoint all of them, or none."""
+    partial = set(d.partial_stages)
+    return [
+        ("those stages checkpoint every layer", d.with_recompute(d.recompute)),
+        ("those stages do not recompute", d.with_recompute([r and s not in partial for s, r in enumerate(d.recompute)])),
+    ]
 
 
 def config(d: Decisions, info: PlanInfo) -> dict[str, object]:

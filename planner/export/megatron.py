@@ -15,12 +15,22 @@ What the flags cannot say, and the nearest plan offered instead:
 * interleaving on one pipeline rank: the chunks merge into one stage;
 * recompute on some stages only: ``--recompute-*`` apply to every stage's decoder layers alike
   (the embedding and the loss head are never recomputed), so recompute on all or none;
+* a different number of checkpointed decoder layers per stage: ``--recompute-num-layers`` is one
+  count N, so every stage checkpoints its first N (the largest count of the plan) or none does;
+  likewise a count that ends inside a decoder layer cut into parts: whole layers, fewer or more;
 * ZeRO-3: ``--use-distributed-optimizer`` shards optimizer state and gradients (ZeRO 1-2).
 
-Recompute is written as ``--recompute-granularity full --recompute-method uniform
---recompute-num-layers 1``: every decoder layer recomputes its forward pass in the backward, as
-pipeplan's cost model prices it; Megatron keeps each layer's input (pipeplan counts one input per
-stage), a few MiB per layer and micro-batch in flight more.
+Recompute is activation checkpointing layer by layer, in Megatron as in pipeplan's cost model and
+runtime: each checkpointed decoder layer keeps only its input and re-runs its forward in the
+backward.  A plan that checkpoints every decoder layer of every stage is written as
+``--recompute-granularity full --recompute-method uniform --recompute-num-layers 1``; one that
+checkpoints the first N decoder layers of each stage as ``--recompute-granularity full
+--recompute-method block --recompute-num-layers N`` (Megatron's block method checkpoints the first
+N layers of each pipeline stage, or of each virtual chunk, and all of them on a stage with fewer).
+Megatron never checkpoints the embedding or the output layer and loss; pipeplan counts them among
+a stage's layers, so where a plan checkpoints them its prediction for the first and the last
+stage is below what Megatron keeps there (on the last, the output layer's logits and the loss's
+float32 tensors: a large share with a large vocabulary).
 """
 
 from __future__ import annotations
@@ -32,11 +42,14 @@ from collections.abc import Sequence
 from planner.export.common import (
     CLASSIC_SCHEDULES,
     Decisions,
+    DecoderCheckpoints,
     Export,
     ExportFile,
     PlanInfo,
     Problem,
+    checkpoint_decoders,
     cut_problems,
+    decoder_checkpoints,
     merge_chunks,
     recompute_problems,
     to_1f1b,
@@ -76,7 +89,8 @@ def problems(d: Decisions, names: Sequence[str]) -> list[Problem]:
                 "--virtual-stages 1",
             )
         )
-    out += recompute_problems(d, stack, "Megatron's --recompute-* flags apply to the decoder layers of every stage alike")
+    on_off = recompute_problems(d, stack, "Megatron's --recompute-* flags apply to the decoder layers of every stage alike")
+    out += on_off or checkpoint_problems(d, stack)
     if d.schedule not in CLASSIC_SCHEDULES:
         out.append(
             Problem(
@@ -101,6 +115,65 @@ def problems(d: Decisions, names: Sequence[str]) -> list[Problem]:
             )
         )
     return out
+
+
+def checkpoint_problems(d: Decisions, stack: DecoderStack) -> list[Problem]:
+    """Checkpointed decoder layers that ``--recompute-num-layers`` cannot count: part of a layer,
+    or counts no single N gives (``--recompute-method block``: the first N of each stage)."""
+    ckpts = decoder_checkpoints(d, stack)
+    cut = [s for s, c in enumerate(ckpts) if c is not None and c.whole != c.touched]
+    if cut:
+        s = cut[0]
+        return [
+            Problem(
+                f"stage {s} checkpoints its first {d.checkpointed_layers[s]} layers, which end inside a decoder "
+                "layer: Megatron checkpoints whole decoder layers",
+                lambda x: _whole_decoders(x, stack),
+            )
+        ]
+    if block_count(ckpts) is not None:
+        return []
+    counts = ", ".join(f"{c.whole} of {c.layers}" for c in ckpts if c is not None)
+    return [
+        Problem(
+            f"the stages checkpoint {counts} decoder layers: Megatron's --recompute-num-layers is one count N "
+            "for every stage (--recompute-method block checkpoints the first N decoder layers of each)",
+            lambda x: _block_or_none(x, stack),
+            "--no-recompute",
+        )
+    ]
+
+
+def _block_or_none(d: Decisions, stack: DecoderStack) -> list[tuple[str, Decisions]]:
+    """Every stage checkpoints as many of its first decoder layers as the plan's largest count
+    (all of them where it has fewer), or no stage recomputes."""
+    ckpts = decoder_checkpoints(d, stack)
+    n = max((c.whole for c in ckpts if c is not None), default=0)
+    block = checkpoint_decoders(d, stack, [min(n, c.layers) if c else 0 for c in ckpts])
+    return [
+        (f"every stage checkpoints its first {n} decoder layers", block),
+        ("recompute on no stage", d.with_recompute([False] * len(d.stages))),
+    ]
+
+
+def block_count(ckpts: Sequence[DecoderCheckpoints | None]) -> int | None:
+    """The ``--recompute-num-layers`` N of ``--recompute-method block`` that checkpoints what the
+    stages do (0: none of them recomputes; every layer of every stage: their largest count), or
+    ``None`` when no N does."""
+    present = [c for c in ckpts if c is not None]
+    n = max((c.whole for c in present), default=0)
+    return n if all(c.whole == c.touched == min(n, c.layers) for c in present) else None
+
+
+def _whole_decoders(d: Decisions, stack: DecoderStack) -> list[tuple[str, Decisions]]:
+    """Each stage's checkpoints rounded to whole decoder layers: down, or up."""
+    ckpts = decoder_checkpoints(d, stack)
+    down = [c.whole if c else 0 for c in ckpts]
+    up = [c.touched if c else 0 for c in ckpts]
+    return [
+        ("checkpoints rounded down to whole decoder layers", checkpoint_decoders(d, stack, down)),
+        ("checkpoints rounded up to whole decoder layers", checkpoint_decoders(d, stack, up)),
+    ]
 
 
 def stage_layout(d: Decisions, stack: DecoderStack) -> list[str]:
@@ -163,13 +236,24 @@ def argv(d: Decisions, names: Sequence[str]) -> list[str]:
     elif d.virtual_stages > 1:
         args += ["--num-virtual-stages-per-pipeline-rank", str(d.virtual_stages)]
     args += ["--micro-batch-size", str(d.microbatch_size), "--global-batch-size", str(d.global_batch_size)]
-    if d.selective_recompute:
-        args += ["--recompute-granularity", "selective"]
-    elif any(d.recompute):
-        args += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    args += recompute_args(d, stack)
     if d.zero_stage >= 1:
         args.append("--use-distributed-optimizer")
     return args
+
+
+def recompute_args(d: Decisions, stack: DecoderStack) -> list[str]:
+    """Selective recompute, full recompute of every decoder layer (uniform, 1), of the first N of
+    each stage (block, N), or nothing."""
+    if d.selective_recompute:
+        return ["--recompute-granularity", "selective"]
+    ckpts = decoder_checkpoints(d, stack)
+    n = block_count(ckpts)
+    if not n:
+        return []
+    if all(c is None or c.whole == c.layers for c in ckpts):
+        return ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    return ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", str(n)]
 
 
 def render(d: Decisions, info: PlanInfo, *, output: str = DEFAULT_FILE) -> Export:

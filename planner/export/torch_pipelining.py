@@ -7,7 +7,9 @@ starts with, so stage *s* starts at ``SplitPoint.BEGINNING`` of its first layer'
 Python module of constants (``-o split_plan.py``) to import next to the training script.
 
 Every schedule pipeplan plans exists in torch (``ScheduleGPipe``, ``Schedule1F1B``,
-``ScheduleInterleaved1F1B``), and per-stage recompute is yours to apply (``RECOMPUTE_STAGES``).
+``ScheduleInterleaved1F1B``), and per-stage recompute is yours to apply: stage *s* checkpoints its
+first ``RECOMPUTE_LAYERS[s]`` layers, each under its own ``torch.utils.checkpoint``
+(``RECOMPUTE_STAGES``: the stages with any).
 Refused: a stage that starts at a module's second call (``name#1``), which has no name to split
 at; the cut moves to the nearest layer that has one.  A plan with its own action list is written
 for torch's ``_PipelineScheduleRuntime`` (private API) with the CSV beside it.
@@ -85,8 +87,9 @@ def render(d: Decisions, info: PlanInfo, *, output: str = DEFAULT_FILE) -> Expor
         lines.append('    schedule._load_csv(SCHEDULE_CSV, format="compute_only")')
     lines += [
         "",
-        "Wrap the modules of RECOMPUTE_STAGES in torch.utils.checkpoint (pipeplan prices each as one",
-        "checkpoint: only the stage's input is kept per micro-batch in flight).",
+        "Wrap each of the first RECOMPUTE_LAYERS[s] layers of stage s (STAGE_LAYERS[s]) in its own",
+        "torch.utils.checkpoint: pipeplan prices activation checkpointing layer by layer (a checkpointed",
+        "layer keeps only its input per micro-batch in flight and re-runs its forward in the backward).",
         '"""',
         "",
         "from torch.distributed.pipelining import SplitPoint",
@@ -105,6 +108,7 @@ def render(d: Decisions, info: PlanInfo, *, output: str = DEFAULT_FILE) -> Expor
         f"SCHEDULE_CLASS = {schedule}",
         f'SCHEDULE_KWARGS = {{"n_microbatches": {d.num_microbatches}}}',
         f"RECOMPUTE_STAGES = {[s for s, r in enumerate(d.recompute) if r]}",
+        f"RECOMPUTE_LAYERS = {list(d.checkpointed_layers)}",
     ]
     if d.selective_recompute:  # Megatron's selective recompute on every block (yours to apply)
         lines.append("SELECTIVE_RECOMPUTE = True  # recompute attention's scores, softmax and dropout in the backward")

@@ -17,8 +17,10 @@ M), so torchtitan cuts it into the plan's M micro-batches.  Data parallelism: Ze
 (``data_parallel_replicate_degree`` = D), ZeRO 1-2 shard without resharding after forward
 (``fsdp_reshard_after_forward = "never"``), ZeRO 3 shards (FSDP's default).
 
-Refused, with the nearest plan: a cut inside a decoder layer, and recompute on some stages only
-(torchtitan's activation checkpointing applies to every transformer block alike).  A plan that
+Refused, with the nearest plan: a cut inside a decoder layer, and recompute on some stages only or
+on some decoder layers of a stage only (torchtitan's ``activation_checkpoint.mode = "full"``
+checkpoints every transformer block, each on its own, as pipeplan's runtime checkpoints a
+stage's layers; it has no count of blocks): recompute on every stage, or on none.  A plan that
 carries its own action list is written as ``pipeline_parallel_schedule_csv`` plus the CSV.
 """
 
@@ -36,7 +38,9 @@ from planner.export.common import (
     Problem,
     actions_csv,
     cut_problems,
+    decoder_checkpoints,
     recompute_problems,
+    uniform_recompute,
 )
 from planner.export.mapping import DecoderStack, NotAStack, Unit, decoder_stack
 
@@ -63,8 +67,27 @@ def problems(d: Decisions, names: Sequence[str]) -> list[Problem]:
     except NotAStack as err:
         return [Problem(f"torchtitan splits decoder models (tok_embeddings, layers.N, norm, lm_head): {err}")]
     out = cut_problems(d, names, stack, "module_fqns_per_model_part places whole modules")
-    out += recompute_problems(d, stack, "torchtitan's activation checkpointing applies to every transformer block alike")
-    return out
+    on_off = recompute_problems(d, stack, "torchtitan's activation checkpointing applies to every transformer block alike")
+    return out + (on_off or partial_problems(d, stack))
+
+
+def partial_problems(d: Decisions, stack: DecoderStack) -> list[Problem]:
+    """Stages that checkpoint only some of their decoder layers: full activation checkpointing
+    wraps every transformer block of every stage, or none."""
+    ckpts = decoder_checkpoints(d, stack)
+    present = [c for c in ckpts if c is not None]
+    if all(c.touched == 0 for c in present) or all(c.whole == c.layers for c in present):
+        return []
+    some = [s for s, c in enumerate(ckpts) if c is not None and c.whole < c.layers]
+    applies = [c is not None for c in ckpts]
+    return [
+        Problem(
+            f"stage(s) {','.join(map(str, some[:6]))} checkpoint only some of their decoder layers: torchtitan's "
+            'activation_checkpoint.mode = "full" checkpoints every transformer block, and has no count of blocks',
+            lambda x: uniform_recompute(x, applies),
+            "--no-recompute",
+        )
+    ]
 
 
 def fqns(unit: Unit, head_fqns: Sequence[str] = HEAD_FQNS) -> list[str]:
@@ -110,7 +133,7 @@ def settings(
         },
         "activation_checkpoint": (
             {"mode": "selective", "selective_ac_option": "op"} if d.selective_recompute
-            else {"mode": "full" if any(d.recompute) else "none"}
+            else {"mode": "full" if any(c is not None and c.whole for c in decoder_checkpoints(d, stack)) else "none"}
         ),
     }
 

@@ -9,6 +9,7 @@ import json
 import os
 import random
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeplan.cli import main
-from planner.costmodel import estimate, plan_fits, reestimate
+from planner.cost import estimate, plan_fits, reestimate
 from planner.errors import InputError
 from planner.export import ExportRefused, export_plan, problems
 from planner.export import megatron as mg
@@ -60,6 +61,7 @@ def _plan(
     m: int = 8,
     schedule: Schedule = "1f1b",
     recompute: bool | list[bool] = False,
+    recompute_layers: Sequence[int | None] | None = None,
     d: int = 1,
     batch: int = 32,
     memory: str = "80GiB",
@@ -74,6 +76,7 @@ def _plan(
         num_microbatches=m,
         schedule=schedule,
         recompute=recompute,
+        recompute_layers=recompute_layers,
         data_parallel=d,
         pipeline_degree=kk,
     )
@@ -95,6 +98,33 @@ def read_megatron(text: str) -> dict[str, str | None]:
         parts = line.strip().split(" ", 1)
         flags[parts[0]] = ast.literal_eval(parts[1]) if len(parts) > 1 and parts[1].startswith("'") else (parts[1] if len(parts) > 1 else None)
     return flags
+
+
+def decoders_checkpointed(plan: Plan) -> list[int]:
+    """Per stage, how many decoder layers its first ``checkpointed_layers`` layers hold whole."""
+    stack = decoder_stack([n for s in plan.stages for n in s.layer_names])
+    out = []
+    for stage in plan.stages:
+        end = stage.start + stage.checkpointed_layers
+        rest = stack.units[end : stage.stop]
+        out.append(len({u for u in stack.units[stage.start : end] if u.kind == "decoder" and u not in rest}))
+    return out
+
+
+def flags_checkpoint(flags: dict[str, str | None], units: list[list[Unit]]) -> list[int]:
+    """Per stage, the decoder layers Megatron checkpoints under ``flags``: all of them with
+    ``--recompute-method uniform`` (``--recompute-num-layers 1``), the first N with ``block``
+    (megatron/core/transformer/transformer_block.py ``_checkpointed_forward``), none without."""
+    decoders = [sum(u.kind == "decoder" for u in stage) for stage in units]
+    method = flags.get("--recompute-method")
+    if flags.get("--recompute-granularity") != "full":
+        return [0] * len(units)
+    n = int(str(flags["--recompute-num-layers"]))
+    if method == "uniform":
+        assert n == 1  # one layer per checkpoint: each layer its own
+        return decoders
+    assert method == "block", flags
+    return [min(n, k) for k in decoders]
 
 
 def megatron_stages(flags: dict[str, str | None], num_decoder: int) -> list[str]:
@@ -149,7 +179,7 @@ def check_round_trip(plan: Plan) -> None:
             assert flags["--pipeline-model-parallel-size"] == str(k)
             assert int(str(flags["--micro-batch-size"])) == b
             assert int(str(flags["--global-batch-size"])) == b * m * d == plan.global_batch_size
-            assert ("--recompute-granularity" in flags) == any(s.recompute for s in plan.stages)
+            assert flags_checkpoint(flags, _units(plan)) == decoders_checkpointed(plan)
         elif target == "torchtitan":
             toml = tomllib.loads(text)
             par, tr = toml["parallelism"], toml["training"]
@@ -162,7 +192,7 @@ def check_round_trip(plan: Plan) -> None:
                 assert [f for u in units for f in (["tok_embeddings"] if u.kind == "embedding" else [f"layers.{u.index}"] if u.kind == "decoder" else ["norm", "lm_head"])] == part
             assert tr["local_batch_size"] == b * m and tr["local_batch_size"] // par["pipeline_parallel_microbatch_size"] == m
             assert par["data_parallel_replicate_degree"] * par["data_parallel_shard_degree"] == d
-            assert toml["activation_checkpoint"]["mode"] == ("full" if any(s.recompute for s in plan.stages) else "none")
+            assert toml["activation_checkpoint"]["mode"] == ("full" if any(decoders_checkpointed(plan)) else "none")
         elif target == "deepspeed":
             cfg = json.loads(text)
             planned = cfg["pipeline"]["pipeplan"]
@@ -185,6 +215,7 @@ def check_round_trip(plan: Plan) -> None:
                 assert all(s % k == r for r, ss in stages_of_rank.items() for s in ss)
             assert consts["NUM_MICROBATCHES"] == m and consts["MICROBATCH_SIZE"] == b
             assert consts["RECOMPUTE_STAGES"] == [s.index for s in plan.stages if s.recompute]
+            assert consts["RECOMPUTE_LAYERS"] == [s.checkpointed_layers for s in plan.stages]
 
 
 # --------------------------------------------------------------------------- round trips
@@ -206,7 +237,9 @@ def test_zoo_plans_round_trip(path: Path) -> None:
         schedule: Schedule = "interleaved-1f1b" if v > 1 else rng.choice(["1f1b", "gpipe"])
         stages = _random_split(rng, n, k * v)
         recompute = rng.choice([False, True, [rng.random() < 0.5 for _ in stages]])
-        plan = _plan(profile, stages, k=k, m=2 * k, schedule=schedule, recompute=recompute, d=rng.choice([1, 2]), batch=16 * k)
+        partial = [rng.randint(0, b - a) for a, b in stages] if rng.random() < 0.5 else None
+        plan = _plan(profile, stages, k=k, m=2 * k, schedule=schedule, recompute=recompute, recompute_layers=partial,
+                     d=rng.choice([1, 2]), batch=16 * k)  # fmt: skip
         check_round_trip(plan)
 
 
@@ -355,6 +388,91 @@ def test_recompute_of_stages_without_decoder_layers_does_not_matter_to_megatron(
     export, _ = export_plan(plan, "megatron")
     flags = read_megatron(export.files[0].text)
     assert flags["--recompute-method"] == "uniform" and flags["--pipeline-model-parallel-layout"] == "E|(t*3|)*2L"
+    # nor does a stage that checkpoints only its embedding: Megatron never checkpoints it
+    embedding_only = _plan(profile, [(0, 3), (3, 8)], recompute_layers=[1, 0])
+    assert embedding_only.stages[0].recompute and not problems(embedding_only, "megatron")
+    assert "--recompute-granularity" not in read_megatron(export_plan(embedding_only, "megatron")[0].files[0].text)
+
+
+def test_the_same_partial_recompute_on_every_stage_is_megatrons_block_method() -> None:
+    """Each stage checkpoints its first decoder layer (stage 0 also its embedding before it):
+    Megatron's ``--recompute-method block --recompute-num-layers 1``; the torch export lists
+    the counts; torchtitan (every block or none) and DeepSpeed (every layer of a stage or none)
+    refuse it and offer full recompute or none."""
+    profile = _profile(TINY)  # embed, blocks.0-5, head
+    plan = _plan(profile, [(0, 3), (3, 5), (5, 8)], m=6, batch=12, recompute_layers=[2, 1, 1])
+    assert [s.checkpointed_layers for s in plan.stages] == [2, 1, 1]
+    flags = read_megatron(export_plan(plan, "megatron")[0].files[0].text)
+    assert (flags["--recompute-granularity"], flags["--recompute-method"], flags["--recompute-num-layers"]) == ("full", "block", "1")
+    assert flags_checkpoint(flags, _units(plan)) == decoders_checkpointed(plan) == [1, 1, 1]
+    consts = read_python_constants(export_plan(plan, "torch")[0].files[0].text)
+    assert consts["RECOMPUTE_LAYERS"] == [2, 1, 1] and consts["RECOMPUTE_STAGES"] == [0, 1, 2]
+    for target, reason in (("torchtitan", 'mode = "full" checkpoints every transformer block'),
+                           ("deepspeed", "activation_checkpoint_interval checkpoints every layer")):  # fmt: skip
+        with pytest.raises(ExportRefused, match=reason) as err:
+            export_plan(plan, target, profile=profile)
+        near = err.value.nearest
+        assert near is not None and near.plan is not None
+        assert not problems(near.plan, target)
+        assert near.decisions.checkpointed_layers in ((3, 2, 3), (0, 0, 0))
+        assert [s.checkpointed_layers for s in near.plan.stages] == list(near.decisions.checkpointed_layers)
+    # a stage with fewer decoder layers than N checkpoints all of them, as Megatron's block method does
+    fewer = _plan(profile, [(0, 3), (3, 4), (4, 8)], m=6, batch=12, recompute_layers=[3, 1, 2])
+    flags = read_megatron(export_plan(fewer, "megatron")[0].files[0].text)
+    assert (flags["--recompute-method"], flags["--recompute-num-layers"]) == ("block", "2")
+    assert flags_checkpoint(flags, _units(fewer)) == decoders_checkpointed(fewer) == [2, 1, 2]
+
+
+def test_unequal_partial_recompute_is_refused_by_megatron_with_the_largest_count_or_none() -> None:
+    """Stage 0 checkpoints 1 of its 3 decoder layers, stage 1 2 of 3: no single N says it; the
+    nearest plans are the first 2 on every stage (block 2) or none, the faster one that fits."""
+    profile = _profile(TINY)
+    stages = [(0, 4), (4, 8)]
+    # a memory whose limit lies between the peaks of the two candidates: block 2 fits, none does not
+    block, off = (_plan(profile, stages, recompute_layers=rl, memory="1GiB") for rl in ([3, 2], [0, 0]))
+    peak = [max(s.memory_bytes for s in p.stages) for p in (block, off)]
+    usable = block.stages[0].memory_limit_bytes / 2**30  # the share of a device's memory a plan may use
+    tight = f"{(peak[0] + peak[1]) / 2 / usable:.0f}B"
+    for memory in ("1GiB", tight):
+        plan = _plan(profile, stages, recompute_layers=[2, 2], memory=memory)
+        with pytest.raises(ExportRefused) as err:
+            export_plan(plan, "megatron", profile=profile)
+        assert "the stages checkpoint 1 of 3, 2 of 3 decoder layers" in str(err.value)
+        assert "--no-recompute" in str(err.value)
+        near = err.value.nearest
+        assert near is not None and near.plan is not None
+        block = _plan(profile, stages, recompute_layers=[3, 2], memory=memory)  # embed + blocks.0-1 | blocks.3-4
+        off = _plan(profile, stages, memory=memory)
+        fitting = [p for p in (block, off) if plan_fits(p)]
+        best = min(fitting or [block, off], key=lambda p: p.predicted.step_time_ms)
+        assert [s.checkpointed_layers for s in near.plan.stages] == [s.checkpointed_layers for s in best.stages]
+        assert near.plan.predicted.step_time_ms == pytest.approx(best.predicted.step_time_ms)
+        export, _ = export_plan(plan, "megatron", profile=profile, use_nearest=True)
+        flags = read_megatron(export.files[0].text)
+        assert flags_checkpoint(flags, _units(near.plan)) == decoders_checkpointed(near.plan)
+    # the two memory limits must make different choices, or the test shows nothing
+    assert plan_fits(_plan(profile, stages, memory="1GiB"))
+    assert not plan_fits(_plan(profile, stages, memory=tight))
+    assert plan_fits(_plan(profile, stages, recompute_layers=[3, 2], memory=tight))
+
+
+def test_a_checkpoint_count_that_ends_inside_a_decoder_layer_rounds_to_whole_layers() -> None:
+    """A profile cut inside the blocks (split points): checkpointing the first part of a block
+    is not something Megatron can say; the fix rounds down (not even the embedding: Megatron
+    never checkpoints it) or up (the whole block), and the nearest plan is then block 1 or none."""
+    names = ["embed", "blocks.0.attn", "blocks.0.mlp", "blocks.1.attn", "blocks.1.mlp", "blocks.2.attn", "blocks.2.mlp", "head"]
+    profile = _renamed(_profile(TINY), names)
+    plan = _plan(profile, [(0, 3), (3, 8)], recompute_layers=[2, 2])  # embed + blocks.0.attn | blocks.1
+    found = mg.problems(Decisions.from_plan(plan), names)
+    assert [p.reason for p in found] == ["stage 0 checkpoints its first 2 layers, which end inside a decoder layer: "
+                                         "Megatron checkpoints whole decoder layers"]  # fmt: skip
+    assert found[0].fix is not None
+    assert [d.checkpointed_layers for _, d in found[0].fix(Decisions.from_plan(plan))] == [(0, 2), (3, 2)]
+    with pytest.raises(ExportRefused) as err:
+        export_plan(plan, "megatron", profile=profile)
+    near = err.value.nearest
+    assert near is not None and near.decisions.checkpointed_layers in ((3, 2), (0, 0))
+    assert not mg.problems(near.decisions, names)
 
 
 def test_interleaved_is_refused_by_deepspeed_and_its_chunks_merge() -> None:

@@ -9,7 +9,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from planner.costmodel import estimate
+from planner.cost import estimate
 from planner.schema import LayerProfile, MeasuredOn, Plan, Profile, parse_document
 
 ROOT = Path(__file__).resolve().parents[2]

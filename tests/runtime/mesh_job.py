@@ -77,7 +77,7 @@ def run(rank: int, cfg: dict[str, Any]) -> None:
         reduces_data_gradients,
         stage_shardings,
     )
-    from runtime.modules import stage_examples
+    from runtime.modules import CheckpointedUnit, stage_examples
     from runtime.training import unique_parameters
 
     torch.set_num_threads(1)
@@ -100,7 +100,10 @@ def run(rank: int, cfg: dict[str, Any]) -> None:
         tied = [split.units[u].get_parameter(n) for g in split.shared_parameters() for u, n in g if u in units]
         tied = list({id(p): p for p in tied}.values()) if spec.pipeline_degree > 1 else []
         module = split.stage_module(start, stop, pipeline=True)
-        run_mod = apply_mesh(module, spec, mesh, shardings=stage_shardings(shardings, start, stop), keep_whole=tied)
+        run_mod = apply_mesh(
+            module, spec, mesh, checkpointed_layers=min(cfg.get("recompute", 0), stop - start),
+            shardings=stage_shardings(shardings, start, stop), keep_whole=tied,
+        )  # fmt: skip
         stage = PipelineStage(
             run_mod, k, spec.pipeline_degree, torch.device("cpu"),
             input_args=examples[start][0], output_args=examples[stop - 1][1], group=mesh["pp"].get_group(),
@@ -146,6 +149,7 @@ def run(rank: int, cfg: dict[str, Any]) -> None:
         sharded = sorted({n for n, p in named if isinstance(p, DTensor) and any(not pl.is_replicate() for pl in p.placements)})
         mine = full_parameters(named)
         out: dict[str, Any] = {"rank": rank, "sharded": sharded, "optimizer": type(opt).__name__, "params": len(mine)}
+        out["checkpointed"] = sum(isinstance(u, CheckpointedUnit) for u in module.units)
         if cfg.get("compare", True):
             ref = _reference(dict(cfg, total_steps=cfg["steps"]))
             worst, worst_name = 0.0, ""

@@ -179,6 +179,21 @@ def test_zero3_then_tensor_parallel_resumed_from_its_checkpoint(tmp_path: Path) 
     assert all(r["sharded"] for r in results)  # the blocks are tensor-parallel in plan B
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "mesh",
+    [{"D": 2, "zero": 3, "recompute": 6}, {"T": 2, "recompute": 4}],
+    ids=["zero3-all-layers", "tensor-parallel-first-4"],
+)
+def test_layers_checkpointed_under_fsdp2_and_tensor_parallelism_train_exactly(mesh: dict[str, Any], tmp_path: Path) -> None:
+    """Per-layer recompute composes with the other axes as apply_mesh orders them: each
+    checkpointed unit is sharded by FSDP2 (ZeRO 3 re-gathers its parameters for the backward's
+    re-run) or holds tensor-parallel DTensors; 2 steps on 2 ranks match the unsplit model."""
+    results = _run(tmp_path, K=1, bounds=[0, 6], **mesh)
+    _assert_matches(results)
+    assert all(r["checkpointed"] == mesh["recompute"] and r["sharded"] for r in results)
+
+
 # ------------------------------------------------------------------------- checkpoint files
 
 

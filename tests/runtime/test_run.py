@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from planner.schema import Profile
+from planner.schema import Plan, Profile
 from runtime.steplog import read_log
 from tests.runtime.helpers import (
     make_plan,
@@ -185,3 +185,25 @@ def test_failing_rank_ends_the_job(mode: str, expect: str, profiles, tmp_path: P
     assert "Traceback" not in proc.stderr
     assert elapsed < 60
     assert processes_mentioning(marker) == []
+
+
+def test_partial_recompute_checkpoints_the_first_layers_and_trains_exactly(tmp_path: Path) -> None:
+    """Megatron's ``--recompute-method block`` per stage: stage 0 checkpoints its first 2 of 3
+    layers, stage 1 its first 1 of 3, each layer under its own checkpoint; dropout 0.1 is on, so
+    a re-run layer must draw the forward's masks for --check to pass.  The report marks them."""
+    spec = "tests.runtime.gpt_dropout:tiny"  # examples.gpt:tiny with dropout
+    full = make_plan(structure_profile(spec), [(0, 3), (3, 6)], schedule="1f1b", optimizer="sgd", recompute=True)
+    counts = (2, 1)
+    stages = [st.model_copy(update={"recompute_layers": n}) for st, n in zip(full.stages, counts, strict=True)]
+    plan = full.model_copy(update={"stages": stages})
+    plan_file = write_plan(plan, tmp_path / "plan.json")
+    assert [st.checkpointed_layers for st in Plan.model_validate_json(plan_file.read_text()).stages] == list(counts)
+    report_file = tmp_path / "report.json"
+    proc, _ = run_cli(["run", "--plan", str(plan_file), "--model", spec, "--steps", "3", "--lr", "0.05",
+                       "--check", "--report", str(report_file), "--timeout", "30"])  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    check = json.loads(report_file.read_text())["check"]
+    assert check["passed"] and check["max_loss_rel_diff"] <= 1e-5 and check["max_param_rel_diff"] <= 1e-5, check
+    assert check["losses_reference"][0] != check["losses_reference"][-1]
+    rows = [line.split() for line in proc.stdout.splitlines() if line.split()[:2] in (["0", "0"], ["1", "1"])]
+    assert [row[4] for row in rows] == [str(n) for n in counts], proc.stdout  # the rc column: layers checkpointed
