@@ -36,6 +36,10 @@ What is measured, per unit of :func:`profiler.split.split_model` and per micro-b
   ``W`` starts from.  A unit whose inputs need no gradient (the first) has
   ``I = 0``: its whole backward is ``W``, as the runtime runs it.
 * forward FLOPs from ``torch.utils.flop_counter`` (informational).
+* the **operation census** (``LayerProfile.operations``): per unit and size, the GEMMs,
+  attention and memory-bound bytes of one extra forward, untimed, run after the size's timed
+  steps (:mod:`profiler.census`; the last unit's includes the loss, as its forward time does).
+  A unit whose census forward fails at some size gets none (``metadata.profiler.census_failed``).
 * for units that keep attention's score matrix (eager attention), Megatron's **selective
   recompute**: the bytes of the score tensors kept (softmax output, dropout mask and output)
   and the time to recompute them, :mod:`profiler.selective`; absent on other units.
@@ -61,8 +65,9 @@ import torch
 from torch import Tensor, nn
 
 from planner.errors import InputError
-from planner.schema import LayerProfile, MeasuredOn, Profile
+from planner.schema import LayerProfile, MeasuredOn, Operation, Profile
 from profiler import _torch_private
+from profiler.census import census
 from profiler.loading import call_model, check_example_inputs, default_loss, model_inputs
 from profiler.sampling import (
     TARGET_ERROR,
@@ -282,6 +287,17 @@ def _forward_flops(unit: nn.Module, inputs: Sequence[Any]) -> float | None:
         return None
 
 
+def _forward_census(
+    unit: nn.Module, inputs: Sequence[Any], then: Callable[[Any], Any] | None = None
+) -> list[Operation] | None:
+    """The unit's operation census (:mod:`profiler.census`), ``None`` when its forward fails
+    under the census's dispatch mode."""
+    try:
+        return census(unit, _grad_inputs(inputs), then=then)
+    except Exception:
+        return None
+
+
 def profile(
     model: nn.Module,
     example_inputs: Any,
@@ -487,7 +503,7 @@ def _measure(
     fields = ["forward_ms", "backward_ms", "activation_bytes", "output_bytes", "cut_bytes"]
     fields += ["forward_ms_spread", "backward_ms_spread", "flops"] + (["peak_memory_bytes"] if cuda else [])
     fields += ["backward_input_ms", "backward_weight_ms", "weight_grad_bytes"]
-    fields += ["selective_recompute_bytes", "selective_recompute_ms"]
+    fields += ["selective_recompute_bytes", "selective_recompute_ms", "operations"]
     out: list[dict[str, Any]] = [{f: [] for f in fields} for _ in range(n)]
     timer = _Timer(device, clock)
     floor_ms, tick_ms = timer.floor()
@@ -496,6 +512,7 @@ def _measure(
     bar = _progress(progress, len(sizes))
     samplings: dict[int, Sampling] = {}
     unmeasured: set[str] = set()  # units whose attention scores could not be traced (profiler/selective.py)
+    no_census: set[str] = set()  # units whose census forward failed (profiler/census.py)
     try:
         for k, b in enumerate(sizes):
             batch = resize_batch(inputs, b)
@@ -577,6 +594,12 @@ def _measure(
                 out[i]["weight_grad_bytes"].append(held[i])
                 flops = _forward_flops(unit, frozen_inputs[i])
                 out[i]["flops"].append(flops if flops is not None else 0.0)
+                ops = _forward_census(
+                    unit, frozen_inputs[i], (lambda r: loss(split.rebuild_output(r))) if i == n - 1 else None
+                )
+                if ops is None:
+                    no_census.add(split.names[i])
+                out[i]["operations"].append(ops or [])
                 if cuda:
                     out[i]["peak_memory_bytes"].append(
                         _cuda_peak(unit, frozen_inputs[i], upstream[i], lambda r: loss(split.rebuild_output(r)), i == n - 1)
@@ -599,6 +622,7 @@ def _measure(
                 str(b): [names[i] for i in samplings[b].below_resolution] for b in sizes if samplings[b].below_resolution
             },
             selective_unmeasured=sorted(unmeasured),
+            census_failed=sorted(no_census),
             median_error={str(b): [round(e, 6) if math.isfinite(e) else None for e in samplings[b].error] for b in sizes},
         )
     if not any(out[i]["flops"] and any(out[i]["flops"]) for i in range(n)):
@@ -607,6 +631,9 @@ def _measure(
     for name, d in zip(split.names, out, strict=True):  # no scores kept, or not traced at every size: absent
         if not any(d["selective_recompute_bytes"]) or name in unmeasured:
             d["selective_recompute_bytes"] = d["selective_recompute_ms"] = None
+    for name, d in zip(split.names, out, strict=True):  # a census missing at some size: none
+        if name in no_census:
+            d["operations"] = None
     for d in out:  # {offset: bytes} per size -> [{offset, bytes per size}]
         per_size: list[dict[int, int]] = d.pop("kept")
         offsets = sorted({k for m in per_size for k in m})

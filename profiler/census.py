@@ -1,0 +1,359 @@
+"""The operation census of a layer: the GEMMs, attention and memory-bound kernels one forward runs.
+
+``LayerProfile.operations`` lists, per micro-batch size, the operations of one forward of the
+layer (:class:`planner.schema.Operation`); the device model (:mod:`planner.cost.compute`) prices
+them on devices, micro-batch sizes and tensor-parallel degrees that were not measured.  This
+module records them: one forward of the unit runs under a dispatch mode that sees every ATen
+operator below autograd (:mod:`profiler._torch_dispatch`, the private API), as the profiler runs
+it in training (train mode, autograd on: kernel choices that depend on it match), and maps each
+operator call to an operation:
+
+* **GEMM** ``C[m, n] = A[m, k] B[k, n]``, ``batch`` of them: ``mm``, ``addmm`` (and
+  ``_addmm_activation``), ``bmm``, ``baddbmm``, ``addbmm``; ``mv`` / ``addmv`` as ``n = 1``.
+  ``m`` is the rows of the output: for a linear layer torch flattens the leading dimensions of
+  a ``[b, s, h]`` input into ``b·s`` rows before the product (``view``, ``t``, ``addmm``), so
+  ``m`` is the token dimension, as the census's convention wants; ``k`` the inner dimension,
+  ``n`` the columns (a linear layer's output features: ``B`` is the weight).  A linear layer's
+  bias rides in ``addmm`` (``beta·bias + A B``, added in the product's epilogue): it is no
+  operation of its own.  ``bmm`` is a batch of products with ``batch`` its leading dimension
+  (materialised attention: ``q k^T`` is ``batch = b·heads``, ``m = query length``, ``n = key
+  length``, ``k = head_dim``; there ``m`` stays the sequence, the micro-batch grows ``batch``).
+  ``dtype``: the operands' (``float32``, ``bfloat16``, ``float16``).
+* **convolution** (``aten.convolution``) as the implicit GEMM cuDNN and oneDNN run: per group
+  (``batch = groups``), ``m = N·H_out·W_out`` (one row per output pixel: the token dimension,
+  it grows with the micro-batch), ``n = C_out / groups``, ``k = C_in / groups · kh·kw`` (any
+  number of spatial dimensions).  Per group, not ``n = C_out``: the FLOPs ``2·m·n·k·batch`` are
+  then exactly torch's own count (``torch.utils.flop_counter``).  A transposed convolution is
+  the input gradient of one: ``m = N·H_in·W_in``, ``n = C_out / groups · kh·kw``,
+  ``k = C_in / groups``.  A depthwise convolution is ``groups`` products of ``n = 1``.
+* **attention**, a fused kernel: ``_scaled_dot_product_flash_attention_for_cpu`` (what
+  ``F.scaled_dot_product_attention`` runs on CPU), the CUDA flash, memory-efficient and cuDNN
+  kernels (query ``[batch, heads, query_len, head_dim]``, key ``[batch, kv_heads, key_len,
+  head_dim]``: ``heads`` are the query's, grouped-query attention shares keys but does the
+  work of every query head), and ``_flash_attention_forward`` / ``_efficient_attention_forward``
+  called directly (``[batch, len, heads, head_dim]``; variable-length batches one operation per
+  sequence).  ``causal`` is the kernel's ``is_causal`` (``custom_mask_type`` for the
+  memory-efficient one); a kernel given an explicit mask, causal or not, is ``causal = False``
+  (it does not skip the masked blocks).  ``fused = True``.  A model that materialises attention
+  (``q @ k^T``, softmax, ``@ v``: the zoo GPT, Hugging Face's ``eager`` attention) is recorded as
+  what it runs: its two ``bmm`` GEMMs and the memory-bound scale, mask and softmax.
+* **memory** for every other operator that produces tensors (elementwise, norms, softmax,
+  dropout, embedding, casts, copies, residual adds, the loss): ``bytes`` = its tensor inputs read
+  plus its outputs written.  An input counts its distinct elements (a broadcast, stride-0
+  dimension once); a gather (``embedding``, ``index_select``, ``index``, ``gather``, ``take``)
+  reads the rows it returns, not its whole table; an operator that overwrites its first argument
+  without reading it (``copy_``, ``fill_``, ``zero_``, the random fills) does not count it as
+  read; an in-place operator counts what it reads and writes once each.
+* **nothing** for views and metadata (``view``, ``_unsafe_view``, ``t``, ``transpose``,
+  ``expand``, ``permute``, ``slice``, ``select``, ``detach``, ``alias``, ...: every operator whose
+  result aliases an input without writing it), for allocation without writing (``empty*``,
+  ``resize_``), for operators that return no tensor (``item``, sizes), and for operators that
+  move no bytes (tensors without elements).
+
+Identical operations are merged into one entry with ``count`` (a transformer block is 10 to 20
+entries, not the hundred-odd operator calls it makes), in the order they first ran.  An
+operator whose arguments the census cannot read (a subclass tensor without strides, symbolic
+sizes) is recorded as a memory operation when its bytes can be read, else counted in
+:attr:`Census.unread`; the forward itself is never changed.
+
+``tp_shard`` stays unset (replicated): the profiler's sharding rules (:mod:`profiler.sharding`)
+know that a unit is a transformer block, but not which of its captured products is the
+column-parallel and which the row-parallel linear, and the census does not guess; marking the
+tensor-parallel roles is a later step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from planner.schema import Operation
+from profiler import _torch_dispatch
+
+#: the product's operands A and B, by operator name (``mv``'s B is a vector: n = 1)
+_GEMM_OPERANDS: Mapping[str, tuple[str, str]] = MappingProxyType({
+    "mm": ("self", "mat2"),
+    "addmm": ("mat1", "mat2"),
+    "_addmm_activation": ("mat1", "mat2"),
+    "bmm": ("self", "mat2"),
+    "baddbmm": ("batch1", "batch2"),
+    "addbmm": ("batch1", "batch2"),
+    "mv": ("self", "vec"),
+    "addmv": ("mat", "vec"),
+})
+_GEMMS = _torch_dispatch.aten_overloads(_torch_dispatch.GEMM_OPS)
+_CONVS = _torch_dispatch.aten_overloads(_torch_dispatch.CONV_OPS)
+_ATTENTION = _torch_dispatch.aten_overloads(_torch_dispatch.ATTENTION_OPS)
+_ATTENTION_BSHD = _torch_dispatch.aten_overloads(_torch_dispatch.ATTENTION_BSHD_OPS)
+#: operators that read only the rows they return of their first argument
+_GATHERS = frozenset({"embedding", "index_select", "index", "gather", "take"})
+#: in-place operators that overwrite their first argument without reading it
+_OVERWRITES = frozenset(
+    {"copy_", "fill_", "zero_", "uniform_", "normal_", "bernoulli_", "random_", "exponential_"}
+)
+#: operators that allocate or alias without moving data (views are found from the schema)
+_NO_DATA = frozenset(
+    {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_", "set_", "_unsafe_view"}
+)
+
+#: an operation while counting: its fields as a hashable tuple of (name, value)
+_Key = tuple[tuple[str, Any], ...]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (the census's dtype names)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _tensors(value: Any) -> list[Tensor]:
+    """The tensors of an operator's arguments or results (tensors, lists and tuples of them)."""
+    out: list[Tensor] = []
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, Tensor):
+            out.append(v)
+        elif isinstance(v, list | tuple):
+            stack.extend(reversed(v))
+    return out
+
+
+def _read_bytes(t: Tensor) -> int:
+    """Bytes of the distinct elements of ``t`` (a broadcast, stride-0 dimension counts once)."""
+    if t.numel() == 0:
+        return 0
+    try:
+        elements = math.prod(int(size) for size, stride in zip(t.shape, t.stride(), strict=True) if stride != 0)
+    except (RuntimeError, NotImplementedError):  # no strides (sparse, nested): every element
+        elements = t.numel()
+    return int(elements) * t.element_size()
+
+
+def _written_bytes(t: Tensor) -> int:
+    return int(t.numel()) * t.element_size()
+
+
+def _key(kind: str, **fields: Any) -> _Key:
+    return (("kind", kind), *sorted(fields.items()))
+
+
+def _positive(*dims: int) -> bool:
+    return all(d > 0 for d in dims)
+
+
+# --------------------------------------------------------------------------- GEMM
+
+
+def _gemm(func: Any, bound: dict[str, Any]) -> list[_Key]:
+    a_name, b_name = _GEMM_OPERANDS[_torch_dispatch.operator_name(func)]
+    a, b = bound[a_name], bound[b_name]
+    if a.dim() == 3:  # batched: [batch, m, k] @ [batch, k, n]
+        batch, m, k = (int(x) for x in a.shape)
+        n = int(b.shape[2])
+    else:  # [m, k] @ [k, n] (a vector B: n = 1)
+        batch = 1
+        m, k = (int(x) for x in a.shape)
+        n = int(b.shape[1]) if b.dim() == 2 else 1
+    if not _positive(m, n, k, batch):
+        return []
+    return [_key("gemm", m=m, n=n, k=k, batch=batch, dtype=dtype_name(a.dtype))]
+
+
+def _convolution(bound: dict[str, Any], out: Tensor) -> list[_Key]:
+    x, w = bound["input"], bound["weight"]
+    groups = int(bound.get("groups", 1))
+    window = math.prod(int(s) for s in w.shape[2:])
+    if bound.get("transposed", False):  # weight [C_in, C_out / groups, *kernel]
+        m = int(x.shape[0]) * math.prod(int(s) for s in x.shape[2:])
+        n = int(w.shape[1]) * window
+        k = int(w.shape[0]) // groups
+    else:  # weight [C_out, C_in / groups, *kernel]
+        m = int(out.shape[0]) * math.prod(int(s) for s in out.shape[2:])
+        n = int(w.shape[0]) // groups
+        k = int(w.shape[1]) * window
+    if not _positive(m, n, k, groups):
+        return []
+    return [_key("gemm", m=m, n=n, k=k, batch=groups, dtype=dtype_name(x.dtype))]
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def _attention_key(batch: int, heads: int, q: int, kv: int, d: int, causal: bool, dtype: torch.dtype) -> list[_Key]:
+    if not _positive(batch, heads, q, kv, d):
+        return []
+    return [
+        _key("attention", batch=batch, heads=heads, query_len=q, key_len=kv, head_dim=d,
+             causal=bool(causal), fused=True, dtype=dtype_name(dtype))
+    ]  # fmt: skip
+
+
+def _attention(bound: dict[str, Any]) -> list[_Key]:
+    """A fused kernel on ``[batch, heads, length, head_dim]`` (the ``_scaled_dot_product_*`` ones)."""
+    q, k = bound["query"], bound["key"]
+    b, h, lq, d = (int(x) for x in q.shape)
+    return _attention_key(b, h, lq, int(k.shape[2]), d, bool(bound.get("is_causal", False)), q.dtype)
+
+
+def _lengths(offsets: Any, longest: Any, count: int) -> list[int]:
+    """Per-sequence lengths of a packed batch from its cumulative offsets (the longest, for
+    each sequence, where the offsets cannot be read: fake or meta tensors)."""
+    try:
+        return [int(x) for x in offsets.diff().tolist()]
+    except (RuntimeError, NotImplementedError):
+        return [int(longest)] * count
+
+
+def _attention_bshd(func: Any, bound: dict[str, Any]) -> list[_Key]:
+    """``_flash_attention_forward`` / ``_efficient_attention_forward``: ``[batch, len, heads,
+    head_dim]``, or ``[tokens, heads, head_dim]`` packed with cumulative sequence offsets."""
+    q, k = bound["query"], bound["key"]
+    if "is_causal" in bound:
+        causal = bool(bound["is_causal"])
+        offsets = (bound.get("cum_seq_q"), bound.get("cum_seq_k"))
+        longest = (bound.get("max_q"), bound.get("max_k"))
+    else:
+        causal = int(bound.get("custom_mask_type", 0)) != 0
+        offsets = (bound.get("cu_seqlens_q"), bound.get("cu_seqlens_k"))
+        longest = (bound.get("max_seqlen_q"), bound.get("max_seqlen_k"))
+    if offsets[0] is None or offsets[1] is None:
+        b, lq, h, d = (int(x) for x in q.shape[-4:]) if q.dim() == 4 else (1, *(int(x) for x in q.shape))
+        return _attention_key(b, h, lq, int(k.shape[-3]), d, causal, q.dtype)
+    count = int(offsets[0].numel()) - 1
+    h, d = int(q.shape[-2]), int(q.shape[-1])
+    lens_q = _lengths(offsets[0], longest[0], count)
+    lens_k = _lengths(offsets[1], longest[1], count)
+    out: list[_Key] = []
+    for lq, lk in zip(lens_q, lens_k, strict=True):
+        out += _attention_key(1, h, lq, lk, d, causal, q.dtype)
+    return out
+
+
+# --------------------------------------------------------------------------- memory-bound
+
+
+def _memory(func: Any, bound: dict[str, Any], out: Any) -> list[_Key]:
+    name = _torch_dispatch.operator_name(func)
+    inputs = _tensors(list(bound.values()))
+    outputs = _tensors(out)
+    if not outputs:
+        return []
+    first = next(iter(bound.values()), None)
+    written = sum(_written_bytes(t) for t in outputs)
+    read = 0
+    for i, t in enumerate(inputs):
+        if i == 0 and t is first and name in _OVERWRITES:
+            continue
+        if i == 0 and t is first and name in _GATHERS:
+            read += written  # the rows gathered, not the table
+            continue
+        read += _read_bytes(t)
+    if read + written == 0:
+        return []
+    floating = next((t for t in [*outputs, *inputs] if t.is_floating_point()), outputs[0])
+    return [_key("memory", bytes=read + written, dtype=dtype_name(floating.dtype))]
+
+
+# --------------------------------------------------------------------------- the census
+
+
+def operations_of(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> list[_Key]:
+    """The operations (as counting keys) of one ATen operator call (see the module docstring)."""
+    if not _torch_dispatch.is_operator(func):
+        return []
+    name = _torch_dispatch.operator_name(func)
+    if name in _NO_DATA or _torch_dispatch.returns_view(func):
+        return []
+    bound = _torch_dispatch.bind_arguments(func, args, kwargs)
+    try:
+        if func in _GEMMS:
+            return _gemm(func, bound)
+        if func in _CONVS:
+            return _convolution(bound, _tensors(out)[0])
+        if func in _ATTENTION:
+            return _attention(bound)
+        if func in _ATTENTION_BSHD:
+            return _attention_bshd(func, bound)
+    except (KeyError, IndexError, ValueError, TypeError, RuntimeError, AttributeError):
+        pass  # arguments this census cannot read: the bytes it moves, below
+    return _memory(func, bound, out)
+
+
+class Census:
+    """The operations one forward runs, merged (see the module docstring).
+
+    ``with census.recording(): unit(*inputs)`` records; :meth:`operations` returns them."""
+
+    def __init__(self) -> None:
+        self._counts: dict[_Key, int] = {}
+        #: operator calls whose arguments could not be read at all (nothing recorded for them)
+        self.unread = 0
+
+    def record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        """Count the operations of one operator call (what the dispatch mode calls)."""
+        try:
+            keys = operations_of(func, args, kwargs, out)
+        except Exception:  # never break the forward: count what could not be read
+            self.unread += 1
+            return
+        for key in keys:
+            self._counts[key] = self._counts.get(key, 0) + 1
+
+    def recording(self) -> Any:
+        """A dispatch mode (a context manager) that records every operator call inside it."""
+        base = _torch_dispatch.dispatch_mode()
+        record = self.record
+
+        class CensusMode(base):  # type: ignore[misc, valid-type]
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                kwargs = kwargs or {}
+                out = func(*args, **kwargs)
+                record(func, args, kwargs, out)
+                return out
+
+        return CensusMode()
+
+    def operations(self) -> list[Operation]:
+        """The operations recorded so far, identical ones merged into ``count``, in first-run order."""
+        return [Operation(count=count, **dict(key)) for key, count in self._counts.items()]
+
+
+def census(
+    unit: nn.Module,
+    inputs: Sequence[Any],
+    *,
+    then: Callable[[Any], Any] | None = None,
+) -> list[Operation]:
+    """The operations of one forward of ``unit`` on ``inputs`` (as the profiler runs it: the
+    unit's current mode, autograd on), and of ``then(output)`` when given (the loss, for the
+    last unit, whose measured forward includes it)."""
+    recorder = Census()
+    with recorder.recording():
+        out = unit(*inputs)
+        if then is not None:
+            then(out)
+    return recorder.operations()
+
+
+def gemm_flops(ops: Sequence[Operation]) -> float:
+    """Forward FLOPs of a census: ``2·m·n·k·batch`` per GEMM and ``4·b·h·q·kv·d`` per attention
+    (causal masking not discounted, as ``torch.utils.flop_counter`` counts it), times ``count``;
+    memory-bound operations count none."""
+    total = 0.0
+    for op in ops:
+        if op.kind == "gemm":
+            assert op.m is not None and op.n is not None and op.k is not None
+            total += 2.0 * op.m * op.n * op.k * op.batch * op.count
+        elif op.kind == "attention":
+            assert op.heads is not None and op.query_len is not None
+            assert op.key_len is not None and op.head_dim is not None
+            total += 4.0 * op.batch * op.heads * op.query_len * op.key_len * op.head_dim * op.count
+    return total
+
+
+__all__ = ["Census", "census", "dtype_name", "gemm_flops", "operations_of"]
