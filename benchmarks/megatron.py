@@ -13,8 +13,9 @@ ZeRO-3 comparison without model parallelism: 174.6B, batch 1536, 384 GPUs, micro
 For each row:
 
 1. the model is synthesized (``profiler.synth.synth_transformer``: GPT blocks, embedding, LM
-   head; its MFU is the one efficiency constant, fitted once for all rows so that the
-   predictions' geometric mean matches the paper's);
+   head), its operation census priced by the device model's a100-80g defaults
+   (``planner/cost/compute.py``; ``--flat-mfu``: one efficiency constant fitted once for all rows
+   so that the predictions' geometric mean matches the paper's, the model before the device model);
 2. Megatron's own configuration is estimated (``planner.cost.estimate``): T and P from
    the table, D = GPUs / (T P), micro-batch 1 (4 in the ZeRO-3 row), full recompute (ZeRO-3 too), 1F1B, interleaved with v = 2
    chunks per device (v = 3 where the layers per stage are a multiple of 3 only) when P > 1,
@@ -91,7 +92,7 @@ def paper_flops(row: Row) -> float:
     return 96 * b * s * n * h * h * (1 + s / (6 * h) + v / (16 * n * h))
 
 
-def profile_of(row: Row, mfu: float) -> Profile:
+def profile_of(row: Row, mfu: float | None) -> Profile:
     return synth_transformer(
         layers=row.layers, hidden=row.hidden, heads=row.heads, seq=SEQ, vocab=VOCAB, device_type="a100-80g",
         dtype="bfloat16", mfu=mfu, microbatch_sizes=(1, 2, 4), name=f"gpt-{row.name}", attention="materialized",
@@ -123,7 +124,7 @@ def chunks(row: Row) -> int:
     return 2 if per % 2 == 0 else (3 if per % 3 == 0 else 1)
 
 
-def megatron_plan(row: Row, mfu: float) -> Plan:
+def megatron_plan(row: Row, mfu: float | None) -> Plan:
     profile = profile_of(row, mfu)
     d = row.gpus // (row.t * row.p)
     v = chunks(row)
@@ -175,6 +176,9 @@ def main() -> int:
     ap.add_argument("--rows", help="comma-separated row names (default: all)")
     ap.add_argument("--time-limit", type=float, default=2.0, help="plan time limit per row (s)")
     ap.add_argument("--no-plan", action="store_true", help="only (a): Megatron's configurations")
+    ap.add_argument("--flat-mfu", action="store_true",
+                    help="price layers at one fitted fraction of peak (the model before the device model) "
+                    "instead of the device model's defaults")
     args = ap.parse_args()
     rows = [*TABLE1, ZERO3]
     if args.rows:
@@ -182,13 +186,16 @@ def main() -> int:
         rows = [r for r in rows if r.name in keep or r.name.split()[0] in keep]
 
     # (a) one efficiency constant: the synthesized MFU, fitted on Table 1's rows in two passes
-    mfu = 0.5
-    for _ in range(2):
+    mfu: float | None = None if not args.flat_mfu else 0.5
+    for _ in range(2 if args.flat_mfu else 0):
         ratios = [predicted_tflops(r, megatron_plan(r, mfu)) / r.tflops for r in rows if not r.zero3]
         if not ratios:
             break
         mfu = min(1.0, mfu / math.exp(statistics.fmean(math.log(x) for x in ratios)))
-    print(f"efficiency constant (synthesized MFU, all rows): {mfu:.3f} of {PEAK / 1e12:.0f} TFLOP/s")
+    if mfu is not None:
+        print(f"efficiency constant (synthesized MFU, all rows): {mfu:.3f} of {PEAK / 1e12:.0f} TFLOP/s")
+    else:
+        print("the device model's a100-80g defaults (planner/cost/compute.py): no constant fitted")
     header = (
         f"{'model':>14} {'T':>2} {'P':>3} {'GPUs':>5} {'B':>5} | {'paper':>6} {'pred':>6} {'(a)':>6} | "
         f"{'Megatron ms':>11} {'ours ms':>10} {'(b)':>5} | {'(c) cpu/wall s':>11} | ours / why"

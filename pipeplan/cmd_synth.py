@@ -27,7 +27,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     t.add_argument("--vocab", type=int, required=True, help="vocabulary size")
     t.add_argument("--device-type", default="h100-80g", help="preset: cpu, a100-40g, a100-80g, h100-80g, h200-141g")
     t.add_argument("--dtype", default="bf16", help="bf16, fp16 or fp32 (default bf16)")
-    t.add_argument("--mfu", type=float, default=0.5, help="achieved fraction of peak FLOP/s (default 0.5)")
+    t.add_argument("--mfu", type=float, default=None,
+                   help="price every layer at this one fraction of peak FLOP/s instead of the device model "
+                   "(default: the device model prices each layer's operation census)")
+    t.add_argument("--gemm-efficiency", type=float, metavar="F",
+                   help="the device model's large-GEMM fraction of peak (default: the device's published "
+                   "figure; fitted constants from pipeplan calibrate or benchmarks/published.py)")
+    t.add_argument("--memory-efficiency", type=float, metavar="F",
+                   help="the device model's fraction of HBM bandwidth for memory-bound kernels (default: the device's)")
     t.add_argument("--microbatch-sizes", default="1,2,4,8", help="comma-separated (default 1,2,4,8)")
     t.add_argument("--tied-embeddings", action="store_true", help="LM head shares the embedding weights")
     t.add_argument("--no-dropout", action="store_true", help="the model trains without dropout")
@@ -43,11 +50,25 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from pipeplan.cmd_profile import parse_sizes
+    from planner.cost.compute import DeviceConstants, default_constants
     from planner.errors import InputError, PipeplanError
     from profiler.summary import print_summary
     from profiler.synth import synth_transformer
 
     sizes = parse_sizes(args.microbatch_sizes)
+    constants = None
+    if args.gemm_efficiency is not None or args.memory_efficiency is not None:
+        if args.mfu is not None:
+            raise InputError("--mfu prices layers without the device model: give it or the device model's "
+                             "--gemm-efficiency / --memory-efficiency, not both")
+        try:
+            base = default_constants(args.device_type)
+            constants = DeviceConstants(
+                gemm_efficiency=base.gemm_efficiency if args.gemm_efficiency is None else args.gemm_efficiency,
+                memory_efficiency=base.memory_efficiency if args.memory_efficiency is None else args.memory_efficiency,
+            )
+        except ValueError as err:
+            raise InputError(str(err)) from None
     if args.ffn is not None and args.ffn < 1:
         raise InputError(f"--ffn must be >= 1, got {args.ffn}")
     try:
@@ -61,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
             device_type=args.device_type,
             dtype=args.dtype,
             mfu=args.mfu,
+            constants=constants,
             microbatch_sizes=tuple(sizes),
             tied_embeddings=args.tied_embeddings,
             dropout=not args.no_dropout,

@@ -244,8 +244,10 @@ def _census_scales(
     """Per profiled micro-batch size, the device model's shard / whole times of the layer's census
     (:mod:`planner.cost.compute`): the measured times are the truth, the device model scales them
     to the shard (small GEMMs under a large T run less efficiently, which the flat efficiency
-    misses).  None without a census."""
-    if not layer.operations:
+    misses).  None without a census, or with one that does not say which operations shard (the
+    profiler records shapes, not tensor-parallel roles: a layer's census marks them with
+    ``tp_shard``, as synth's does)."""
+    if not layer.operations or not any(o.tp_shard for ops in layer.operations for o in ops):
         return None
     out = []
     for ops in layer.operations:
@@ -536,3 +538,23 @@ def replicated_note(profile: Profile, t: int) -> str | None:
         return None
     shown = ", ".join(names[:6]) + (f", ... ({len(names)} in all)" if len(names) > 6 else "")
     return f"tensor parallelism T={t} divides no work of {shown}: replicated on every device of a group"
+
+
+def flat_scaling_note(profile: Profile, t: int) -> str | None:
+    """The plan's note when tensor parallelism scales some layer without the device model: a
+    sharding layer with no operation census (a profile made before schema version 4), or a
+    profile whose device has no device model."""
+    if t <= 1:
+        return None
+    flat = [
+        x.name for x in profile.layers
+        if x.shards and (census_device(profile) is None or not any(o.tp_shard for ops in x.operations or () for o in ops))
+    ]
+    if not flat:
+        return None
+    shown = ", ".join(flat[:4]) + (f", ... ({len(flat)} in all)" if len(flat) > 4 else "")
+    return (
+        f"tensor parallelism T={t} scales {shown} by the flat tensor_parallel_efficiency: no operation census "
+        "with tensor-parallel roles (synth writes them; a measured profile's census does not yet), or no "
+        "device model for the profile's device"
+    )

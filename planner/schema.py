@@ -22,6 +22,7 @@ from pydantic import (
     Field,
     PlainSerializer,
     ValidationError,
+    model_serializer,
     model_validator,
 )
 
@@ -151,6 +152,12 @@ class Operation(_Model):
     fused: bool = True
     bytes: NonNegInt | None = None
     tp_shard: OperationShard | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_unset(self, handler: Callable[[Any], Any]) -> Any:
+        """Written without the fields the kind does not use (a census has hundreds of entries)."""
+        data = handler(self)
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
     @model_validator(mode="after")
     def _fields_of_kind(self) -> Operation:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from planner.schema import Cluster, Plan, PlanOptions, Profile, TrainingSetup
 from planner.search.axes import solve as search
-from planner.search.partial import partial_recompute
+from planner.search.partial import searched_options, with_partial_recompute
 
 __all__ = ["solve"]
 
@@ -22,4 +22,5 @@ def solve(profile: Profile, cluster: Cluster, training: TrainingSetup, options: 
     """The fastest plan that fits (:mod:`planner.search.axes`), then checkpointing only the
     layers memory needs (:mod:`planner.search.partial`)."""
     options = options or PlanOptions()
-    return partial_recompute(search(profile, cluster, training, options), profile, options)
+    plan = search(profile, cluster, training, searched_options(options))
+    return with_partial_recompute(plan, profile, cluster, training, options)

@@ -95,19 +95,35 @@ class LayerCosts:
 
     def checkpoint_bytes(self, start: int, stop: int, layers: int | None = None) -> float:
         """Bytes a chunk ``[start, stop)`` keeps per micro-batch when its first ``layers`` layers
-        (default: all) are checkpointed one by one, as Megatron, torchtitan and DeepSpeed do.
+        (default: all; :meth:`checkpointed`) are checkpointed one by one, as Megatron, torchtitan
+        and DeepSpeed do.
 
         A checkpointed layer keeps only its input: the stage's input for the first, for each
         later one what crosses a cut right before it (``cut_bytes``: its input with any skip
         connections).  The layers after the checkpointed ones keep their activations.  A tensor
         two checkpoints share (a skip connection) is counted at each: an upper bound there.
+
+        The model's last layer keeps its activations even when checkpointed: its loss holds the
+        float32 log-probabilities for the backward whatever the layer re-runs (measured with
+        saved-tensor hooks on the runtime's last stage; the profile counts them in the layer).
         """
         n = stop - start if layers is None else max(0, min(layers, stop - start))
         if n == 0:
             return self.stage_activation_bytes(start, stop)
         inputs = self.stage_input_bytes(start) + self.prefix_cut[start + n - 1] - self.prefix_cut[start]
         rest = self.prefix_activation[stop] - self.prefix_activation[start + n] if start + n < stop else 0.0
-        return inputs + max(0.0, rest)
+        loss = self.activation_bytes[-1] if start + n == self.num_layers else 0.0
+        return inputs + max(0.0, rest) + loss
+
+    def rematerialised_bytes(self, start: int, stop: int, layers: int | None = None) -> float:
+        """Bytes a chunk's backward adds to what :meth:`checkpoint_bytes` keeps: one checkpointed
+        layer re-materialised at a time, its largest, less the activations of the layers after
+        the checkpointed ones, which their backward frees before any checkpointed layer re-runs."""
+        n = stop - start if layers is None else max(0, min(layers, stop - start))
+        if n == 0:
+            return 0.0
+        rest = self.prefix_activation[stop] - self.prefix_activation[start + n]
+        return max(0.0, self.max_activation(start, start + n) - max(0.0, rest))
 
     def max_activation(self, start: int, stop: int) -> float:
         """The largest one layer's activation bytes in ``[start, stop)`` (0 when empty): what a

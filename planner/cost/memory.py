@@ -56,12 +56,11 @@ def rank_memory_terms(
     checkpoints (default, or None: all of them)."""
     params = sum(costs.prefix_param[b] - costs.prefix_param[a] for a, b in ranges)
     counts = [None] * len(ranges) if checkpointed is None else list(checkpointed)
-    ends = [b if n is None else min(b, a + n) for (a, b), n in zip(ranges, counts, strict=True)]
     return RankTerms(
         static_bytes(params, training),
         tuple(costs.stage_activation_bytes(a, b) for a, b in ranges),
         tuple(costs.checkpoint_bytes(a, b, n) for (a, b), n in zip(ranges, counts, strict=True)),
-        tuple(costs.max_activation(a, e) for (a, _), e in zip(ranges, ends, strict=True)),
+        tuple(costs.rematerialised_bytes(a, b, n) for (a, b), n in zip(ranges, counts, strict=True)),
         tuple(costs.prefix_weight_grad[b] - costs.prefix_weight_grad[a] for a, b in ranges),
     )
 

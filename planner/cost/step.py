@@ -47,6 +47,7 @@ from planner.mesh import (
     MeshProblem,
     check_mesh,
     dp_link,
+    flat_scaling_note,
     mesh_problem,
     replicated_note,
     tp_collectives_ms,
@@ -530,6 +531,9 @@ def _mesh_estimate(
         }))
     notes = list(inner.notes)
     note = replicated_note(profile, t)
+    if note:
+        notes.append(note)
+    note = flat_scaling_note(profile, t)
     if note:
         notes.append(note)
     return inner.model_copy(update={

@@ -251,7 +251,9 @@ def test_the_sub_solves_share_the_time_limit(monkeypatch: pytest.MonkeyPatch) ->
     plan = solve(profile, cl, training, PlanOptions(time_limit_s=0.8))
     assert plan_fits(plan)
     assert len(limits) >= 2, limits  # ZeRO 0, then its relaxation (its bound covers every ZeRO stage)
-    assert limits[0] == pytest.approx(0.4)
+    # the plan's search has 0.8 of the limit (the bound of partial recompute's relaxed problem the
+    # rest: planner.search.partial), its first solve half of that
+    assert limits[0] == pytest.approx(0.8 * 0.8 / 2)
     assert sum(limits) <= 0.8 + 1e-9, limits
 
 

@@ -143,8 +143,15 @@ def test_every_planner_module_imports_on_its_own() -> None:
 
 def test_public_entry_point() -> None:
     """``planner.solver.solve`` stays the one public entry point (the CLI, the service's
-    default ``planner.solver:solve``, the benchmarks and the notebook use it)."""
-    from planner.search.axes import solve
+    default ``planner.solver:solve``, the benchmarks and the notebook use it): the search
+    (:func:`planner.search.axes.solve`), then partial recompute, which without it is the search."""
+    from planner.schema import Cluster, PlanOptions, TrainingSetup
+    from planner.search.axes import solve as search
     from planner.solver import solve as public
+    from tests.planner.helpers import random_profile
 
-    assert public is solve
+    profile = random_profile(3, 6)
+    cluster = Cluster.model_validate({"devices": 2, "memory": "1GiB"})
+    options = PlanOptions(partial_recompute=False, time_limit_s=1)
+    ours, theirs = public(profile, cluster, TrainingSetup(), options), search(profile, cluster, TrainingSetup(), options)
+    assert ours.stages == theirs.stages and ours.predicted == theirs.predicted

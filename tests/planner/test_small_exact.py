@@ -1,5 +1,8 @@
 """Small instances are solved exactly: status ``optimal``, gap 0, and the brute-force optimum
-over every configuration (D, K, M, schedule, v, split, recompute), not only over splits."""
+over every configuration (D, K, M, schedule, v, split, recompute), not only over splits.
+
+Recompute is whole-stage here (``partial_recompute=False``), the space the brute force covers;
+``tests/planner/test_checkpoints.py`` checks the bound of partial recompute against its own."""
 
 from __future__ import annotations
 
@@ -67,7 +70,7 @@ def test_small_instances_are_optimal_against_brute_force(
     best = brute_force_all(profile, cl, training)
     try:
         # the brute force covers the D x K space (ZeRO 0; tests/planner/test_axes.py covers the mesh)
-        plan = solve(profile, cl, training, PlanOptions(time_limit_s=5.0, zero_stage=0))
+        plan = solve(profile, cl, training, PlanOptions(time_limit_s=5.0, zero_stage=0, partial_recompute=False))
     except InfeasibleError:
         assert best == math.inf
         return
@@ -89,7 +92,7 @@ def test_small_instances_are_optimal_with_zero_free(profile: Profile, devices: i
     training = TrainingSetup(global_batch_size=4, optimizer="adam")  # (optimizer state: ZeRO matters)
     best = brute_force_all(profile, cl, training, zeros=(0, 1, 2, 3))
     try:
-        plan = solve(profile, cl, training, PlanOptions(time_limit_s=5.0))
+        plan = solve(profile, cl, training, PlanOptions(time_limit_s=5.0, partial_recompute=False))
     except InfeasibleError:
         assert best == math.inf
         return

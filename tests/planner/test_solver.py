@@ -70,7 +70,7 @@ def test_optimal_against_brute_force(seed: int, layers: int, k: int, m: int, sch
     training = TrainingSetup(global_batch_size=8, optimizer="sgd")
     if 8 % m:
         return
-    options = PlanOptions(stages=k, num_microbatches=m, schedule=schedule, data_parallel=1)  # type: ignore[arg-type]
+    options = PlanOptions(stages=k, num_microbatches=m, schedule=schedule, data_parallel=1, partial_recompute=False)  # type: ignore[arg-type]
     if schedule in ("1f1b", "zb-h1") and m < k:
         # the runtime's Schedule1F1B needs M >= K: no configuration, and the message names the rule
         from planner.errors import InputError
@@ -96,7 +96,7 @@ def test_optimal_against_brute_force_twelve_layers() -> None:
     cl = cluster(3, "160MiB")
     training = TrainingSetup(global_batch_size=8, optimizer="sgd")
     oracle = brute_force(profile, cl, training, k=3, m=4, schedule="1f1b")
-    plan = solve(profile, cl, training, PlanOptions(stages=3, num_microbatches=4, schedule="1f1b", data_parallel=1))
+    plan = solve(profile, cl, training, PlanOptions(stages=3, num_microbatches=4, schedule="1f1b", data_parallel=1, partial_recompute=False))
     assert plan.predicted.step_time_ms == pytest.approx(oracle, rel=1e-9)
 
 
