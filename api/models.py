@@ -65,6 +65,10 @@ class EstimateRequest(_Body):
     num_microbatches: int = Field(ge=1, le=MAX_MICROBATCHES)
     schedule: Schedule = "1f1b"
     recompute: bool | Annotated[list[bool], Field(max_length=MAX_LAYERS)] = False
+    recompute_layers: Annotated[list[Annotated[int, Field(ge=0, le=MAX_LAYERS)] | None], Field(max_length=MAX_LAYERS)] | None = Field(
+        default=None,
+        description="per stage, how many of its first layers are checkpointed (null: all of a recomputing stage's)",
+    )
     data_parallel: int = Field(default=1, ge=1, le=MAX_DEVICES)
     pipeline_degree: int | None = Field(default=None, ge=1, le=MAX_DEVICES)
     devices: (

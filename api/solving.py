@@ -84,21 +84,22 @@ def json_safe_details(details: Mapping[str, Any]) -> dict[str, Any]:
 def estimate_json(request_json: str) -> bytes:
     """The cost model's plan for a canonical :class:`EstimateRequest`, as an outcome like :func:`solve_json`."""
     from api.models import EstimateRequest
-    from planner.cost import estimate
+    from planner.cost import Layout, estimate
 
     try:
         body = EstimateRequest.model_validate_json(request_json)
         plan = estimate(
-            body.profile,
-            body.cluster,
-            body.training,
-            body.stages,
-            num_microbatches=body.num_microbatches,
-            schedule=body.schedule,
-            recompute=body.recompute,
-            data_parallel=body.data_parallel,
-            pipeline_degree=body.pipeline_degree,
-            devices=body.devices,
+            body.profile, body.cluster, body.training,
+            Layout(
+                body.stages,
+                num_microbatches=body.num_microbatches,
+                schedule=body.schedule,
+                recompute=body.recompute,
+                recompute_layers=body.recompute_layers,
+                data_parallel=body.data_parallel,
+                pipeline_degree=body.pipeline_degree,
+                devices=body.devices,
+            ),
         )
         return _outcome("plan", plan.model_dump_json())
     except BaseException as err:

@@ -45,7 +45,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from planner.cost import estimate
+from planner.cost import Layout, estimate
 from planner.errors import InfeasibleError
 from planner.schema import Cluster, Plan, PlanOptions, Profile, TrainingSetup
 from planner.solver import solve
@@ -131,9 +131,17 @@ def megatron_plan(row: Row, mfu: float | None) -> Plan:
     m = row.batch // (d * row.microbatch)
     schedule = "interleaved-1f1b" if v > 1 else "1f1b"
     return estimate(
-        profile, cluster_of(row), training_of(row), megatron_ranges(row.layers, row.p, v), num_microbatches=m,
-        schedule=schedule, recompute=True, data_parallel=d, pipeline_degree=row.p,
-        tensor_parallel=row.t, zero_stage=3 if row.zero3 else 0,
+        profile, cluster_of(row), training_of(row),
+        Layout(
+            megatron_ranges(row.layers, row.p, v),
+            num_microbatches=m,
+            schedule=schedule,
+            recompute=True,
+            data_parallel=d,
+            pipeline_degree=row.p,
+            tensor_parallel=row.t,
+            zero_stage=3 if row.zero3 else 0,
+        ),
     )
 
 

@@ -47,7 +47,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.megatron import megatron_ranges
-from planner.cost import estimate
+from planner.cost import Layout, estimate
 from planner.cost.compute import DeviceConstants, default_constants
 from planner.schema import Cluster, Plan, TrainingSetup
 from profiler.synth import synth_transformer
@@ -138,11 +138,18 @@ def plan_of(case: Case, constants: DeviceConstants | None) -> Plan:
     training = TrainingSetup(global_batch_size=case.batch, optimizer="adam", dtype="bfloat16")
     sel = case.recompute == "seq+sel"
     return estimate(
-        profile, cluster, training, megatron_ranges(case.layers, case.p, case.v),
-        num_microbatches=case.batch // (case.d * case.micro),
-        schedule="interleaved-1f1b" if case.v > 1 else "1f1b",
-        recompute=not sel, data_parallel=case.d, pipeline_degree=case.p, tensor_parallel=case.t,
-        sequence_parallel=sel and case.t > 1, selective_recompute=sel,
+        profile, cluster, training,
+        Layout(
+            megatron_ranges(case.layers, case.p, case.v),
+            num_microbatches=case.batch // (case.d * case.micro),
+            schedule="interleaved-1f1b" if case.v > 1 else "1f1b",
+            recompute=not sel,
+            data_parallel=case.d,
+            pipeline_degree=case.p,
+            tensor_parallel=case.t,
+            sequence_parallel=sel and case.t > 1,
+            selective_recompute=sel,
+        ),
     )
 
 

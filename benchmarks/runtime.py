@@ -40,7 +40,7 @@ def main() -> int:
 
     import torch
 
-    from planner.cost import estimate
+    from planner.cost import Layout, estimate
     from planner.schema import Plan, Profile, parse_document
     from profiler import profile
     from profiler.loading import load_entrypoint
@@ -66,7 +66,15 @@ def main() -> int:
 
     def best_two_stage(schedule: str, m: int, recompute: bool = False) -> Plan:
         plans = [
-            estimate(prof, cluster, training, [(0, c), (c, n)], num_microbatches=m, schedule=schedule, recompute=recompute)  # type: ignore[arg-type]
+            estimate(
+                prof, cluster, training,
+                Layout(
+                    [(0, c), (c, n)],
+                    num_microbatches=m,
+                    schedule=schedule,
+                    recompute=recompute,
+                ),
+            )  # type: ignore[arg-type]
             for c in range(1, n)
         ]
         return min(plans, key=lambda p: p.predicted.step_time_ms)
@@ -77,8 +85,13 @@ def main() -> int:
             for b in range(a + 1, n - 1):
                 for c in range(b + 1, n):
                     p = estimate(
-                        prof, cluster, training, [(0, a), (a, b), (b, c), (c, n)],
-                        num_microbatches=m, schedule="interleaved-1f1b", pipeline_degree=2,
+                        prof, cluster, training,
+                        Layout(
+                            [(0, a), (a, b), (b, c), (c, n)],
+                            num_microbatches=m,
+                            schedule="interleaved-1f1b",
+                            pipeline_degree=2,
+                        ),
                     )  # fmt: skip
                     if best is None or p.predicted.step_time_ms < best.predicted.step_time_ms:
                         best = p
@@ -87,14 +100,29 @@ def main() -> int:
 
     runs: list[tuple[str, Plan, float]] = []
     for m in (4, 8):
-        single = estimate(prof, cluster, training, [(0, n)], num_microbatches=m, schedule="gpipe")
+        single = estimate(
+            prof, cluster, training,
+            Layout(
+                [(0, n)],
+                num_microbatches=m,
+                schedule="gpipe",
+            ),
+        )
         runs.append((f"1 process, M={m}", single, 1.0))
         for schedule in ("gpipe", "1f1b"):
             plan = best_two_stage(schedule, m)
             runs.append((f"{schedule} K=2 M={m}", plan, 2 * m / (m + 1)))
     runs.append(("1f1b K=2 M=8 recompute", best_two_stage("1f1b", 8, recompute=True), 2 * 8 / 9))
     runs.append(("interleaved K=2 v=2 M=8", best_interleaved(8), 2 * 8 / 9))
-    runs.append(("data-parallel D=2 M=4", estimate(prof, cluster, training, [(0, n)], num_microbatches=4, schedule="gpipe", data_parallel=2), 2.0))
+    runs.append(("data-parallel D=2 M=4", estimate(
+        prof, cluster, training,
+        Layout(
+            [(0, n)],
+            num_microbatches=4,
+            schedule="gpipe",
+            data_parallel=2,
+        ),
+    ), 2.0))
 
     rows: list[dict[str, Any]] = []
     best: dict[str, dict[str, Any]] = {}

@@ -60,7 +60,7 @@ def main() -> int:
     parser.add_argument("--json", help="also write the rows as JSON here")
     args = parser.parse_args()
 
-    from planner.cost import estimate
+    from planner.cost import Layout, estimate
     from planner.schema import load_document, parse_document
 
     spec = f"{Path(__file__).resolve()}:model"
@@ -79,7 +79,14 @@ def main() -> int:
     for m in (int(x) for x in args.microbatches.split(",")):
         training = parse_document("training", {"global_batch_size": MICROBATCH * m, "optimizer": "sgd"})
         for schedule in SCHEDULES:
-            plan = estimate(profile, cluster, training, stages, num_microbatches=m, schedule=schedule)  # type: ignore[arg-type]
+            plan = estimate(
+                profile, cluster, training,
+                Layout(
+                    stages,
+                    num_microbatches=m,
+                    schedule=schedule,
+                ),
+            )  # type: ignore[arg-type]
             plan_file = work / f"plan-{schedule}-{m}.json"
             plan_file.write_text(plan.model_dump_json(indent=2))
             report_file = work / f"report-{schedule}-{m}.json"

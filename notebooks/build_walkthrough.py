@@ -58,7 +58,7 @@ import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
 from planner.charts import figure_png, gantt_figure, memory_figure
-from planner.cost import estimate, plan_fits, simulate_plan
+from planner.cost import Layout, estimate, plan_fits, simulate_plan
 from planner.grid import text_grid
 from planner.schema import Cluster, PlanOptions, TrainingSetup
 from pipeplan.render import print_plan, summary_lines
@@ -204,7 +204,7 @@ cluster2 = Cluster.model_validate({"devices": 2, "device_type": "cpu"})
 real = []
 for m in ms:
     stages = balanced_stages(prof, 2, 64 // m)
-    p = estimate(prof, cluster2, training64, stages, num_microbatches=m, schedule="gpipe")
+    p = estimate(prof, cluster2, training64, Layout(stages, num_microbatches=m, schedule="gpipe"))
     real.append(simulate_plan(p).bubble_fraction)
 
 fig, ax = plt.subplots(figsize=(7, 4))

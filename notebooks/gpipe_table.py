@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 
-from planner.cost import estimate, layer_costs
+from planner.cost import Layout, estimate, layer_costs
 from planner.schema import Cluster, Plan, Profile, TrainingSetup
 from profiler.synth import synth_transformer
 
@@ -129,13 +129,13 @@ def table2(
         for m in sorted({1, *ms}):
             stages = balanced_stages(profile, k, global_batch_size // m)
             plans[(k, m)] = estimate(
-                profile,
-                cluster,
-                training,
-                stages,
-                num_microbatches=m,
-                schedule="gpipe",
-                recompute=True,
+                profile, cluster, training,
+                Layout(
+                    stages,
+                    num_microbatches=m,
+                    schedule="gpipe",
+                    recompute=True,
+                ),
             )
     return Table2(global_batch_size=global_batch_size, plans=plans)
 

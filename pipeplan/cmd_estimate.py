@@ -32,7 +32,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from planner.cost import estimate
+    from planner.cost import Layout, estimate
     from planner.errors import InputError
     from planner.limits import check_schedule_size
 
@@ -49,21 +49,21 @@ def run(args: argparse.Namespace) -> int:
         flags = cli_args.parse_bools(args.recompute)
         recompute = flags[0] if len(flags) == 1 else flags
     plan = estimate(
-        profile,
-        cluster,
-        training,
-        stages,
-        num_microbatches=args.microbatches,
-        schedule=args.schedule,
-        recompute=recompute,
-        recompute_layers=_recompute_layers(args.recompute_layers, [(r.start, r.stop) for r in stages]),
-        data_parallel=args.data_parallel,
-        pipeline_degree=args.pipeline_degree,
-        tensor_parallel=args.tensor_parallel or 1,
-        zero_stage=args.zero or 0,
-        sequence_parallel=bool(args.sequence_parallel),
-        tensor_parallel_across_nodes=args.tensor_parallel_across_nodes,
-        selective_recompute=bool(args.selective_recompute),
+        profile, cluster, training,
+        Layout(
+            stages,
+            num_microbatches=args.microbatches,
+            schedule=args.schedule,
+            recompute=recompute,
+            recompute_layers=_recompute_layers(args.recompute_layers, [(r.start, r.stop) for r in stages]),
+            data_parallel=args.data_parallel,
+            pipeline_degree=args.pipeline_degree,
+            tensor_parallel=args.tensor_parallel or 1,
+            zero_stage=args.zero or 0,
+            sequence_parallel=bool(args.sequence_parallel),
+            tensor_parallel_across_nodes=args.tensor_parallel_across_nodes,
+            selective_recompute=bool(args.selective_recompute),
+        ),
     )
     emit_plan(plan, args)
     return 0

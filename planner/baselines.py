@@ -22,7 +22,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from planner.cost import estimate, layer_costs, plan_fits
+from planner.cost import Layout, estimate, layer_costs, plan_fits
 from planner.errors import PipeplanError
 from planner.schedules import ScheduleError, check_schedule_shape
 from planner.schema import (
@@ -250,15 +250,15 @@ def evaluate_baselines(
             if isinstance(rc, list) and len(rc) != len(ranges):
                 rc = False
             plan = estimate(
-                profile,
-                cluster,
-                training,
-                ranges,
-                num_microbatches=cfg.num_microbatches,
-                schedule=cfg.schedule,
-                recompute=rc,
-                data_parallel=cfg.data_parallel,
-                pipeline_degree=cfg.pipeline_degree,
+                profile, cluster, training,
+                Layout(
+                    ranges,
+                    num_microbatches=cfg.num_microbatches,
+                    schedule=cfg.schedule,
+                    recompute=rc,
+                    data_parallel=cfg.data_parallel,
+                    pipeline_degree=cfg.pipeline_degree,
+                ),
             )
         except PipeplanError as err:
             results.append(BaselineResult(name, None, f"not applicable: {err}"))

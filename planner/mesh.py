@@ -244,10 +244,8 @@ def _census_scales(
     """Per profiled micro-batch size, the device model's shard / whole times of the layer's census
     (:mod:`planner.cost.compute`): the measured times are the truth, the device model scales them
     to the shard (small GEMMs under a large T run less efficiently, which the flat efficiency
-    misses).  None without a census, or with one that does not say which operations shard (the
-    profiler records shapes, not tensor-parallel roles: a layer's census marks them with
-    ``tp_shard``, as synth's does)."""
-    if not layer.operations or not any(o.tp_shard for ops in layer.operations for o in ops):
+    misses).  None without a census."""
+    if not layer.operations:
         return None
     out = []
     for ops in layer.operations:
@@ -486,7 +484,7 @@ def mesh_problem(
             "(synth gives them for transformer blocks; pipeplan profile for layers that keep attention scores, "
             "i.e. not fused attention): drop --selective-recompute, or use full recompute"
         )
-    device = census_device(profile)
+    device = census_device(profile) if census_roles(profile) else None
     memo: dict[tuple[Any, ...], _Scales] = {}
     layers = [_tp_layer(layer, mesh, training, tp_link(cluster, t), device=device, memo=memo) for layer in profile.layers]
     tp_params = tuple(x.param_bytes for x in layers)
@@ -540,16 +538,21 @@ def replicated_note(profile: Profile, t: int) -> str | None:
     return f"tensor parallelism T={t} divides no work of {shown}: replicated on every device of a group"
 
 
+def census_roles(profile: Profile) -> bool:
+    """Whether ``profile``'s census says which operations a tensor-parallel group divides
+    (``Operation.tp_shard``): synth's does; the profiler records shapes, not roles, yet, and a
+    census without them would price every sharded layer as replicated."""
+    return any(o.tp_shard for x in profile.layers for ops in x.operations or () for o in ops)
+
+
 def flat_scaling_note(profile: Profile, t: int) -> str | None:
     """The plan's note when tensor parallelism scales some layer without the device model: a
     sharding layer with no operation census (a profile made before schema version 4), or a
     profile whose device has no device model."""
     if t <= 1:
         return None
-    flat = [
-        x.name for x in profile.layers
-        if x.shards and (census_device(profile) is None or not any(o.tp_shard for ops in x.operations or () for o in ops))
-    ]
+    priced = census_device(profile) is not None and census_roles(profile)
+    flat = [x.name for x in profile.layers if x.shards and not (priced and x.operations)]
     if not flat:
         return None
     shown = ", ".join(flat[:4]) + (f", ... ({len(flat)} in all)" if len(flat) > 4 else "")

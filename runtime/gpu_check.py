@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("runtime gpu check: no CUDA device visible, nothing to check")
         return 0
-    from planner.cost import estimate
+    from planner.cost import Layout, estimate
     from planner.schema import parse_document
     from profiler import profile
     from profiler.loading import load_entrypoint
@@ -48,11 +48,25 @@ def main(argv: list[str] | None = None) -> int:
     n = prof.num_layers
     training = parse_document("training", {"global_batch_size": 16, "optimizer": "sgd"})
     plans = {
-        "K1-nccl": estimate(prof, parse_document("cluster", {"devices": 1, "memory": "16GiB"}), training, [(0, n)], num_microbatches=4, schedule="gpipe")
+        "K1-nccl": estimate(
+            prof, parse_document("cluster", {"devices": 1, "memory": "16GiB"}), training,
+            Layout(
+                [(0, n)],
+                num_microbatches=4,
+                schedule="gpipe",
+            ),
+        )
     }
     if gpus >= 2:
         cluster = parse_document("cluster", {"devices": 2, "memory": "16GiB"})
-        plans["K2-1f1b-nccl"] = estimate(prof, cluster, training, [(0, n // 2), (n // 2, n)], num_microbatches=4, schedule="1f1b")
+        plans["K2-1f1b-nccl"] = estimate(
+            prof, cluster, training,
+            Layout(
+                [(0, n // 2), (n // 2, n)],
+                num_microbatches=4,
+                schedule="1f1b",
+            ),
+        )
     out_dir = Path(args.report_dir or tempfile.mkdtemp(prefix="pipeplan-gpu-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     failures = 0

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.cost import (
+    Layout,
     allreduce_ms,
     estimate,
     interpolate,
@@ -66,7 +67,14 @@ def test_uniform_step_time_matches_closed_form() -> None:
     # 100 bytes per sample crossing each cut at 1e9 B/s + 1 ms latency
     c = cluster(k, bw=1e9, lat=1e-3)
     train = TrainingSetup(global_batch_size=m, optimizer="sgd")
-    plan = estimate(p, c, train, [(0, 2), (2, 4), (4, 6), (6, 8)], num_microbatches=m, schedule="gpipe")
+    plan = estimate(
+        p, c, train,
+        Layout(
+            [(0, 2), (2, 4), (4, 6), (6, 8)],
+            num_microbatches=m,
+            schedule="gpipe",
+        ),
+    )
     f, b = 2.0, 4.0  # two layers per stage, micro-batch size 1
     xfer = (100 / 1e9 + 1e-3) * 1e3
     assert plan.stages[0].send_ms == pytest.approx(xfer)
@@ -77,11 +85,23 @@ def test_uniform_step_time_matches_closed_form() -> None:
 
 def test_speed_scales_time() -> None:
     p = uniform_profile(4)
-    fast = estimate(p, cluster(2), TrainingSetup(global_batch_size=4), [(0, 2), (2, 4)], num_microbatches=4)
+    fast = estimate(
+        p, cluster(2), TrainingSetup(global_batch_size=4),
+        Layout(
+            [(0, 2), (2, 4)],
+            num_microbatches=4,
+        ),
+    )
     slow_cluster = Cluster.model_validate(
         {"devices": [{"memory_bytes": "1GiB", "speed": 0.5}] * 2, "intra_node": "pcie4", "inter_node": "ib-hdr"}
     )
-    slow = estimate(p, slow_cluster, TrainingSetup(global_batch_size=4), [(0, 2), (2, 4)], num_microbatches=4)
+    slow = estimate(
+        p, slow_cluster, TrainingSetup(global_batch_size=4),
+        Layout(
+            [(0, 2), (2, 4)],
+            num_microbatches=4,
+        ),
+    )
     assert slow.stages[0].forward_ms == pytest.approx(2 * fast.stages[0].forward_ms)
     assert slow.predicted.lower_bound_ms == pytest.approx(2 * fast.predicted.lower_bound_ms)
 
@@ -97,7 +117,13 @@ def test_inter_node_links_cost_more() -> None:
             "inter_node": {"bandwidth_bytes_per_s": 1e9, "latency_s": 1e-5},
         }
     )
-    plan = estimate(p, c, TrainingSetup(global_batch_size=2), [(0, 2), (2, 4)], num_microbatches=2)
+    plan = estimate(
+        p, c, TrainingSetup(global_batch_size=2),
+        Layout(
+            [(0, 2), (2, 4)],
+            num_microbatches=2,
+        ),
+    )
     assert plan.stages[0].send_ms == pytest.approx((10**6 / 1e9 + 1e-5) * 1e3)
 
 
@@ -108,11 +134,19 @@ def test_memory_per_schedule_and_recompute() -> None:
     ranges = [(0, 2), (2, 4), (4, 6), (6, 8)]
     static = static_bytes(2 * params, train)
     assert static == 2 * params * (1 + 1 + 2)
-    g = estimate(p, cluster(4), train, ranges, num_microbatches=8, schedule="gpipe")
+    g = estimate(p, cluster(4), train, Layout(ranges, num_microbatches=8, schedule="gpipe"))
     assert [s.memory_bytes for s in g.stages] == [static + 8 * 2 * act] * 4
-    o = estimate(p, cluster(4), train, ranges, num_microbatches=8, schedule="1f1b")
+    o = estimate(p, cluster(4), train, Layout(ranges, num_microbatches=8, schedule="1f1b"))
     assert [s.memory_bytes for s in o.stages] == [static + (4 - k) * 2 * act for k in range(4)]
-    r = estimate(p, cluster(4), train, ranges, num_microbatches=8, schedule="gpipe", recompute=True)
+    r = estimate(
+        p, cluster(4), train,
+        Layout(
+            ranges,
+            num_microbatches=8,
+            schedule="gpipe",
+            recompute=True,
+        ),
+    )
     # checkpointed layer by layer: each of a stage's two layers keeps its input per micro-batch
     # in flight (the model input is 0 bytes here, every cut 100 B per sample), and the backward
     # re-materialises one layer at a time (act), not the stage's two (2 act)
@@ -121,7 +155,15 @@ def test_memory_per_schedule_and_recompute() -> None:
     # checkpointing only the first layer of each stage: it keeps that layer's input and the second
     # layer's activations; the second layer's backward frees its activations before the first
     # re-runs, so re-materialising it adds nothing to the peak
-    h = estimate(p, cluster(4), train, ranges, num_microbatches=8, schedule="gpipe", recompute_layers=[1] * 4)
+    h = estimate(
+        p, cluster(4), train,
+        Layout(
+            ranges,
+            num_microbatches=8,
+            schedule="gpipe",
+            recompute_layers=[1] * 4,
+        ),
+    )
     assert h.stages[1].memory_bytes == static + 8 * (out + act)
     # the model's last layer keeps its activations (its loss holds them) even when checkpointed
     assert r.stages[3].memory_bytes == static + 8 * (out + out + act) + act
@@ -136,10 +178,10 @@ def test_memory_margin_and_fit() -> None:
     p = uniform_profile(2, params=400 * 2**20)
     c = cluster(2, memory="3GiB")
     tight = TrainingSetup(global_batch_size=2, optimizer="adam", memory_margin=0.1)
-    plan = estimate(p, c, tight, [(0, 1), (1, 2)], num_microbatches=2)
+    plan = estimate(p, c, tight, Layout([(0, 1), (1, 2)], num_microbatches=2))
     assert plan.stages[0].memory_limit_bytes == int(3 * 2**30 * 0.9)
     assert plan_fits(plan)  # 1.56 GiB of weights, gradients and Adam state fit 2.7 GiB
-    one = estimate(p, cluster(1, memory="3GiB"), tight, [(0, 2)], num_microbatches=2)
+    one = estimate(p, cluster(1, memory="3GiB"), tight, Layout([(0, 2)], num_microbatches=2))
     assert not plan_fits(one)  # 3.125 GiB do not
 
 
@@ -148,13 +190,19 @@ def test_data_parallel_allreduce() -> None:
     p = uniform_profile(4, params=params)
     c = cluster(4, bw=1e9, lat=0.0)
     train = TrainingSetup(global_batch_size=8, optimizer="sgd")
-    plan = estimate(p, c, train, [(0, 2), (2, 4)], num_microbatches=2, data_parallel=2)
+    plan = estimate(p, c, train, Layout([(0, 2), (2, 4)], num_microbatches=2, data_parallel=2))
     assert plan.data_parallel_degree == 2 and plan.microbatch_size == 2
     assert [s.devices for s in plan.stages] == [[0, 2], [1, 3]]
     ar = allreduce_ms(2 * params, 2, 1e9, 0.0)
     assert ar == pytest.approx(2 * 1 / 2 * 2 * params / 1e9 * 1e3)
     assert plan.predicted.allreduce_ms == pytest.approx(ar)
-    no_dp = estimate(p, c, TrainingSetup(global_batch_size=4, optimizer="sgd"), [(0, 2), (2, 4)], num_microbatches=2)
+    no_dp = estimate(
+        p, c, TrainingSetup(global_batch_size=4, optimizer="sgd"),
+        Layout(
+            [(0, 2), (2, 4)],
+            num_microbatches=2,
+        ),
+    )
     assert plan.predicted.step_time_ms == pytest.approx(no_dp.predicted.step_time_ms + ar)
 
 
@@ -178,11 +226,17 @@ def test_estimate_validation(kwargs: dict, fragment: str | None) -> None:
     stages = args.pop("stages")
     train = TrainingSetup(global_batch_size=6 if args.get("num_microbatches") == 3 else 4)
     if fragment is None:
-        plan = estimate(p, cluster(4), train, stages, **args)
+        plan = estimate(p, cluster(4), train, Layout(stages, **args))
         assert plan.virtual_stages == 2 and plan.pipeline_degree == 2
         return
     with pytest.raises(InputError) as info:
-        estimate(p, cluster(4), TrainingSetup(global_batch_size=4) if "split" in fragment else train, stages, **args)
+        estimate(
+            p, cluster(4), TrainingSetup(global_batch_size=4) if "split" in fragment else train,
+            Layout(
+                stages,
+                **args,
+            ),
+        )
     assert fragment in str(info.value)
 
 
@@ -192,7 +246,7 @@ def test_lower_bound_is_a_bound() -> None:
     train = TrainingSetup(global_batch_size=16)
     lb = lower_bound_ms(p, c, train)
     assert lb == pytest.approx(16 * 8 * 3.0 / 4)
-    plan = estimate(p, c, train, [(0, 2), (2, 4), (4, 6), (6, 8)], num_microbatches=16)
+    plan = estimate(p, c, train, Layout([(0, 2), (2, 4), (4, 6), (6, 8)], num_microbatches=16))
     assert plan.predicted.step_time_ms >= lb
 
 
@@ -218,7 +272,14 @@ def test_step_time_bounds(times: list[float], k: int, schedule: str) -> None:
     cuts = [round(i * n / k) for i in range(k + 1)]
     ranges = [(cuts[i], cuts[i + 1]) for i in range(k)]
     m = 4
-    plan = estimate(p, cluster(k), TrainingSetup(global_batch_size=m), ranges, num_microbatches=m, schedule=schedule)  # type: ignore[arg-type]
+    plan = estimate(
+        p, cluster(k), TrainingSetup(global_batch_size=m),
+        Layout(
+            ranges,
+            num_microbatches=m,
+            schedule=schedule,
+        ),
+    )  # type: ignore[arg-type]
     busiest = max((s.forward_ms + s.backward_ms) * m for s in plan.stages)
     assert plan.predicted.step_time_ms >= busiest - 1e-9
     assert plan.predicted.step_time_ms >= plan.predicted.lower_bound_ms - 1e-9
@@ -231,7 +292,14 @@ def test_reestimate_reproduces_a_plan_and_follows_a_new_profile() -> None:
     from planner.cost import reestimate
 
     p = uniform_profile(4)
-    plan = estimate(p, cluster(2), TrainingSetup(global_batch_size=4), [(0, 1), (1, 4)], num_microbatches=2, recompute=[True, False])
+    plan = estimate(
+        p, cluster(2), TrainingSetup(global_batch_size=4),
+        Layout(
+            [(0, 1), (1, 4)],
+            num_microbatches=2,
+            recompute=[True, False],
+        ),
+    )
     assert reestimate(plan, p) == plan
     slower = uniform_profile(4, f=2.0, b=4.0)
     again = reestimate(plan, slower)
@@ -244,7 +312,7 @@ def test_reestimate_reproduces_a_plan_and_follows_a_new_profile() -> None:
 
 
 def _zb_plan(schedule: str, *, k: int = 2, m: int = 8, recompute: bool = False, split: bool = True):  # type: ignore[no-untyped-def]
-    from planner.cost import estimate
+    from planner.cost import Layout, estimate
     from planner.schema import SCHEDULE_CHUNKS, TrainingSetup
     from tests.planner.helpers import cluster, random_profile
 
@@ -254,8 +322,14 @@ def _zb_plan(schedule: str, *, k: int = 2, m: int = 8, recompute: bool = False, 
     profile = random_profile(11, layers, split_backward=split)
     bounds = [round(i * layers / n) for i in range(n + 1)]
     plan = estimate(
-        profile, cluster(k, "8GiB"), TrainingSetup(global_batch_size=2 * m), [(bounds[i], bounds[i + 1]) for i in range(n)],
-        num_microbatches=m, schedule=schedule, pipeline_degree=k, recompute=recompute,  # type: ignore[arg-type]
+        profile, cluster(k, "8GiB"), TrainingSetup(global_batch_size=2 * m),
+        Layout(
+            [(bounds[i], bounds[i + 1]) for i in range(n)],
+            num_microbatches=m,
+            schedule=schedule,
+            pipeline_degree=k,
+            recompute=recompute,
+        ),
     )
     return profile, plan
 
@@ -362,12 +436,12 @@ def test_shared_schedule_templates_price_the_same(schedule: str) -> None:
     stages = [(0, 2), (2, 4), (4, 6), (6, 8)] if schedule != "interleaved-1f1b" else [(i, i + 1) for i in range(8)]
     kw = {"num_microbatches": 4, "schedule": schedule, "pipeline_degree": 4}
     templates = ScheduleTemplates()
-    plain = estimate(prof, cl, tr, stages, **kw)  # type: ignore[arg-type]
-    first = estimate(prof, cl, tr, stages, templates=templates, **kw)  # type: ignore[arg-type]
-    again = estimate(prof, cl, tr, stages, recompute=True, templates=templates, **kw)  # type: ignore[arg-type]
+    plain = estimate(prof, cl, tr, Layout(stages, **kw))  # type: ignore[arg-type]
+    first = estimate(prof, cl, tr, Layout(stages, **kw), templates=templates)  # type: ignore[arg-type]
+    again = estimate(prof, cl, tr, Layout(stages, recompute=True, **kw), templates=templates)  # type: ignore[arg-type]
     assert first.model_dump() == plain.model_dump()
-    assert again.model_dump() == estimate(prof, cl, tr, stages, recompute=True, **kw).model_dump()  # type: ignore[arg-type]
+    assert again.model_dump() == estimate(prof, cl, tr, Layout(stages, recompute=True, **kw)).model_dump()  # type: ignore[arg-type]
     assert list(templates.orders) == [(schedule, 4, 4, plain.virtual_stages)] and len(templates.compiled) == 1
     # given actions are the plan's own: the template is not used for them
-    given = estimate(prof, cl, tr, stages, actions=plain.actions, templates=templates, **kw)  # type: ignore[arg-type]
+    given = estimate(prof, cl, tr, Layout(stages, actions=plain.actions, **kw), templates=templates)  # type: ignore[arg-type]
     assert given.predicted == plain.predicted and len(templates.compiled) == 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from planner.cost import estimate, layer_costs, rank_memory_bytes
+from planner.cost import Layout, estimate, layer_costs, rank_memory_bytes
 from planner.schedules import memory_points, schedule_actions
 from planner.schema import (
     KeptInput,
@@ -48,8 +48,21 @@ def test_a_stage_keeps_its_inputs_once_it_reaches_the_layer_that_saves_them() ->
 def test_plans_count_the_kept_inputs() -> None:
     cluster = parse_document("cluster", {"devices": 2, "memory": "1GiB"})
     training = parse_document("training", {"global_batch_size": 4, "optimizer": "sgd"})
-    plain = estimate(_profile({}), cluster, training, [(0, 2), (2, 4)], num_microbatches=2, schedule="gpipe")
-    more = estimate(_profile({2: [KeptInput(offset=0, bytes=[50, 100])]}), cluster, training, [(0, 2), (2, 4)],
-                    num_microbatches=2, schedule="gpipe")  # fmt: skip
+    plain = estimate(
+        _profile({}), cluster, training,
+        Layout(
+            [(0, 2), (2, 4)],
+            num_microbatches=2,
+            schedule="gpipe",
+        ),
+    )
+    more = estimate(
+        _profile({2: [KeptInput(offset=0, bytes=[50, 100])]}), cluster, training,
+        Layout(
+            [(0, 2), (2, 4)],
+            num_microbatches=2,
+            schedule="gpipe",
+        ),
+    )  # fmt: skip
     assert more.stages[1].memory_bytes == plain.stages[1].memory_bytes + 2 * 100
     assert more.stages[0].memory_bytes == plain.stages[0].memory_bytes

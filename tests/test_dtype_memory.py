@@ -7,7 +7,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from planner.cost import estimate, profile_in_dtype, static_bytes
+from planner.cost import Layout, estimate, profile_in_dtype, static_bytes
 from planner.schema import (
     KeptInput,
     LayerProfile,
@@ -43,7 +43,14 @@ def _training(dtype: str | None, optimizer: str = "adam") -> TrainingSetup:
 
 
 def _plan(profile: Profile, training: TrainingSetup):  # type: ignore[no-untyped-def]
-    return estimate(profile, CLUSTER, training, [(0, 2), (2, 4)], num_microbatches=2, schedule="gpipe")
+    return estimate(
+        profile, CLUSTER, training,
+        Layout(
+            [(0, 2), (2, 4)],
+            num_microbatches=2,
+            schedule="gpipe",
+        ),
+    )
 
 
 def test_short_names_are_accepted_and_stored_long() -> None:

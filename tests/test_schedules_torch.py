@@ -72,7 +72,7 @@ def test_our_csv_is_what_torch_loads_and_validates(tmp_path) -> None:  # type: i
     the rank our placement gives (loop, V), for every schedule, planned included."""
     import csv
 
-    from planner.cost import estimate, plan_orders
+    from planner.cost import Layout, estimate, plan_orders
     from planner.schedules import placement_of, stage_rank, to_csv
     from planner.schema import SCHEDULES, TrainingSetup
     from tests.planner.helpers import cluster, random_profile
@@ -85,8 +85,13 @@ def test_our_csv_is_what_torch_loads_and_validates(tmp_path) -> None:  # type: i
         n = k * v
         bounds = [round(i * 8 / n) for i in range(n + 1)]
         plan = estimate(
-            profile, cluster(k, "4GiB"), training, [(bounds[i], bounds[i + 1]) for i in range(n)],
-            num_microbatches=m, schedule=schedule, pipeline_degree=k,  # type: ignore[arg-type]
+            profile, cluster(k, "4GiB"), training,
+            Layout(
+                [(bounds[i], bounds[i + 1]) for i in range(n)],
+                num_microbatches=m,
+                schedule=schedule,
+                pipeline_degree=k,
+            ),
         )
         path = tmp_path / f"{schedule}.csv"
         path.write_text(to_csv(plan_orders(plan)))

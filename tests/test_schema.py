@@ -160,10 +160,16 @@ def test_check_coverage() -> None:
 
 
 def _plan_dict(tiny_profile: Profile) -> dict:
-    from planner.cost import estimate
+    from planner.cost import Layout, estimate
 
     cluster = Cluster.model_validate({"devices": 2, "memory": "1GiB"})
-    plan = estimate(tiny_profile, cluster, TrainingSetup(global_batch_size=8), [(0, 4), (4, 8)], num_microbatches=4)
+    plan = estimate(
+        tiny_profile, cluster, TrainingSetup(global_batch_size=8),
+        Layout(
+            [(0, 4), (4, 8)],
+            num_microbatches=4,
+        ),
+    )
     return json.loads(plan.model_dump_json())
 
 

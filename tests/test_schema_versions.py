@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from planner.cost import estimate
+from planner.cost import Layout, estimate
 from planner.errors import InputError
 from planner.schema import SCHEMA_VERSION, Profile, load_document, parse_document
 
@@ -52,7 +52,7 @@ def test_plans_record_the_split_points_and_read_version_1() -> None:
     prof = parse_document("profile", _v1_profile())
     cluster = parse_document("cluster", {"devices": 2, "memory": "1GiB"})
     training = parse_document("training", {"global_batch_size": 4})
-    plan = estimate(prof, cluster, training, [(0, 1), (1, 3)], num_microbatches=2)
+    plan = estimate(prof, cluster, training, Layout([(0, 1), (1, 3)], num_microbatches=2))
     assert plan.split_points == ["blocks.4", "head"] and plan.schema_version == 4
     old = json.loads(plan.model_dump_json())
     old["schema_version"] = 1
@@ -80,7 +80,7 @@ def test_version_2_plans_and_profiles_read_as_replicated_d_by_k() -> None:
     assert prof.schema_version == 4 and not any(layer.shards for layer in prof.layers)
     cluster = parse_document("cluster", {"devices": 2, "memory": "1GiB"})
     training = parse_document("training", {"global_batch_size": 4})
-    plan = estimate(prof, cluster, training, [(0, 1), (1, 3)], num_microbatches=2)
+    plan = estimate(prof, cluster, training, Layout([(0, 1), (1, 3)], num_microbatches=2))
     old = json.loads(plan.model_dump_json())
     old["schema_version"] = 2
     for key in ("tensor_parallel_degree", "zero_stage", "sequence_parallel"):

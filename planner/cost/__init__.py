@@ -37,6 +37,7 @@ from planner.cost.memory import (
     static_bytes,
 )
 from planner.cost.step import (
+    Layout,
     ScheduleTemplates,
     StageTimes,
     busy_ms,
@@ -60,6 +61,7 @@ __all__ = [
     "AllReduceAlgorithm",
     "Group",
     "LayerCosts",
+    "Layout",
     "RankTerms",
     "ScheduleTemplates",
     "StageTimes",

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from planner import scaling
 from planner.cost.collectives import allreduce_ms, boundary_transfer_ms, replica_link
@@ -209,29 +209,58 @@ class ScheduleTemplates:
         return list(self.text[key])
 
 
+@dataclass(frozen=True)
+class Layout:
+    """The decisions of a plan, all :func:`estimate` prices (see its doc for each field): the
+    stages, M, the schedule, recompute, and the mesh.  ``Layout.of(plan)`` reads a plan's."""
+
+    stages: Sequence[tuple[int, int]] | Sequence[StageRange]
+    num_microbatches: int
+    schedule: Schedule = "1f1b"
+    recompute: bool | Sequence[bool] = False
+    recompute_layers: Sequence[int | None] | None = None
+    data_parallel: int = 1
+    pipeline_degree: int | None = None
+    devices: Sequence[Sequence[int]] | None = None
+    actions: Sequence[str] | None = None
+    tensor_parallel: int = 1
+    zero_stage: int = 0
+    sequence_parallel: bool = False
+    tensor_parallel_across_nodes: bool = False
+    selective_recompute: bool = False
+
+    @staticmethod
+    def of(plan: Plan, *, actions: bool = True) -> Layout:
+        """The decisions ``plan`` made (its own actions, unless ``actions`` is False: a named
+        schedule's template is the same order)."""
+        return Layout(
+            stages=[(s.start, s.stop) for s in plan.stages],
+            num_microbatches=plan.num_microbatches,
+            schedule=plan.schedule,
+            recompute=[s.recompute for s in plan.stages],
+            recompute_layers=[s.recompute_layers for s in plan.stages],
+            data_parallel=plan.data_parallel_degree,
+            pipeline_degree=plan.pipeline_degree,
+            devices=[s.devices for s in plan.stages],
+            actions=plan.actions if actions else None,
+            tensor_parallel=plan.tensor_parallel_degree,
+            zero_stage=plan.zero_stage,
+            sequence_parallel=plan.sequence_parallel,
+            tensor_parallel_across_nodes=plan.tensor_parallel_degree > plan.cluster.devices_per_node,
+            selective_recompute=plan.selective_recompute,
+        )
+
+
 def estimate(
     profile: Profile,
     cluster: Cluster,
     training: TrainingSetup,
-    stages: Sequence[tuple[int, int]] | Sequence[StageRange],
+    layout: Layout,
     *,
-    num_microbatches: int,
-    schedule: Schedule = "1f1b",
-    recompute: bool | Sequence[bool] = False,
-    recompute_layers: Sequence[int | None] | None = None,
-    data_parallel: int = 1,
-    pipeline_degree: int | None = None,
-    devices: Sequence[Sequence[int]] | None = None,
     solver: SolverInfo | None = None,
-    actions: Sequence[str] | None = None,
-    tensor_parallel: int = 1,
-    zero_stage: int = 0,
-    sequence_parallel: bool = False,
-    tensor_parallel_across_nodes: bool = False,
-    selective_recompute: bool = False,
     templates: ScheduleTemplates | None = None,
 ) -> Plan:
-    """Predict step time and memory of a fully specified plan and return it as a :class:`Plan`.
+    """Predict step time and memory of a fully specified plan, ``layout``, as a :class:`Plan`.
 
     ``tensor_parallel`` T, ``zero_stage`` and ``sequence_parallel`` are the mesh axes beyond
     D x K (:mod:`planner.mesh`): the plan is priced as the plan of one tensor-parallel rank,
@@ -247,25 +276,23 @@ def estimate(
     ``Plan.actions``) replaces the schedule's own order, e.g. to re-evaluate a plan.
     ``templates`` reuses the schedule templates of earlier estimates (:class:`ScheduleTemplates`).
     ``recompute_layers[s]``: how many of stage s's first layers a recomputing stage checkpoints
-    (None or absent: all of them; a count > 0 makes the stage recompute).
+    (None or absent: all of them; a count > 0 makes the stage recompute).  ``solver`` is the
+    plan's solver record (default: "given").
     """
     profile = profile_in_dtype(profile, training.dtype)
-    ranges = [(s.start, s.stop) if isinstance(s, StageRange) else (int(s[0]), int(s[1])) for s in stages]
-    mesh = Mesh(tensor_parallel, zero_stage, sequence_parallel, selective_recompute)
+    ranges = [(s.start, s.stop) if isinstance(s, StageRange) else (int(s[0]), int(s[1])) for s in layout.stages]
+    mesh = Mesh(layout.tensor_parallel, layout.zero_stage, layout.sequence_parallel, layout.selective_recompute)
+    recompute, recompute_layers = layout.recompute, layout.recompute_layers
+    data_parallel, pipeline_degree, schedule = layout.data_parallel, layout.pipeline_degree, layout.schedule
+    num_microbatches, devices, actions = layout.num_microbatches, layout.devices, layout.actions
     full = recompute is True or (not isinstance(recompute, bool) and any(recompute)) or any(recompute_layers or ())
-    if selective_recompute and full:
+    if layout.selective_recompute and full:
         raise InputError(
             f"selective recompute and full recompute ({recompute!r}) exclude each other (one recompute "
             "granularity per plan, as in Megatron): drop one of them"
         )
     if not mesh.trivial:
-        return _mesh_estimate(
-            profile, cluster, training, ranges, mesh,
-            num_microbatches=num_microbatches, schedule=schedule, recompute=recompute,
-            recompute_layers=recompute_layers,
-            data_parallel=data_parallel, pipeline_degree=pipeline_degree, devices=devices,
-            solver=solver, actions=actions, across_nodes=tensor_parallel_across_nodes, templates=templates,
-        )
+        return _mesh_estimate(profile, cluster, training, ranges, mesh, layout, solver=solver, templates=templates)
     try:
         check_coverage(ranges, profile.num_layers)
     except ValueError as err:
@@ -449,29 +476,23 @@ def _mesh_estimate(
     training: TrainingSetup,
     ranges: list[tuple[int, int]],
     mesh: Mesh,
+    layout: Layout,
     *,
-    num_microbatches: int,
-    schedule: Schedule,
-    recompute: bool | Sequence[bool],
-    data_parallel: int,
-    recompute_layers: Sequence[int | None] | None = None,
-    pipeline_degree: int | None,
-    devices: Sequence[Sequence[int]] | None,
     solver: SolverInfo | None,
-    actions: Sequence[str] | None,
-    across_nodes: bool,
     templates: ScheduleTemplates | None = None,
 ) -> Plan:
     """:func:`estimate` of a plan with tensor parallelism or ZeRO: the D x K plan of one
     tensor-parallel rank (:func:`planner.mesh.mesh_problem`), reported on the real devices."""
     t = mesh.tensor_parallel
+    across_nodes = layout.tensor_parallel_across_nodes
+    data_parallel, devices, schedule = layout.data_parallel, layout.devices, layout.schedule
     check_mesh(mesh, cluster, across_nodes=across_nodes)
     n = cluster.num_devices
     groups = n // t
     if data_parallel < 1:
         raise InputError(f"data_parallel must be >= 1, got {data_parallel}")
     chunks = SCHEDULE_CHUNKS[schedule]
-    k = pipeline_degree
+    k = layout.pipeline_degree
     if k is None:
         if chunks == "n":
             k = max(1, min(len(ranges), groups // data_parallel))
@@ -502,11 +523,10 @@ def _mesh_estimate(
         profile, cluster, training, mesh, data_parallel=data_parallel, pipeline_degree=k, across_nodes=across_nodes
     )
     inner = estimate(
-        problem.profile, problem.cluster, problem.training, ranges,
-        num_microbatches=num_microbatches, schedule=schedule, recompute=recompute,
-        recompute_layers=recompute_layers,
-        data_parallel=data_parallel, pipeline_degree=k, devices=virt, solver=solver, actions=actions,
-        templates=templates,
+        problem.profile, problem.cluster, problem.training,
+        replace(layout, stages=ranges, pipeline_degree=k, devices=virt, tensor_parallel=1, zero_stage=0,
+                sequence_parallel=False, tensor_parallel_across_nodes=False, selective_recompute=False),
+        solver=solver, templates=templates,
     )
     pre = _prefix(problem.param_bytes)
     margin = training.memory_margin
@@ -701,35 +721,16 @@ def reestimate(
     recompute_layers: Sequence[int | None] | None = None,
     templates: ScheduleTemplates | None = None,
 ) -> Plan:
-    """Re-run :func:`estimate` for the decisions ``plan`` made (stages, M, schedule, recompute,
-    mesh, placement), with ``profile`` and the plan's own cluster and training setup unless given.
+    """Re-run :func:`estimate` for the decisions ``plan`` made (:meth:`Layout.of`), with
+    ``profile`` and the plan's own cluster and training setup unless given.
     ``recompute_layers`` replaces the stages' checkpointed-layer counts.  With ``templates``, a
     named schedule runs its template from there (the same order as the plan's actions, without
-    parsing them again)."""
-    own_actions = plan.actions if templates is None or plan.schedule == "planned" else None
-    layers = [s.recompute_layers for s in plan.stages] if recompute_layers is None else list(recompute_layers)
-    return estimate(
-        profile,
-        cluster or plan.cluster,
-        training or plan.training,
-        [(s.start, s.stop) for s in plan.stages],
-        num_microbatches=plan.num_microbatches,
-        schedule=plan.schedule,
-        recompute=[s.recompute for s in plan.stages],
-        recompute_layers=layers,
-        data_parallel=plan.data_parallel_degree,
-        pipeline_degree=plan.pipeline_degree,
-        devices=[s.devices for s in plan.stages],
-        solver=solver,
-        # what runs is the plan's own order (a planned schedule too: it is not rebuilt)
-        actions=own_actions,
-        templates=templates,
-        tensor_parallel=plan.tensor_parallel_degree,
-        zero_stage=plan.zero_stage,
-        sequence_parallel=plan.sequence_parallel,
-        tensor_parallel_across_nodes=plan.tensor_parallel_degree > plan.cluster.devices_per_node,
-        selective_recompute=plan.selective_recompute,
-    )
+    parsing them again); otherwise what runs is the plan's own order."""
+    layout = Layout.of(plan, actions=templates is None or plan.schedule == "planned")
+    if recompute_layers is not None:
+        layout = replace(layout, recompute_layers=list(recompute_layers))
+    return estimate(profile, cluster or plan.cluster, training or plan.training, layout, solver=solver,
+                    templates=templates)
 
 
 def plan_fits(plan: Plan) -> bool:

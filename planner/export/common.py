@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from planner.cost import estimate, plan_fits
+from planner.cost import Layout, estimate, plan_fits
 from planner.errors import InputError, PipeplanError
 from planner.export.mapping import DecoderStack
 from planner.schedules import (
@@ -430,22 +430,22 @@ def price(plan: Plan, d: Decisions, profile: Profile) -> Plan:
     """The cost model's plan for decisions ``d`` on ``plan``'s cluster and training setup."""
     same_stages = len(d.stages) == len(plan.stages)
     return estimate(
-        profile,
-        plan.cluster,
-        plan.training,
-        list(d.stages),
-        num_microbatches=d.num_microbatches,
-        schedule=d.schedule,
-        recompute=list(d.recompute),
-        recompute_layers=[n if 0 < n < b - a else None for (a, b), n in zip(d.stages, d.checkpointed_layers, strict=True)],
-        data_parallel=d.data_parallel,
-        pipeline_degree=d.pipeline_degree,
-        devices=[s.devices for s in plan.stages] if same_stages else None,
-        tensor_parallel=d.tensor_parallel,
-        zero_stage=d.zero_stage if d.data_parallel > 1 else 0,
-        sequence_parallel=d.sequence_parallel,
-        tensor_parallel_across_nodes=d.tensor_parallel > plan.cluster.devices_per_node,
-        selective_recompute=d.selective_recompute,
+        profile, plan.cluster, plan.training,
+        Layout(
+            list(d.stages),
+            num_microbatches=d.num_microbatches,
+            schedule=d.schedule,
+            recompute=list(d.recompute),
+            recompute_layers=[n if 0 < n < b - a else None for (a, b), n in zip(d.stages, d.checkpointed_layers, strict=True)],
+            data_parallel=d.data_parallel,
+            pipeline_degree=d.pipeline_degree,
+            devices=[s.devices for s in plan.stages] if same_stages else None,
+            tensor_parallel=d.tensor_parallel,
+            zero_stage=d.zero_stage if d.data_parallel > 1 else 0,
+            sequence_parallel=d.sequence_parallel,
+            tensor_parallel_across_nodes=d.tensor_parallel > plan.cluster.devices_per_node,
+            selective_recompute=d.selective_recompute,
+        ),
     )
 
 

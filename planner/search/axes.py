@@ -60,7 +60,7 @@ import math
 import time
 from dataclasses import dataclass
 
-from planner.cost import ScheduleTemplates, estimate, lower_bound_ms, profile_in_dtype
+from planner.cost import Layout, ScheduleTemplates, estimate, lower_bound_ms, profile_in_dtype
 from planner.errors import InfeasibleError, InputError
 from planner.infeasible import any_fits
 from planner.mesh import Mesh, check_mesh, mesh_problem, recomputes_selectively
@@ -223,15 +223,24 @@ def solve(
         """A D x K split of the family's problem priced on the whole mesh (each T-group's first
         device standing for the group)."""
         return estimate(
-            base, cluster, training, split.ranges, num_microbatches=split.num_microbatches,
-            schedule=split.schedule, recompute=split.recompute, data_parallel=split.data_parallel,
-            pipeline_degree=split.pipeline_degree,
-            devices=[[d * fam.tensor_parallel for d in devs] for devs in split.devices],
-            actions=actions, solver=solver, tensor_parallel=fam.tensor_parallel, templates=templates,
-            zero_stage=zero if split.data_parallel > 1 else 0,  # one replica: nothing to shard
-            sequence_parallel=fam.sequence_parallel,
-            tensor_parallel_across_nodes=options.tensor_parallel_across_nodes,
-            selective_recompute=fam.selective_recompute,
+            base, cluster, training,
+            Layout(
+                split.ranges,
+                num_microbatches=split.num_microbatches,
+                schedule=split.schedule,
+                recompute=split.recompute,
+                data_parallel=split.data_parallel,
+                pipeline_degree=split.pipeline_degree,
+                devices=[[d * fam.tensor_parallel for d in devs] for devs in split.devices],
+                actions=actions,
+                tensor_parallel=fam.tensor_parallel,
+                zero_stage=zero if split.data_parallel > 1 else 0,
+                sequence_parallel=fam.sequence_parallel,
+                tensor_parallel_across_nodes=options.tensor_parallel_across_nodes,
+                selective_recompute=fam.selective_recompute,
+            ),
+            solver=solver,
+            templates=templates,
         )
 
     def reprice(plan: Plan, fam: _Family, zero: int) -> Plan:
@@ -295,6 +304,34 @@ def solve(
         except (InfeasibleError, InputError):
             return None
 
+    def zero3_layout() -> None:
+        """FSDP's and DeepSpeed's hand layout, no search: every device a data-parallel replica of
+        the whole model, ZeRO-3, every layer checkpointed, each profiled micro-batch size that
+        divides the batch (a few one-stage estimates), offered like the Megatron rule."""
+        n, g = cluster.num_devices, training.global_batch_size
+        free = (options.stages is None and options.schedule in (None, "1f1b") and options.recompute is not False
+                and options.data_parallel in (None, n) and options.tensor_parallel in (None, 1)
+                and options.num_microbatches is None and options.virtual_stages in (None, 1)
+                and not options.sequence_parallel and not options.selective_recompute)
+        if not free or n < 2 or 3 not in zeros or g % n:
+            return
+        for b in base.microbatch_sizes:
+            if (g // n) % b:
+                continue
+            try:
+                plan = estimate(
+                    base, cluster, training,
+                    Layout([(0, base.num_layers)], num_microbatches=g // (n * b), recompute=True,
+                           data_parallel=n, pipeline_degree=1, zero_stage=3),
+                    solver=SolverInfo(status="feasible", gap=1.0, message="plan: the ZeRO-3 hand layout "
+                                      "(every device a replica, every layer checkpointed; no faster plan found "
+                                      "within the limit)"),
+                    templates=templates,
+                )
+            except InputError:
+                continue
+            offer(plan)
+
     work = {fam: _work_bound(base, cluster, training, fam) for fam in families}
     # no solve starts once the limits given out reach the time limit (late()), nor after the time
     # limit on the clock (a small instance's only after WALL_SAFETY times it: a loaded machine's clock)
@@ -355,6 +392,7 @@ def solve(
             seeded = seed(fam, seed_zero)
             if seeded is not None:
                 offer(seeded)
+    zero3_layout()
     phase1([f for f in order if f not in deferred], first_index=0)
     skipped_selective = bool(deferred) and not memory_seen and best is not None
     if deferred and not skipped_selective:

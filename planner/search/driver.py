@@ -86,6 +86,7 @@ from planner.bounds.memory import memory_bounds
 from planner.bounds.relaxed import relaxed_bound, relaxed_memory_fits
 from planner.bounds.work import cheap_bound
 from planner.cost import (
+    Layout,
     ScheduleTemplates,
     estimate,
     lower_bound_ms,
@@ -231,16 +232,16 @@ def _best_plan(search: SearchState, solver: SolverInfo, *, templates: ScheduleTe
     assert search.best is not None
     cfg, split, groups = search.best
     return estimate(
-        search.profile,
-        search.cluster,
-        search.training,
-        list(split.ranges),
-        num_microbatches=cfg.num_microbatches,
-        schedule=cfg.schedule,
-        recompute=list(split.recompute),
-        data_parallel=cfg.data_parallel,
-        pipeline_degree=cfg.pipeline_degree,
-        devices=[list(groups[g].devices) for g in split.groups],
+        search.profile, search.cluster, search.training,
+        Layout(
+            list(split.ranges),
+            num_microbatches=cfg.num_microbatches,
+            schedule=cfg.schedule,
+            recompute=list(split.recompute),
+            data_parallel=cfg.data_parallel,
+            pipeline_degree=cfg.pipeline_degree,
+            devices=[list(groups[g].devices) for g in split.groups],
+        ),
         solver=solver,
         templates=templates,
     )

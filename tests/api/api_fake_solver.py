@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from planner.cost import estimate
+from planner.cost import Layout, estimate
 from planner.errors import InfeasibleError
 from planner.schema import Cluster, Plan, PlanOptions, Profile, TrainingSetup
 
@@ -24,7 +24,13 @@ def solve(profile: Profile, cluster: Cluster, training: TrainingSetup, options: 
     k = options.stages if isinstance(options.stages, int) else min(cluster.num_devices, profile.num_layers)
     g = training.global_batch_size
     m = options.num_microbatches or max(x for x in range(1, min(g, 256) + 1) if g % x == 0)
-    plan = estimate(profile, cluster, training, even_split(profile.num_layers, k), num_microbatches=m)
+    plan = estimate(
+        profile, cluster, training,
+        Layout(
+            even_split(profile.num_layers, k),
+            num_microbatches=m,
+        ),
+    )
     worst = max(plan.stages, key=lambda s: s.memory_bytes - s.memory_limit_bytes)
     if worst.memory_bytes > worst.memory_limit_bytes:
         raise InfeasibleError(

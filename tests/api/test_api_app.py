@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from api.settings import ApiSettings
-from planner.cost import estimate
+from planner.cost import Layout, estimate
 from planner.presets import DEVICES
 from planner.schema import Cluster, Plan, Profile, StageRange, TrainingSetup
 
@@ -229,12 +229,12 @@ def test_estimate_matches_the_cost_model(client: TestClient, tiny_profile: Profi
     r = client.post("/v1/estimate", json=body)
     assert r.status_code == 200, r.text
     expected = estimate(
-        tiny_profile,
-        Cluster.model_validate(body["cluster"]),
-        TrainingSetup(global_batch_size=16),
-        [StageRange(**s) for s in stages],
-        num_microbatches=4,
-        recompute=[False, True],
+        tiny_profile, Cluster.model_validate(body["cluster"]), TrainingSetup(global_batch_size=16),
+        Layout(
+            [StageRange(**s) for s in stages],
+            num_microbatches=4,
+            recompute=[False, True],
+        ),
     )
     assert Plan.model_validate(r.json()) == expected
 

@@ -25,7 +25,7 @@ from hostile_inputs import document_paths, hostile_document
 from hypothesis import HealthCheck, given, settings
 
 from pipeplan.cli import main
-from planner.cost import estimate
+from planner.cost import Layout, estimate
 from planner.schema import Cluster, Profile, TrainingSetup
 
 TINY = str(ROOT / "examples" / "profiles" / "tiny.json")
@@ -81,7 +81,13 @@ def _tiny() -> dict[str, Any]:
 def _plan() -> dict[str, Any]:
     profile = Profile.model_validate(_tiny())
     cluster = Cluster.model_validate({"devices": 2, "memory": "16GiB"})
-    plan = estimate(profile, cluster, TrainingSetup(global_batch_size=8), [(0, 4), (4, 8)], num_microbatches=4)
+    plan = estimate(
+        profile, cluster, TrainingSetup(global_batch_size=8),
+        Layout(
+            [(0, 4), (4, 8)],
+            num_microbatches=4,
+        ),
+    )
     data: dict[str, Any] = plan.model_dump(mode="json")
     return data
 

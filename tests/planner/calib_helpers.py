@@ -13,7 +13,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from planner.cost import allreduce_ms, estimate, reestimate, simulate_plan
+from planner.cost import Layout, allreduce_ms, estimate, reestimate, simulate_plan
 from planner.schema import (
     Cluster,
     Interconnect,
@@ -73,15 +73,15 @@ def make_plan(
     """The plan (made with ``profile``'s predictions) that a run then executes."""
     training = TrainingSetup(global_batch_size=microbatch_size * microbatches * data_parallel, optimizer="sgd")
     return estimate(
-        profile,
-        cpu_cluster(devices),
-        training,
-        list(stages),
-        num_microbatches=microbatches,
-        schedule=schedule,  # type: ignore[arg-type]
-        data_parallel=data_parallel,
-        pipeline_degree=pipeline_degree,
-        recompute=recompute,
+        profile, cpu_cluster(devices), training,
+        Layout(
+            list(stages),
+            num_microbatches=microbatches,
+            schedule=schedule,
+            data_parallel=data_parallel,
+            pipeline_degree=pipeline_degree,
+            recompute=recompute,
+        ),
     )
 
 

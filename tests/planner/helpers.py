@@ -6,7 +6,7 @@ import itertools
 import math
 import random
 
-from planner.cost import estimate, plan_fits
+from planner.cost import Layout, estimate, plan_fits
 from planner.schema import Cluster, LayerProfile, MeasuredOn, Plan, Profile, Schedule, TrainingSetup
 
 MiB = 2**20
@@ -82,8 +82,14 @@ def brute_force(
         choices = itertools.product((False, True), repeat=k) if recompute_free else [(False,) * k]
         for rc in choices:
             plan = estimate(
-                profile, cl, training, ranges, num_microbatches=m, schedule=schedule,
-                recompute=list(rc), data_parallel=data_parallel,
+                profile, cl, training,
+                Layout(
+                    ranges,
+                    num_microbatches=m,
+                    schedule=schedule,
+                    recompute=list(rc),
+                    data_parallel=data_parallel,
+                ),
             )
             if plan_fits(plan):
                 best = min(best, plan.predicted.step_time_ms)
@@ -141,8 +147,16 @@ def brute_force_all(profile: Profile, cl: Cluster, training: TrainingSetup, *, z
                         for rc in itertools.product((False, True), repeat=stages):
                             try:
                                 plan = estimate(
-                                    profile, cl, training, ranges, num_microbatches=m, schedule=schedule,
-                                    recompute=list(rc), data_parallel=d, pipeline_degree=k, zero_stage=z,
+                                    profile, cl, training,
+                                    Layout(
+                                        ranges,
+                                        num_microbatches=m,
+                                        schedule=schedule,
+                                        recompute=list(rc),
+                                        data_parallel=d,
+                                        pipeline_degree=k,
+                                        zero_stage=z,
+                                    ),
                                 )
                             except InputError:
                                 break  # this shape (K, M, schedule, v) is not runnable

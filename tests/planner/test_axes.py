@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner.cost import estimate, plan_fits
+from planner.cost import Layout, estimate, plan_fits
 from planner.errors import InfeasibleError, InputError
 from planner.schema import Cluster, LayerProfile, MeasuredOn, PlanOptions, Profile, TrainingSetup
 from planner.solver import solve
@@ -77,10 +77,19 @@ def brute_force_mesh(profile: Profile, cl: Cluster, training: TrainingSetup, *, 
                                 b = (0, *cuts, n)
                                 for rc in itertools.product((False, True), repeat=0 if sr else k):
                                     plan = estimate(
-                                        profile, cl, training, [(b[i], b[i + 1]) for i in range(k)],
-                                        num_microbatches=m, schedule="1f1b", recompute=list(rc) or False,
-                                        data_parallel=d, pipeline_degree=k, tensor_parallel=t, zero_stage=z,
-                                        sequence_parallel=sp, selective_recompute=sr,
+                                        profile, cl, training,
+                                        Layout(
+                                            [(b[i], b[i + 1]) for i in range(k)],
+                                            num_microbatches=m,
+                                            schedule="1f1b",
+                                            recompute=list(rc) or False,
+                                            data_parallel=d,
+                                            pipeline_degree=k,
+                                            tensor_parallel=t,
+                                            zero_stage=z,
+                                            sequence_parallel=sp,
+                                            selective_recompute=sr,
+                                        ),
                                     )
                                     if plan_fits(plan):
                                         best = min(best, plan.predicted.step_time_ms)

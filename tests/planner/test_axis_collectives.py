@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from planner.cost import estimate, pipeline_transfer_ms, reestimate
+from planner.cost import Layout, estimate, pipeline_transfer_ms, reestimate
 from planner.schema import parse_document
 from tests.planner.test_mesh import BW, _cluster, _profile, _training
 
@@ -32,8 +32,14 @@ def test_pipeline_transfers_count_every_boundary_a_rank_touches() -> None:
 @pytest.mark.parametrize("m", [1, 2])
 def test_pipeline_transfers_by_hand_and_as_the_simulator_charges_them(m: int) -> None:
     # 100 bytes cross the cut at 1 MB/s: 0.1 ms each way, per micro-batch
-    plan = estimate(_profile(), _slow_cluster(2), _training(batch=m), [(0, 1), (1, 2)], num_microbatches=m,
-                    schedule="gpipe")  # fmt: skip
+    plan = estimate(
+        _profile(), _slow_cluster(2), _training(batch=m),
+        Layout(
+            [(0, 1), (1, 2)],
+            num_microbatches=m,
+            schedule="gpipe",
+        ),
+    )  # fmt: skip
     tau = 100 / 1e6 * MS
     assert plan.stages[0].send_ms == pytest.approx(tau)
     assert plan.predicted.pipeline_transfer_ms == pytest.approx(2 * m * tau)
@@ -45,18 +51,40 @@ def test_pipeline_transfers_by_hand_and_as_the_simulator_charges_them(m: int) ->
 
 def test_tensor_parallel_collectives_by_hand_and_as_the_simulator_charges_them() -> None:
     # the block at T = 2: forward all-reduces 2(T-1)/T x 1 MB = 1 ms, backward 2 ms, per micro-batch
-    one = estimate(_profile(), _cluster(), _training(), [(0, 2)], num_microbatches=1, schedule="gpipe",
-                   tensor_parallel=2)  # fmt: skip
+    one = estimate(
+        _profile(), _cluster(), _training(),
+        Layout(
+            [(0, 2)],
+            num_microbatches=1,
+            schedule="gpipe",
+            tensor_parallel=2,
+        ),
+    )  # fmt: skip
     assert one.predicted.tensor_parallel_ms == pytest.approx(1 + 2)
     # the same plan without the collectives' bytes: the step is shorter by exactly them
     quiet = _profile(tp_forward_bytes=[0], tp_backward_bytes=[0])
-    none = estimate(quiet, _cluster(), _training(), [(0, 2)], num_microbatches=1, schedule="gpipe",
-                    tensor_parallel=2)  # fmt: skip
+    none = estimate(
+        quiet, _cluster(), _training(),
+        Layout(
+            [(0, 2)],
+            num_microbatches=1,
+            schedule="gpipe",
+            tensor_parallel=2,
+        ),
+    )  # fmt: skip
     assert none.predicted.tensor_parallel_ms == 0.0
     assert one.predicted.step_time_ms - none.predicted.step_time_ms == pytest.approx(one.predicted.tensor_parallel_ms)
     # two stages, 2 micro-batches, the block's stage recomputes: its forward's all-reduce runs again
-    two = estimate(_profile(), _cluster(), _training(batch=2), [(0, 1), (1, 2)], num_microbatches=2,
-                   schedule="gpipe", tensor_parallel=2, recompute=[False, True])  # fmt: skip
+    two = estimate(
+        _profile(), _cluster(), _training(batch=2),
+        Layout(
+            [(0, 1), (1, 2)],
+            num_microbatches=2,
+            schedule="gpipe",
+            tensor_parallel=2,
+            recompute=[False, True],
+        ),
+    )  # fmt: skip
     assert two.predicted.tensor_parallel_ms == pytest.approx(2 * (2 * 1 + 2))
     assert two.predicted.pipeline_transfer_ms == pytest.approx(2 * 2 * 100 / BW * MS)  # the cut moves 100 bytes
 
@@ -65,8 +93,16 @@ def test_tensor_parallel_collectives_by_hand_and_as_the_simulator_charges_them()
 def test_zero_collectives_by_hand_and_as_the_simulator_charges_them(zero: int, per_byte: int) -> None:
     # D = 2, 1,400 parameter bytes: a reduce-scatter or all-gather moves (D-1)/D x 1,400 bytes;
     # ZeRO 2 reduce-scatters every micro-batch, ZeRO 3 also all-gathers before F and B
-    plan = estimate(_profile(), _cluster(2), _training(batch=2, zero_overlap=0.0), [(0, 2)], num_microbatches=1,
-                    schedule="gpipe", data_parallel=2, zero_stage=zero)  # fmt: skip
+    plan = estimate(
+        _profile(), _cluster(2), _training(batch=2, zero_overlap=0.0),
+        Layout(
+            [(0, 2)],
+            num_microbatches=1,
+            schedule="gpipe",
+            data_parallel=2,
+            zero_stage=zero,
+        ),
+    )  # fmt: skip
     half = 1400 / 2 / BW * MS
     assert plan.predicted.zero_ms == pytest.approx(per_byte * half)
     compute = (1 + 2) + (10 + 20)
@@ -77,16 +113,33 @@ def test_zero_collectives_by_hand_and_as_the_simulator_charges_them(zero: int, p
 def test_zero_collectives_over_micro_batches_recompute_and_tensor_parallel_shards() -> None:
     # ZeRO 3, D = 2, T = 2, 3 micro-batches; the block holds 400 + 1000 / 2 = 900 parameter bytes
     # per tensor-parallel rank, and recomputes: all-gathers before F, the recomputed F and B
-    plan = estimate(_profile(), _cluster(4), _training(batch=6), [(0, 2)], num_microbatches=3, schedule="gpipe",
-                    data_parallel=2, tensor_parallel=2, zero_stage=3, recompute=True)  # fmt: skip
+    plan = estimate(
+        _profile(), _cluster(4), _training(batch=6),
+        Layout(
+            [(0, 2)],
+            num_microbatches=3,
+            schedule="gpipe",
+            data_parallel=2,
+            tensor_parallel=2,
+            zero_stage=3,
+            recompute=True,
+        ),
+    )  # fmt: skip
     half = 900 / 2 / BW * MS
     assert plan.predicted.zero_ms == pytest.approx(3 * (1 + 3) * half)
     assert plan.predicted.tensor_parallel_ms == pytest.approx(3 * (2 * 1 + 2))
 
 
 def test_old_plans_load_without_the_axis_figures_and_new_ones_round_trip() -> None:
-    plan = estimate(_profile(), _cluster(), _training(batch=2), [(0, 1), (1, 2)], num_microbatches=2,
-                    schedule="gpipe", tensor_parallel=2)  # fmt: skip
+    plan = estimate(
+        _profile(), _cluster(), _training(batch=2),
+        Layout(
+            [(0, 1), (1, 2)],
+            num_microbatches=2,
+            schedule="gpipe",
+            tensor_parallel=2,
+        ),
+    )  # fmt: skip
     doc = json.loads(plan.model_dump_json())
     assert parse_document("plan", doc) == plan
     again = reestimate(plan, _profile())

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from planner.bounds.chunk_memory import chunk_memory_bound
 from planner.bounds.memory import memory_work_bound, static_memory_bound
 from planner.bounds.work import cheap_bound
-from planner.cost import estimate, plan_fits
+from planner.cost import Layout, estimate, plan_fits
 from planner.schedules import placement_of, stage_rank
 from planner.schema import Cluster, PlanOptions, Profile, TrainingSetup
 from planner.search.space import Config, make_groups
@@ -54,8 +54,16 @@ def exhaustive_both(
             ranges = [(bounds[i], bounds[i + 1]) for i in range(stages)]
             for rc in rc_choices:
                 plan = estimate(
-                    profile, cl, training, ranges, num_microbatches=cfg.num_microbatches, schedule=cfg.schedule,
-                    recompute=list(rc), data_parallel=cfg.data_parallel, pipeline_degree=k, devices=devices,
+                    profile, cl, training,
+                    Layout(
+                        ranges,
+                        num_microbatches=cfg.num_microbatches,
+                        schedule=cfg.schedule,
+                        recompute=list(rc),
+                        data_parallel=cfg.data_parallel,
+                        pipeline_degree=k,
+                        devices=devices,
+                    ),
                 )
                 if plan_fits(plan):
                     best = min(best, plan.predicted.step_time_ms)
@@ -277,8 +285,16 @@ def test_split_bound_with_fill_and_drain_is_below_the_simulated_step(
     split = Split(ranges, tuple(rng.random() < rc_share for _ in ranges), tuple(range(k)))
     step = quick_step(sm, cl, groups, split)
     plan = estimate(
-        profile, cl, training, list(ranges), num_microbatches=m, schedule="1f1b", recompute=list(split.recompute),
-        data_parallel=d, pipeline_degree=k, devices=[list(g.devices) for g in groups],
+        profile, cl, training,
+        Layout(
+            list(ranges),
+            num_microbatches=m,
+            schedule="1f1b",
+            recompute=list(split.recompute),
+            data_parallel=d,
+            pipeline_degree=k,
+            devices=[list(g.devices) for g in groups],
+        ),
     )
     assert math.isclose(step, plan.predicted.step_time_ms, rel_tol=1e-9)
     assert split_lower_bound(sm, cl, groups, split) <= step * (1 + 1e-12)
@@ -413,8 +429,15 @@ def test_mixed_interleaved_split_covers_and_fits(seed: int, k: int, v: int, frac
     assert all(a < b for a, b in split.ranges)
     assert all(x[1] == y[0] for x, y in itertools.pairwise(split.ranges))
     plan = estimate(
-        profile, cl, training, list(split.ranges), num_microbatches=m, schedule="interleaved-1f1b",
-        recompute=list(split.recompute), pipeline_degree=k, devices=[list(groups[g].devices) for g in split.groups],
+        profile, cl, training,
+        Layout(
+            list(split.ranges),
+            num_microbatches=m,
+            schedule="interleaved-1f1b",
+            recompute=list(split.recompute),
+            pipeline_degree=k,
+            devices=[list(groups[g].devices) for g in split.groups],
+        ),
     )
     assert plan_fits(plan)
 

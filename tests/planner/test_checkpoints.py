@@ -14,7 +14,7 @@ import math
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from planner.cost import estimate, layer_costs, plan_fits
+from planner.cost import Layout, estimate, layer_costs, plan_fits
 from planner.errors import InfeasibleError
 from planner.schema import (
     Cluster,
@@ -79,8 +79,15 @@ def test_a_stage_with_a_large_layer_re_materialises_it_alone() -> None:
     its largest layer once (not its layers' sum)."""
     prof = _profile([1000, 9000, 1000, 1000], [10, 10, 10, 10])
     training = TrainingSetup(global_batch_size=4, optimizer="sgd", memory_margin=0.0)
-    plan = estimate(prof, _cluster(2, 10**9), training, [(0, 2), (2, 4)], num_microbatches=4, schedule="gpipe",
-                    recompute=True)
+    plan = estimate(
+        prof, _cluster(2, 10**9), training,
+        Layout(
+            [(0, 2), (2, 4)],
+            num_microbatches=4,
+            schedule="gpipe",
+            recompute=True,
+        ),
+    )
     static = 2 * 10_000 * 2  # parameters + gradients (sgd: no state)
     assert plan.stages[0].memory_bytes == static + 4 * (64 + 10) + 9000
     # (the last layer's activations stay: its loss holds them)
@@ -124,8 +131,15 @@ def _brute_force(
         ranges = list(itertools.pairwise(bounds))
         choices = [range(b - a + 1) if partial else (0, b - a) for a, b in ranges]
         for counts in itertools.product(*choices):
-            plan = estimate(prof, cluster, training, ranges, num_microbatches=m, schedule="1f1b",
-                            recompute_layers=list(counts))
+            plan = estimate(
+                prof, cluster, training,
+                Layout(
+                    ranges,
+                    num_microbatches=m,
+                    schedule="1f1b",
+                    recompute_layers=list(counts),
+                ),
+            )
             if plan_fits(plan):
                 best = min(best, plan.predicted.step_time_ms)
     return best
@@ -147,7 +161,13 @@ def test_the_reported_bound_holds_for_every_partial_plan(seed: int, layers: int,
     training = TrainingSetup(global_batch_size=4, optimizer="sgd", memory_margin=0.0)
     roomy = _cluster(2, 2**40)
     # room for the static bytes and a share of the activations an even split keeps
-    keep = estimate(prof, roomy, training, [(0, layers // 2), (layers // 2, layers)], num_microbatches=4)
+    keep = estimate(
+        prof, roomy, training,
+        Layout(
+            [(0, layers // 2), (layers // 2, layers)],
+            num_microbatches=4,
+        ),
+    )
     parts = [s.memory_parts for s in keep.stages]
     static = max(p.parameters + p.gradients + p.optimizer for p in parts if p is not None)
     acts = max(p.activations for p in parts if p is not None)

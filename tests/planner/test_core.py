@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from planner.baselines import block_partition, minmax_split, uniform_split
 from planner.bounds.split import split_lower_bound
-from planner.cost import estimate
+from planner.cost import Layout, estimate
 from planner.schedules import placement_of, stage_rank
 from planner.schema import TrainingSetup
 from planner.search.model import Split, StageModel, quick_step
@@ -56,8 +56,16 @@ def test_quick_step_equals_estimate_and_bound_is_below(seed: int, shape: tuple, 
     owner = [stage_rank(placement_of(sched), s, k, v) for s in range(k * v)]
     split = Split(tuple(ranges), rc, tuple(owner))
     plan = estimate(
-        profile, cl, training, ranges, num_microbatches=m, schedule=sched, recompute=list(rc), data_parallel=d,
-        pipeline_degree=k, devices=[list(groups[owner[s]].devices) for s in range(k * v)],
+        profile, cl, training,
+        Layout(
+            ranges,
+            num_microbatches=m,
+            schedule=sched,
+            recompute=list(rc),
+            data_parallel=d,
+            pipeline_degree=k,
+            devices=[list(groups[owner[s]].devices) for s in range(k * v)],
+        ),
     )
     assert quick_step(sm, cl, groups, split) == pytest.approx(plan.predicted.step_time_ms, rel=1e-12)
     assert split_lower_bound(sm, cl, groups, split) <= plan.predicted.step_time_ms * (1 + 1e-12)

@@ -9,6 +9,7 @@ import math
 import pytest
 
 from planner.cost import (
+    Layout,
     estimate,
     layer_costs,
     plan_fits,
@@ -77,8 +78,15 @@ def test_a_rank_the_closed_form_would_make_recompute_fits_by_its_walk() -> None:
     from planner.search.space import Config
 
     assert conservative(Config(1, k, m, "interleaved-1f1b", v), profile.num_layers)
-    exact = estimate(profile, cluster(2**40), training, ranges, num_microbatches=m, schedule="interleaved-1f1b",
-                     pipeline_degree=k)
+    exact = estimate(
+        profile, cluster(2**40), training,
+        Layout(
+            ranges,
+            num_microbatches=m,
+            schedule="interleaved-1f1b",
+            pipeline_degree=k,
+        ),
+    )
     costs = layer_costs(profile, 1)
     closed = closed_form_walks("interleaved-1f1b", k, m, v)
     assert closed is not None

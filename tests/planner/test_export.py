@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeplan.cli import main
-from planner.cost import estimate, plan_fits, reestimate
+from planner.cost import Layout, estimate, plan_fits, reestimate
 from planner.errors import InputError
 from planner.export import ExportRefused, export_plan, problems
 from planner.export import megatron as mg
@@ -69,16 +69,16 @@ def _plan(
     kk = k or len(stages)
     cluster = Cluster.model_validate({"devices": kk * d, "memory": memory})
     return estimate(
-        profile,
-        cluster,
-        TrainingSetup(global_batch_size=batch, optimizer="sgd"),
-        stages,
-        num_microbatches=m,
-        schedule=schedule,
-        recompute=recompute,
-        recompute_layers=recompute_layers,
-        data_parallel=d,
-        pipeline_degree=kk,
+        profile, cluster, TrainingSetup(global_batch_size=batch, optimizer="sgd"),
+        Layout(
+            stages,
+            num_microbatches=m,
+            schedule=schedule,
+            recompute=recompute,
+            recompute_layers=recompute_layers,
+            data_parallel=d,
+            pipeline_degree=kk,
+        ),
     )
 
 

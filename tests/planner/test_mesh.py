@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from planner.cost import estimate, reestimate
+from planner.cost import Layout, estimate, reestimate
 from planner.errors import InputError
 from planner.schema import parse_document
 
@@ -44,8 +44,15 @@ def _training(batch: int = 1, **extra: object) -> object:
 def test_tensor_parallel_time_and_memory_by_hand() -> None:
     # block at T=2: time x (0.5 / 2 + 0.5) = 0.75, plus its all-reduces: 2(T-1)/T x 1 MB = 1 ms
     # forward, 2 ms backward; the embedding is replicated (full time and memory)
-    plan = estimate(_profile(), _cluster(), _training(), [(0, 2)], num_microbatches=1, schedule="gpipe",
-                    tensor_parallel=2)
+    plan = estimate(
+        _profile(), _cluster(), _training(),
+        Layout(
+            [(0, 2)],
+            num_microbatches=1,
+            schedule="gpipe",
+            tensor_parallel=2,
+        ),
+    )
     assert plan.predicted.step_time_ms == pytest.approx(1 + 2 + (7.5 + 1) + (15 + 2))
     # params 400 + 1000/2 = 900, x (1 + 1 + 2) for adam; activations 100 + 200 + 600/2
     assert plan.stages[0].param_bytes == 900
@@ -56,8 +63,16 @@ def test_tensor_parallel_time_and_memory_by_hand() -> None:
 
 def test_sequence_parallel_shards_the_rest() -> None:
     # with SP the non-matmul half divides by T too (0.5/2 + 0.5/2), and every activation byte
-    plan = estimate(_profile(), _cluster(), _training(), [(0, 2)], num_microbatches=1, schedule="gpipe",
-                    tensor_parallel=2, sequence_parallel=True)
+    plan = estimate(
+        _profile(), _cluster(), _training(),
+        Layout(
+            [(0, 2)],
+            num_microbatches=1,
+            schedule="gpipe",
+            tensor_parallel=2,
+            sequence_parallel=True,
+        ),
+    )
     assert plan.predicted.step_time_ms == pytest.approx(1 + 2 + (5 + 1) + (10 + 2))
     assert plan.stages[0].memory_bytes == 900 * 4 + 100 + 400
     assert plan.sequence_parallel
@@ -65,16 +80,38 @@ def test_sequence_parallel_shards_the_rest() -> None:
 
 def test_efficiency_factor_and_cut_bytes() -> None:
     # efficiency 0.5 at T=2: the sharded half takes 0.5 / (2 x 0.5) = 0.5 of the time (no gain)
-    plan = estimate(_profile(), _cluster(), _training(tensor_parallel_efficiency=0.5), [(0, 2)],
-                    num_microbatches=1, schedule="gpipe", tensor_parallel=2)
+    plan = estimate(
+        _profile(), _cluster(), _training(tensor_parallel_efficiency=0.5),
+        Layout(
+            [(0, 2)],
+            num_microbatches=1,
+            schedule="gpipe",
+            tensor_parallel=2,
+        ),
+    )
     assert plan.stages[0].forward_ms == pytest.approx(1 + 10 + 1)
     # two stages at T=2 on 4 devices: the cut after embed moves 100 bytes (whole without SP, /2 with)
-    two = estimate(_profile(), _cluster(), _training(), [(0, 1), (1, 2)], num_microbatches=1, schedule="gpipe",
-                   tensor_parallel=2)
+    two = estimate(
+        _profile(), _cluster(), _training(),
+        Layout(
+            [(0, 1), (1, 2)],
+            num_microbatches=1,
+            schedule="gpipe",
+            tensor_parallel=2,
+        ),
+    )
     assert [s.devices for s in two.stages] == [[0], [2]] and two.world_size == 4
     assert two.stages[0].send_ms == pytest.approx(100 / BW * 1e3)
-    sp = estimate(_profile(), _cluster(), _training(), [(0, 1), (1, 2)], num_microbatches=1, schedule="gpipe",
-                  tensor_parallel=2, sequence_parallel=True)
+    sp = estimate(
+        _profile(), _cluster(), _training(),
+        Layout(
+            [(0, 1), (1, 2)],
+            num_microbatches=1,
+            schedule="gpipe",
+            tensor_parallel=2,
+            sequence_parallel=True,
+        ),
+    )
     assert sp.stages[0].send_ms == pytest.approx(two.stages[0].send_ms)  # embed is replicated: its output is whole
 
 
@@ -83,8 +120,16 @@ def test_efficiency_factor_and_cut_bytes() -> None:
 ])
 def test_zero_memory_and_collective_by_hand(zero: int, static: float, collected: float) -> None:
     # D=2 replicas, adam (2 bytes of state per parameter byte), 1,400 parameter bytes
-    plan = estimate(_profile(), _cluster(2), _training(batch=2, zero_overlap=0.0), [(0, 2)], num_microbatches=1,
-                    schedule="gpipe", data_parallel=2, zero_stage=zero)
+    plan = estimate(
+        _profile(), _cluster(2), _training(batch=2, zero_overlap=0.0),
+        Layout(
+            [(0, 2)],
+            num_microbatches=1,
+            schedule="gpipe",
+            data_parallel=2,
+            zero_stage=zero,
+        ),
+    )
     acts = 100 + 800
     gathered = 2 * 1000 if zero == 3 else 0  # the running and the prefetched layer's parameters
     assert plan.stages[0].memory_bytes == pytest.approx(1400 * static + acts + gathered, abs=2)
@@ -103,16 +148,33 @@ def test_zero_overlap_hides_behind_compute() -> None:
     cluster = parse_document("cluster", {"devices": 2, "memory": "1GiB", "intra_node": slow, "inter_node": slow})
     times = []
     for overlap in (0.0, 1.0):
-        plan = estimate(_profile(), cluster, _training(batch=2, zero_overlap=overlap), [(0, 2)], num_microbatches=1,
-                        schedule="gpipe", data_parallel=2, zero_stage=3)
+        plan = estimate(
+            _profile(), cluster, _training(batch=2, zero_overlap=overlap),
+            Layout(
+                [(0, 2)],
+                num_microbatches=1,
+                schedule="gpipe",
+                data_parallel=2,
+                zero_stage=3,
+            ),
+        )
         times.append(plan.predicted.step_time_ms)
     # block: all-gather 1000/2 bytes at 1 MB/s = 0.5 ms, hidden behind its 10 ms forward when overlapped
     assert times[0] - times[1] == pytest.approx(2 * 0.5 + 0.5 + 3 * 0.2, rel=1e-6)
 
 
 def test_plans_round_trip_and_reestimate() -> None:
-    plan = estimate(_profile(), _cluster(), _training(batch=2), [(0, 1), (1, 2)], num_microbatches=1,
-                    schedule="gpipe", tensor_parallel=2, zero_stage=0, sequence_parallel=True)
+    plan = estimate(
+        _profile(), _cluster(), _training(batch=2),
+        Layout(
+            [(0, 1), (1, 2)],
+            num_microbatches=1,
+            schedule="gpipe",
+            tensor_parallel=2,
+            zero_stage=0,
+            sequence_parallel=True,
+        ),
+    )
     back = parse_document("plan", json.loads(plan.model_dump_json()))
     assert back == plan
     again = reestimate(back, _profile())
@@ -122,12 +184,33 @@ def test_plans_round_trip_and_reestimate() -> None:
 
 def test_mesh_errors_name_the_fix() -> None:
     with pytest.raises(InputError, match="devices per node"):
-        estimate(_profile(), _cluster(4, per_node=2), _training(), [(0, 2)], num_microbatches=1, tensor_parallel=4)
+        estimate(
+            _profile(), _cluster(4, per_node=2), _training(),
+            Layout(
+                [(0, 2)],
+                num_microbatches=1,
+                tensor_parallel=4,
+            ),
+        )
     with pytest.raises(InputError, match="needs --tensor-parallel"):
-        estimate(_profile(), _cluster(), _training(), [(0, 2)], num_microbatches=1, sequence_parallel=True)
+        estimate(
+            _profile(), _cluster(), _training(),
+            Layout(
+                [(0, 2)],
+                num_microbatches=1,
+                sequence_parallel=True,
+            ),
+        )
     with pytest.raises(InputError, match="x tensor-parallel degree 2 = 6 devices"):
-        estimate(_profile(), _cluster(4), _training(batch=3), [(0, 2)], num_microbatches=1, data_parallel=3,
-                 tensor_parallel=2)
+        estimate(
+            _profile(), _cluster(4), _training(batch=3),
+            Layout(
+                [(0, 2)],
+                num_microbatches=1,
+                data_parallel=3,
+                tensor_parallel=2,
+            ),
+        )
 
 
 def test_dtype_rescaling_keeps_the_tensor_parallel_split() -> None:
@@ -139,8 +222,8 @@ def test_dtype_rescaling_keeps_the_tensor_parallel_split() -> None:
                                 dtype="bfloat16", microbatch_sizes=(1,))
     cl = parse_document("cluster", {"devices": 2, "device_type": "a100-80g"})
     training = parse_document("training", {"global_batch_size": 1, "dtype": "bf16"})
-    one = estimate(profile, cl, training, [(0, 4)], num_microbatches=1)
-    two = estimate(profile, cl, training, [(0, 4)], num_microbatches=1, tensor_parallel=2)
+    one = estimate(profile, cl, training, Layout([(0, 4)], num_microbatches=1))
+    two = estimate(profile, cl, training, Layout([(0, 4)], num_microbatches=1, tensor_parallel=2))
     replicated = sum(x.param_bytes - (x.tp_param_bytes or 0) for x in profile.layers) * 2
     assert two.stages[0].param_bytes == pytest.approx((one.stages[0].param_bytes + replicated) / 2, abs=4)
 
@@ -168,9 +251,23 @@ def test_synth_block_activations_follow_korthikanti(t: int) -> None:
 def test_selective_recompute_by_hand() -> None:
     # the block drops 300 of its 800 activation bytes and recomputes them for 4 ms in its backward
     prof = _profile(selective_recompute_bytes=[300], selective_recompute_ms=[4.0])
-    base = estimate(prof, _cluster(1), _training(), [(0, 2)], num_microbatches=1, schedule="gpipe")
-    sel = estimate(prof, _cluster(1), _training(), [(0, 2)], num_microbatches=1, schedule="gpipe",
-                   selective_recompute=True)
+    base = estimate(
+        prof, _cluster(1), _training(),
+        Layout(
+            [(0, 2)],
+            num_microbatches=1,
+            schedule="gpipe",
+        ),
+    )
+    sel = estimate(
+        prof, _cluster(1), _training(),
+        Layout(
+            [(0, 2)],
+            num_microbatches=1,
+            schedule="gpipe",
+            selective_recompute=True,
+        ),
+    )
     assert sel.selective_recompute and not base.selective_recompute
     assert base.stages[0].memory_bytes - sel.stages[0].memory_bytes == 300
     assert sel.stages[0].backward_ms == pytest.approx(base.stages[0].backward_ms + 4.0)
@@ -179,9 +276,25 @@ def test_selective_recompute_by_hand() -> None:
     assert sel.stages[0].backward_weight_ms == pytest.approx(base.stages[0].backward_weight_ms)
     assert sel.predicted.step_time_ms == pytest.approx(base.predicted.step_time_ms + 4.0)
     # under T=2 the dropped bytes and their recompute divide like the rest of attention
-    tp = estimate(prof, _cluster(2), _training(), [(0, 2)], num_microbatches=1, schedule="gpipe",
-                  tensor_parallel=2, selective_recompute=True)
-    tp0 = estimate(prof, _cluster(2), _training(), [(0, 2)], num_microbatches=1, schedule="gpipe", tensor_parallel=2)
+    tp = estimate(
+        prof, _cluster(2), _training(),
+        Layout(
+            [(0, 2)],
+            num_microbatches=1,
+            schedule="gpipe",
+            tensor_parallel=2,
+            selective_recompute=True,
+        ),
+    )
+    tp0 = estimate(
+        prof, _cluster(2), _training(),
+        Layout(
+            [(0, 2)],
+            num_microbatches=1,
+            schedule="gpipe",
+            tensor_parallel=2,
+        ),
+    )
     assert tp0.stages[0].memory_bytes - tp.stages[0].memory_bytes == 150
     assert tp.stages[0].backward_ms == pytest.approx(tp0.stages[0].backward_ms + 4.0 * 0.5 / 2)
     back = parse_document("plan", json.loads(sel.model_dump_json()))
@@ -190,12 +303,33 @@ def test_selective_recompute_by_hand() -> None:
 
 def test_selective_recompute_errors_name_the_fix() -> None:
     with pytest.raises(InputError, match="selective_recompute_bytes"):
-        estimate(_profile(), _cluster(1), _training(), [(0, 2)], num_microbatches=1, selective_recompute=True)
+        estimate(
+            _profile(), _cluster(1), _training(),
+            Layout(
+                [(0, 2)],
+                num_microbatches=1,
+                selective_recompute=True,
+            ),
+        )
     prof = _profile(selective_recompute_bytes=[300], selective_recompute_ms=[4.0])
     with pytest.raises(InputError, match="exclude each other"):
-        estimate(prof, _cluster(1), _training(), [(0, 2)], num_microbatches=1, selective_recompute=True,
-                 recompute=True)
-    plan = estimate(prof, _cluster(1), _training(), [(0, 2)], num_microbatches=1, recompute=True)
+        estimate(
+            prof, _cluster(1), _training(),
+            Layout(
+                [(0, 2)],
+                num_microbatches=1,
+                selective_recompute=True,
+                recompute=True,
+            ),
+        )
+    plan = estimate(
+        prof, _cluster(1), _training(),
+        Layout(
+            [(0, 2)],
+            num_microbatches=1,
+            recompute=True,
+        ),
+    )
     bad = json.loads(plan.model_dump_json()) | {"selective_recompute": True}
     with pytest.raises(InputError, match="exclude each other"):
         parse_document("plan", bad)
@@ -204,8 +338,15 @@ def test_selective_recompute_errors_name_the_fix() -> None:
 def test_gradient_overlap_hides_its_share_of_the_collective() -> None:
     # D=2 on a 1 GB/s link: the all-reduce of 1,400 gradient bytes takes 1.4e-3 ms; half of it
     # overlaps the last backward, so half adds to the step; the plan still reports all of it
-    plans = [estimate(_profile(), _cluster(2), _training(batch=2, gradient_overlap=w), [(0, 2)], num_microbatches=1,
-                      schedule="gpipe", data_parallel=2) for w in (0.0, 0.5)]
+    plans = [estimate(
+        _profile(), _cluster(2), _training(batch=2, gradient_overlap=w),
+        Layout(
+            [(0, 2)],
+            num_microbatches=1,
+            schedule="gpipe",
+            data_parallel=2,
+        ),
+    ) for w in (0.0, 0.5)]
     ar = 1400 / BW * 1e3
     assert plans[0].predicted.allreduce_ms == pytest.approx(ar) == plans[1].predicted.allreduce_ms
     assert plans[0].predicted.step_time_ms - plans[1].predicted.step_time_ms == pytest.approx(ar / 2)

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from planner.baselines import evaluate_baselines
-from planner.cost import estimate, reestimate
+from planner.cost import Layout, estimate, reestimate
 from planner.errors import InputError
 from planner.schema import PlanOptions, StageRange, TrainingSetup
 from planner.solver import solve
@@ -239,7 +239,13 @@ def test_1f1b_stages_beside_a_slow_link_take_less_work() -> None:
     )
     training = TrainingSetup(global_batch_size=64)
     plan = solve(profile, cl, training, PlanOptions(schedule="1f1b", stages=4, num_microbatches=64, data_parallel=1))
-    even = estimate(profile, cl, training, [(0, 64), (64, 128), (128, 192), (192, 256)], num_microbatches=64)
+    even = estimate(
+        profile, cl, training,
+        Layout(
+            [(0, 64), (64, 128), (128, 192), (192, 256)],
+            num_microbatches=64,
+        ),
+    )
     assert plan.predicted.step_time_ms < 0.99 * even.predicted.step_time_ms
     sizes_ = [s.stop - s.start for s in plan.stages]
     assert min(sizes_[1], sizes_[2]) < min(sizes_[0], sizes_[3])
@@ -335,8 +341,16 @@ def _brute_with_devices(profile, cl, training, k, m, schedule, devices) -> float
         bounds = (0, *cuts, n)
         ranges = [(bounds[i], bounds[i + 1]) for i in range(k)]
         for rc in itertools.product((False, True), repeat=k):
-            plan = estimate(profile, cl, training, ranges, num_microbatches=m, schedule=schedule, recompute=list(rc),
-                            devices=devices)
+            plan = estimate(
+                profile, cl, training,
+                Layout(
+                    ranges,
+                    num_microbatches=m,
+                    schedule=schedule,
+                    recompute=list(rc),
+                    devices=devices,
+                ),
+            )
             if plan_fits(plan):
                 best = min(best, plan.predicted.step_time_ms)
     return best

@@ -9,7 +9,7 @@ import random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner.cost import estimate, plan_fits
+from planner.cost import Layout, estimate, plan_fits
 from planner.schema import Cluster, LayerProfile, MeasuredOn, PlanOptions, Profile, TrainingSetup
 from planner.search.model import StageModel, quick_step
 from planner.search.space import Config, make_groups
@@ -25,9 +25,16 @@ def _check_split(profile: Profile, cl: Cluster, training: TrainingSetup, cfg: Co
     assert all(a < b for a, b in split.ranges)
     assert all(x[1] == y[0] for x, y in itertools.pairwise(split.ranges))
     plan = estimate(
-        profile, cl, training, list(split.ranges), num_microbatches=cfg.num_microbatches, schedule=cfg.schedule,
-        recompute=list(split.recompute), pipeline_degree=cfg.pipeline_degree,
-        data_parallel=cfg.data_parallel, devices=[list(groups[g].devices) for g in split.groups],
+        profile, cl, training,
+        Layout(
+            list(split.ranges),
+            num_microbatches=cfg.num_microbatches,
+            schedule=cfg.schedule,
+            recompute=list(split.recompute),
+            pipeline_degree=cfg.pipeline_degree,
+            data_parallel=cfg.data_parallel,
+            devices=[list(groups[g].devices) for g in split.groups],
+        ),
     )
     assert plan_fits(plan)
 

@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from planner.cost import estimate, plan_fits
+from planner.cost import Layout, estimate, plan_fits
 from planner.errors import InputError
 from planner.schema import Cluster, PlanOptions, TrainingSetup
 from planner.search import driver
@@ -39,9 +39,17 @@ def _rule_steps(profile, cluster: Cluster, training: TrainingSetup) -> list[floa
         m = training.global_batch_size // d
         for rc in (False, True):
             try:
-                plan = estimate(profile, cluster, training, ranges, num_microbatches=m,
-                                schedule="interleaved-1f1b" if v > 1 else "1f1b", recompute=rc,
-                                data_parallel=d, pipeline_degree=k)
+                plan = estimate(
+                    profile, cluster, training,
+                    Layout(
+                        ranges,
+                        num_microbatches=m,
+                        schedule="interleaved-1f1b" if v > 1 else "1f1b",
+                        recompute=rc,
+                        data_parallel=d,
+                        pipeline_degree=k,
+                    ),
+                )
             except InputError:  # (a shape the schedule refuses)
                 continue
             if plan_fits(plan):
@@ -107,9 +115,19 @@ def _rule_steps_with_t(profile, cluster: Cluster, training: TrainingSetup, t: in
             continue
         for rc in (False, True):
             try:
-                plan = estimate(profile, cluster, training, ranges, num_microbatches=training.global_batch_size // d,
-                                schedule="interleaved-1f1b" if v > 1 else "1f1b", recompute=rc,
-                                data_parallel=d, pipeline_degree=k, tensor_parallel=t, zero_stage=0)
+                plan = estimate(
+                    profile, cluster, training,
+                    Layout(
+                        ranges,
+                        num_microbatches=training.global_batch_size // d,
+                        schedule="interleaved-1f1b" if v > 1 else "1f1b",
+                        recompute=rc,
+                        data_parallel=d,
+                        pipeline_degree=k,
+                        tensor_parallel=t,
+                        zero_stage=0,
+                    ),
+                )
             except InputError:
                 continue
             if plan_fits(plan):

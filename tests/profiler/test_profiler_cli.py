@@ -106,13 +106,20 @@ def test_bundled_measured_profile_matches_the_example_model() -> None:
 
 
 def test_measured_profile_feeds_the_cost_model() -> None:
-    from planner.cost import estimate
+    from planner.cost import Layout, estimate
     from planner.schema import parse_document
 
     p = load_document("profile", str(ROOT / "examples" / "profiles" / "gpt-tiny-cpu.json"))
     cluster = parse_document("cluster", {"devices": 2, "memory": "1GiB"})
     training = parse_document("training", {"global_batch_size": 16})
-    plan = estimate(p, cluster, training, [(0, 3), (3, 6)], num_microbatches=4, schedule="1f1b")
+    plan = estimate(
+        p, cluster, training,
+        Layout(
+            [(0, 3), (3, 6)],
+            num_microbatches=4,
+            schedule="1f1b",
+        ),
+    )
     assert plan.profile_sha256 == p.sha256()
     assert sum(s.param_bytes for s in plan.stages) == sum(layer.param_bytes for layer in p.layers)
     assert plan.predicted.step_time_ms > 0

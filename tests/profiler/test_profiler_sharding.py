@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import examples.gpt as gpt
-from planner.cost import estimate
+from planner.cost import Layout, estimate
 from planner.schema import parse_document
 from profiler.measure import profile
 
@@ -28,8 +28,8 @@ def test_gpt_blocks_embedding_and_head_shard() -> None:
     cl = parse_document("cluster", {"devices": 2, "memory": "1GiB"})
     tr = parse_document("training", {"global_batch_size": 1})
     n = prof.num_layers
-    one = estimate(prof, cl, tr, [(0, n)], num_microbatches=1)
-    two = estimate(prof, cl, tr, [(0, n)], num_microbatches=1, tensor_parallel=2)
+    one = estimate(prof, cl, tr, Layout([(0, n)], num_microbatches=1))
+    two = estimate(prof, cl, tr, Layout([(0, n)], num_microbatches=1, tensor_parallel=2))
     assert two.stages[0].param_bytes < one.stages[0].param_bytes
     assert two.stages[0].memory_bytes < one.stages[0].memory_bytes
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import profiler
-from planner.cost import estimate
+from planner.cost import Layout, estimate
 from planner.schema import TrainingSetup
 from tests.planner.helpers import cluster
 
@@ -52,8 +52,14 @@ def test_bytes_held_between_i_and_w_are_the_weight_layers_inputs_and_output_grad
 
 
 def test_the_cost_model_uses_the_measured_split(prof) -> None:  # type: ignore[no-untyped-def]
-    plan = estimate(prof, cluster(2, "4GiB"), TrainingSetup(global_batch_size=2 * BATCH, optimizer="sgd"),
-                    [(0, 2), (2, 4)], num_microbatches=2, schedule="zb-h1")  # fmt: skip
+    plan = estimate(
+        prof, cluster(2, "4GiB"), TrainingSetup(global_batch_size=2 * BATCH, optimizer="sgd"),
+        Layout(
+            [(0, 2), (2, 4)],
+            num_microbatches=2,
+            schedule="zb-h1",
+        ),
+    )  # fmt: skip
     for stage in plan.stages:
         layers = prof.layers[stage.start : stage.stop]
         i = w = 0.0

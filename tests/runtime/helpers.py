@@ -9,7 +9,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from planner.cost import estimate
+from planner.cost import Layout, estimate
 from planner.schema import LayerProfile, MeasuredOn, Plan, Profile, parse_document
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,15 +58,15 @@ def make_plan(
         {"global_batch_size": microbatch_size * microbatches * data_parallel, "optimizer": optimizer, "dtype": dtype},
     )
     return estimate(
-        profile,
-        cluster,
-        training,
-        list(stages),
-        num_microbatches=microbatches,
-        schedule=schedule,  # type: ignore[arg-type]
-        recompute=recompute,
-        data_parallel=data_parallel,
-        pipeline_degree=pipeline_degree,
+        profile, cluster, training,
+        Layout(
+            list(stages),
+            num_microbatches=microbatches,
+            schedule=schedule,
+            recompute=recompute,
+            data_parallel=data_parallel,
+            pipeline_degree=pipeline_degree,
+        ),
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from planner.cost import estimate
+from planner.cost import Layout, estimate
 from planner.schema import Cluster, Plan, Profile, TrainingSetup
 
 #: (schedule, stage ranges, recompute per stage, data-parallel degree, pipeline degree)
@@ -21,15 +21,15 @@ CASES = {
 def make_plan(profile: Profile, case: str, *, memory: str = "1GiB", microbatches: int = 4) -> Plan:
     schedule, stages, recompute, dp, k = CASES[case]
     return estimate(
-        profile,
-        Cluster.model_validate({"devices": 4, "memory": memory}),
-        TrainingSetup(global_batch_size=8 * dp),
-        stages,
-        num_microbatches=microbatches,
-        schedule=schedule,  # type: ignore[arg-type]
-        recompute=recompute,
-        data_parallel=dp,
-        pipeline_degree=k,
+        profile, Cluster.model_validate({"devices": 4, "memory": memory}), TrainingSetup(global_batch_size=8 * dp),
+        Layout(
+            stages,
+            num_microbatches=microbatches,
+            schedule=schedule,
+            recompute=recompute,
+            data_parallel=dp,
+            pipeline_degree=k,
+        ),
     )
 
 

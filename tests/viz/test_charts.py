@@ -146,19 +146,19 @@ def test_gantt_spans_the_predicted_step_with_the_allreduce(tiny_profile: Profile
 
 def test_large_plan_is_rasterized_and_labels_thinned() -> None:
     """40 ranks x 40 micro-batches = 3200 boxes: rows become an image in the SVG, <= 48 row labels."""
-    from planner.cost import estimate
+    from planner.cost import Layout, estimate
     from planner.schema import Cluster, TrainingSetup
     from profiler.synth import synth_transformer
 
     prof = synth_transformer(layers=38, hidden=256, heads=4, seq=128, vocab=1000, microbatch_sizes=(1,))
     k = 40
     plan = estimate(
-        prof,
-        Cluster.model_validate({"devices": k, "device_type": "h100-80g"}),
-        TrainingSetup(global_batch_size=40),
-        [(i, i + 1) for i in range(k)],
-        num_microbatches=40,
-        schedule="1f1b",
+        prof, Cluster.model_validate({"devices": k, "device_type": "h100-80g"}), TrainingSetup(global_batch_size=40),
+        Layout(
+            [(i, i + 1) for i in range(k)],
+            num_microbatches=40,
+            schedule="1f1b",
+        ),
     )
     fig = gantt_figure(plan)
     assert len(fig.axes[0].get_yticks()) <= 48
