@@ -11,6 +11,7 @@ searched plan then checkpoints only the layers memory needs (:mod:`planner.searc
 
 from __future__ import annotations
 
+from planner.cost import ScheduleTemplates
 from planner.schema import Cluster, Plan, PlanOptions, Profile, TrainingSetup
 from planner.search.axes import solve as search
 from planner.search.partial import searched_options, with_partial_recompute
@@ -22,5 +23,6 @@ def solve(profile: Profile, cluster: Cluster, training: TrainingSetup, options: 
     """The fastest plan that fits (:mod:`planner.search.axes`), then checkpointing only the
     layers memory needs (:mod:`planner.search.partial`)."""
     options = options or PlanOptions()
-    plan = search(profile, cluster, training, searched_options(options))
-    return with_partial_recompute(plan, profile, cluster, training, options)
+    templates = ScheduleTemplates()  # the two searches share their schedules (the same shapes recur)
+    plan = search(profile, cluster, training, searched_options(options), templates=templates)
+    return with_partial_recompute(plan, profile, cluster, training, options, templates=templates)

@@ -172,8 +172,13 @@ def solve(
     cluster: Cluster,
     training: TrainingSetup,
     options: PlanOptions | None = None,
+    *,
+    templates: ScheduleTemplates | None = None,
 ) -> Plan:
     """The fastest plan over D x T x K (and v, M, schedule, recompute, ZeRO) that fits.
+
+    ``templates``: the schedule templates to list, compile and walk schedules in (shared with the
+    caller's other searches of the same cluster: the relaxed bound of partial recompute).
 
     Raises :class:`planner.errors.InputError` for contradictory options and
     :class:`planner.errors.InfeasibleError` when nothing fits (naming the mesh axes that would).
@@ -210,7 +215,7 @@ def solve(
     solves = 0
     notes: list[str] = []
     # the schedule templates this search has made (the same long schedules are priced again and again)
-    templates = ScheduleTemplates()
+    templates = templates if templates is not None else ScheduleTemplates()
 
     def offer(plan: Plan) -> None:
         nonlocal best

@@ -76,9 +76,17 @@ def partial_recompute(plan: Plan, profile: Profile, options: PlanOptions) -> Pla
     return best
 
 
-def relaxed_bound(profile: Profile, cluster: Cluster, training: TrainingSetup, options: PlanOptions) -> float:
+def relaxed_bound(
+    profile: Profile,
+    cluster: Cluster,
+    training: TrainingSetup,
+    options: PlanOptions,
+    *,
+    templates: ScheduleTemplates | None = None,
+) -> float:
     """A lower bound of every plan of the options' space, partial recompute included: the bound
-    the search proves for unlimited memory and no recompute (0 when it finds nothing)."""
+    the search proves for unlimited memory and no recompute (0 when it finds nothing).
+    ``templates``: the plan's own search's schedule templates (the same shapes recur)."""
     roomy = cluster.model_copy(update={
         "devices": [d.model_copy(update={"memory_bytes": MAX_MEMORY_BYTES}) for d in cluster.devices],
     })
@@ -87,14 +95,20 @@ def relaxed_bound(profile: Profile, cluster: Cluster, training: TrainingSetup, o
         "time_limit_s": RELAXED_SHARE * options.time_limit_s,
     })
     try:
-        plan = search(profile, roomy, training, relaxed)
+        plan = search(profile, roomy, training, relaxed, templates=templates)
     except InfeasibleError:
         return 0.0
     return plan.predicted.step_time_ms * (1 - plan.solver.gap)
 
 
 def with_partial_recompute(
-    plan: Plan, profile: Profile, cluster: Cluster, training: TrainingSetup, options: PlanOptions
+    plan: Plan,
+    profile: Profile,
+    cluster: Cluster,
+    training: TrainingSetup,
+    options: PlanOptions,
+    *,
+    templates: ScheduleTemplates | None = None,
 ) -> Plan:
     """The searched ``plan``, partially recomputed where that is faster, with its gap against a
     bound valid for partial plans too (the smaller of the search's and :func:`relaxed_bound`)."""
@@ -102,7 +116,7 @@ def with_partial_recompute(
         return plan
     best = partial_recompute(plan, profile, options)
     searched = plan.predicted.step_time_ms * (1 - plan.solver.gap)
-    relaxed = relaxed_bound(profile, cluster, training, options)
+    relaxed = relaxed_bound(profile, cluster, training, options, templates=templates)
     bound = min(searched, relaxed)
     step = best.predicted.step_time_ms
     gap = max(0.0, (step - bound) / step) if step > 0 else 0.0
