@@ -62,11 +62,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from planner.cost.collectives import group_on, half_ring_ms, replica_link, ring_link, ring_ms
-from planner.cost.compute import layer_times, shard_operation
+from planner.cost.compute import layer_times
 from planner.cost.layers import SHA_KEY
 from planner.errors import InputError
 from planner.presets import DEVICES
-from planner.schema import Cluster, Device, Interconnect, LayerProfile, Profile, TrainingSetup
+from planner.schema import (
+    Cluster,
+    Device,
+    Interconnect,
+    LayerProfile,
+    Operation,
+    Profile,
+    TrainingSetup,
+)
 
 #: profile metadata key recording the mesh a profile was transformed for
 MESH_KEY = "mesh_transformed"
@@ -238,35 +246,45 @@ class _Scales:
     redo: float
 
 
-def _census_scales(
-    layer: LayerProfile, t: int, sp: bool, device: str, memo: dict[tuple[Any, ...], _Scales]
-) -> list[_Scales] | None:
+#: the device model's scales of one census, by the identities of its operations (with them, to
+#: check the identities still name them), T, sequence parallelism and the device
+_ScaleMemo = dict[tuple[Any, ...], tuple[tuple[Operation, ...], _Scales]]
+
+
+def _census_scales(layer: LayerProfile, t: int, sp: bool, device: str, memo: _ScaleMemo) -> list[_Scales] | None:
     """Per profiled micro-batch size, the device model's shard / whole times of the layer's census
     (:mod:`planner.cost.compute`): the measured times are the truth, the device model scales them
     to the shard (small GEMMs under a large T run less efficiently, which the flat efficiency
-    misses).  None without a census."""
+    misses).  None without a census.  ``memo`` shares the work between layers whose census is
+    made of the same operation objects (synth's identical blocks), without hashing them."""
     if not layer.operations:
         return None
     out = []
     for ops in layer.operations:
-        key = (tuple(ops), t, sp, device)
-        if key not in memo:
-            whole = layer_times(ops, device_type=device)
-            part = layer_times(ops, device_type=device, tensor_parallel=t, sequence_parallel=sp)
-            core = [o for o in ops if o.kind == "attention"]
-            redo = (layer_times(core, device_type=device, tensor_parallel=t).forward
-                    / layer_times(core, device_type=device).forward) if core else 1.0 / t
-
-            def ratio(a: float, b: float) -> float:
-                return a / b if b > 0 else 1.0 / t
-
-            memo[key] = _Scales(
-                ratio(part.forward, whole.forward), ratio(part.backward, whole.backward),
-                ratio(part.backward_input, whole.backward_input), ratio(part.backward_weight, whole.backward_weight),
-                redo,
-            )
-        out.append(memo[key])
+        key = (*map(id, ops), t, sp, device)
+        seen = memo.get(key)
+        if seen is None or any(x is not y for x, y in zip(seen[0], ops, strict=True)):
+            seen = (tuple(ops), _scales_of(ops, t, sp, device))
+            memo[key] = seen
+        out.append(seen[1])
     return out
+
+
+def _scales_of(ops: Sequence[Operation], t: int, sp: bool, device: str) -> _Scales:
+    whole = layer_times(ops, device_type=device)
+    part = layer_times(ops, device_type=device, tensor_parallel=t, sequence_parallel=sp)
+    core = [o for o in ops if o.kind == "attention"]
+    redo = (layer_times(core, device_type=device, tensor_parallel=t).forward
+            / layer_times(core, device_type=device).forward) if core else 1.0 / t
+
+    def ratio(a: float, b: float) -> float:
+        return a / b if b > 0 else 1.0 / t
+
+    return _Scales(
+        ratio(part.forward, whole.forward), ratio(part.backward, whole.backward),
+        ratio(part.backward_input, whole.backward_input), ratio(part.backward_weight, whole.backward_weight),
+        redo,
+    )
 
 
 def _tp_layer(
@@ -276,14 +294,13 @@ def _tp_layer(
     link: Interconnect,
     *,
     device: str | None = None,
-    memo: dict[tuple[Any, ...], _Scales] | None = None,
+    memo: _ScaleMemo | None = None,
 ) -> LayerProfile:
     """What one device of a T-group runs and holds of ``layer`` (see the module docstring)."""
     t = mesh.tensor_parallel
     if t == 1 or not layer.shards:
         return layer
     sp = mesh.sequence_parallel
-    n = len(layer.forward_ms)
     census = _census_scales(layer, t, sp, device, {} if memo is None else memo) if device else None
     if census is not None:
         return _tp_layer_census(layer, census, t, sp, link)
@@ -307,6 +324,24 @@ def _tp_layer(
     else:
         bin_ = [b * scale / 2 + cb for b, cb in zip(layer.backward_ms, comm_b, strict=True)]
         bwt = [b * scale / 2 for b in layer.backward_ms]
+    return layer.model_copy(
+        update={
+            **_tp_memory(layer, t, sp),
+            "forward_ms": fwd,
+            "backward_ms": bwd,
+            "backward_input_ms": bin_,
+            "backward_weight_ms": bwt,
+            "forward_ms_spread": _scaled(layer.forward_ms_spread, scale),
+            "backward_ms_spread": _scaled(layer.backward_ms_spread, scale),
+            "selective_recompute_ms": _scaled(layer.selective_recompute_ms, c / (t * training.tensor_parallel_efficiency)),
+        }
+    )
+
+
+def _tp_memory(layer: LayerProfile, t: int, sp: bool) -> dict[str, Any]:
+    """The fields of ``layer`` one device of a T-group holds (parameters, activations, what
+    crosses a cut; see the module docstring), as a ``model_copy`` update."""
+    n = len(layer.forward_ms)
     shard_p = layer.param_bytes if layer.tp_param_bytes is None else min(layer.tp_param_bytes, layer.param_bytes)
     params = round(shard_p / t) + (layer.param_bytes - shard_p)
     repl_src = layer.sp_replicated_activation_bytes if sp else layer.tp_replicated_activation_bytes
@@ -314,15 +349,8 @@ def _tp_layer(
     acts = [round(min(r, a) + (a - min(r, a)) / t) for a, r in zip(layer.activation_bytes, repl, strict=True)]
     ratio = [a2 / a if a > 0 else 1.0 / t for a, a2 in zip(layer.activation_bytes, acts, strict=True)]
     cut = 1.0 / t if sp else 1.0
-    return layer.model_copy(
-        update={
+    return {
             "param_bytes": params,
-            "forward_ms": fwd,
-            "backward_ms": bwd,
-            "backward_input_ms": bin_,
-            "backward_weight_ms": bwt,
-            "forward_ms_spread": _scaled(layer.forward_ms_spread, scale),
-            "backward_ms_spread": _scaled(layer.backward_ms_spread, scale),
             "activation_bytes": acts,
             "weight_grad_bytes": None
             if layer.weight_grad_bytes is None
@@ -335,11 +363,9 @@ def _tp_layer(
             "selective_recompute_bytes": None
             if layer.selective_recompute_bytes is None
             else [round(x / t) for x in layer.selective_recompute_bytes],
-            "selective_recompute_ms": _scaled(layer.selective_recompute_ms, c / (t * training.tensor_parallel_efficiency)),
             "peak_memory_bytes": None,
             "flops": _scaled(layer.flops, 1.0 / t),
-        }
-    )
+    }
 
 
 def _tp_layer_census(
@@ -354,8 +380,8 @@ def _tp_layer_census(
     bin_ = [i * x.input + cb for i, x, cb in zip(bin0, scales, comm_b, strict=True)]
     bwt = [w * x.weight for w, x in zip(bwt0, scales, strict=True)]
     bwd = [max(b, i + w) for b, i, w in zip(bwd, bin_, bwt, strict=True)]
-    flat = _tp_layer(layer.model_copy(update={"operations": None}), Mesh(t, 0, sp), _NO_EFFICIENCY, link)
-    return flat.model_copy(update={
+    return layer.model_copy(update={
+        **_tp_memory(layer, t, sp),
         "forward_ms": fwd,
         "backward_ms": bwd,
         "backward_input_ms": bin_,
@@ -366,12 +392,10 @@ def _tp_layer_census(
         else [v * x.backward for v, x in zip(layer.backward_ms_spread, scales, strict=True)],
         "selective_recompute_ms": None if layer.selective_recompute_ms is None
         else [v * x.redo for v, x in zip(layer.selective_recompute_ms, scales, strict=True)],
-        "operations": [[shard_operation(o, t, sequence_parallel=sp) for o in ops] for ops in layer.operations or []],
+        # (the problem's layers carry their shard's times; its census is the caller's profile's)
+        "operations": None,
     })
 
-
-#: the training setup :func:`_tp_layer_census` reads the memory split with (times it replaces)
-_NO_EFFICIENCY = TrainingSetup(tensor_parallel_efficiency=1.0)
 
 
 def selective_layer(layer: LayerProfile) -> LayerProfile:
@@ -485,7 +509,7 @@ def mesh_problem(
             "i.e. not fused attention): drop --selective-recompute, or use full recompute"
         )
     device = census_device(profile) if census_roles(profile) else None
-    memo: dict[tuple[Any, ...], _Scales] = {}
+    memo: _ScaleMemo = {}
     layers = [_tp_layer(layer, mesh, training, tp_link(cluster, t), device=device, memo=memo) for layer in profile.layers]
     tp_params = tuple(x.param_bytes for x in layers)
     if mesh.selective_recompute:
