@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Any
 
 GiB = 2**30
 
@@ -71,6 +72,49 @@ INTERCONNECTS: Mapping[str, InterconnectPreset] = MappingProxyType(
     }
 )
 
+#: the device model's shape facts of the GA100 chip (A100 40 GB and 80 GB), with their sources
+_GA100_SHAPES: Mapping[str, Any] = MappingProxyType(
+    dict(
+        sm_count=108,  # NVIDIA A100 Tensor Core GPU Architecture whitepaper (2020): 108 SMs
+        # cuBLAS's large bf16 kernels on sm80, e.g. ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_
+        # stages_64x3_tn (kernel names in PyTorch-profiler / Nsight traces); NVIDIA, "Matrix
+        # Multiplication Background User's Guide" (DU-09799-001, 2023), sec. 2.3: 128x128 and
+        # 256x128 are the typical cuBLAS tiles
+        gemm_tile=(128, 128),
+        gemm_k_overhead=192,  # that kernel's k-tile x stages: 64 x 3
+        # FlashAttention-2 (Dao 2023): kBlockM = 128 query rows per thread block, head_dim <= 128
+        attention_block=128,
+        # FlashAttention-2 (Dao 2023) reaches 50-73% of A100 peak forward, less backward; at the
+        # default GEMM efficiency (0.88, planner/cost/compute.py) 0.75 x 0.88 = 66% forward and
+        # 0.6 x 0.88 = 53% backward
+        attention_fraction=(0.75, 0.6),
+        # NVIDIA Technical Blog, "Getting Started with CUDA Graphs" (A. Gray, 2019): about 4 us
+        # per short kernel launched back to back in a stream; rounded up for PyTorch's dispatch
+        launch_floor_s=5e-6,
+    )
+)
+#: the same of the GH100 chip (H100 SXM5; the H200 is the same chip with more, faster memory:
+#: NVIDIA H200 datasheet, 2024)
+_GH100_SHAPES: Mapping[str, Any] = MappingProxyType(
+    dict(
+        sm_count=132,  # NVIDIA H100 Tensor Core GPU Architecture whitepaper (2022): 132 SMs (SXM5)
+        # cuBLAS's large 16-bit kernels on sm90: sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_
+        # tilesize256x128x64_warpgroupsize2x1x1_... and ..._f16f16_..._tilesize128x256x64_... (kernel
+        # names in Nsight traces); 128 x 256 outputs per thread block either way
+        gemm_tile=(128, 256),
+        # that kernel's k-tile x stages: 64 x 4 (a (128 + 256) x 64 bf16 stage is 48 KiB; four
+        # fit the 228 KiB of shared memory per SM)
+        gemm_k_overhead=256,
+        attention_block=128,  # FlashAttention-2 (Dao 2023): kBlockM = 128, head_dim <= 128
+        # PyTorch's flash SDPA backend is FlashAttention-2, which is not Hopper-tuned:
+        # FlashAttention-3 (Shah et al. 2024) measures it at about 35% of H100 peak forward and
+        # less backward; at the default GEMM efficiency (0.78): 0.5 x 0.78 = 39%, 0.42 x 0.78 = 33%
+        attention_fraction=(0.5, 0.42),
+        launch_floor_s=5e-6,  # as the A100 (Gray 2019, "Getting Started with CUDA Graphs")
+    )
+)
+
+
 DEVICES: Mapping[str, DevicePreset] = MappingProxyType(
     {
         # A CPU process: memory is what one rank may use on a small host; throughput of a few
@@ -96,22 +140,7 @@ DEVICES: Mapping[str, DevicePreset] = MappingProxyType(
             "ib-hdr",
             "NVIDIA A100 Tensor Core GPU datasheet (2021), SXM4 40GB",
             nics_per_node=8,  # DGX A100: 8 single-port HDR ConnectX-6 for the compute fabric
-            sm_count=108,  # NVIDIA A100 Tensor Core GPU Architecture whitepaper (2020): 108 SMs
-            # cuBLAS's large bf16 kernels on sm80, e.g. ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_
-            # stages_64x3_tn (kernel names in PyTorch-profiler / Nsight traces); NVIDIA, "Matrix
-            # Multiplication Background User's Guide" (DU-09799-001, 2023), sec. 2.3: 128x128 and
-            # 256x128 are the typical cuBLAS tiles
-            gemm_tile=(128, 128),
-            gemm_k_overhead=192,  # that kernel's k-tile x stages: 64 x 3
-            # FlashAttention-2 (Dao 2023): kBlockM = 128 query rows per thread block, head_dim <= 128
-            attention_block=128,
-            # FlashAttention-2 (Dao 2023) reaches 50-73% of A100 peak forward, less backward; at the
-            # default GEMM efficiency (0.88, planner/cost/compute.py) 0.75 x 0.88 = 66% forward and
-            # 0.6 x 0.88 = 53% backward
-            attention_fraction=(0.75, 0.6),
-            # NVIDIA Technical Blog, "Getting Started with CUDA Graphs" (A. Gray, 2019): about 4 us
-            # per short kernel launched back to back in a stream; rounded up for PyTorch's dispatch
-            launch_floor_s=5e-6,
+            **_GA100_SHAPES,
         ),
         "a100-80g": DevicePreset(
             80 * GiB,
@@ -123,13 +152,7 @@ DEVICES: Mapping[str, DevicePreset] = MappingProxyType(
             "NVIDIA A100 Tensor Core GPU datasheet (2021), SXM4 80GB",
             # DGX A100 / Selene: 8 HDR InfiniBand per node (Narayanan et al. SC'21, section 5)
             nics_per_node=8,
-            # shape facts as the A100 40GB (same GA100 chip)
-            sm_count=108,  # NVIDIA A100 Tensor Core GPU Architecture whitepaper (2020): 108 SMs
-            gemm_tile=(128, 128),
-            gemm_k_overhead=192,  # that kernel's k-tile x stages: 64 x 3
-            attention_block=128,
-            attention_fraction=(0.75, 0.6),
-            launch_floor_s=5e-6,
+            **_GA100_SHAPES,  # the same GA100 chip as the 40 GB
         ),
         "h100-80g": DevicePreset(
             80 * GiB,
@@ -141,20 +164,7 @@ DEVICES: Mapping[str, DevicePreset] = MappingProxyType(
             "NVIDIA H100 Tensor Core GPU datasheet (2023), SXM5 80GB, dense",
             # DGX H100: 8 ConnectX-7 400 Gb/s for the compute fabric (Llama 3: 400 Gb/s per GPU)
             nics_per_node=8,
-            sm_count=132,  # NVIDIA H100 Tensor Core GPU Architecture whitepaper (2022): 132 SMs (SXM5)
-            # cuBLAS's large 16-bit kernels on sm90: sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_
-            # tilesize256x128x64_warpgroupsize2x1x1_... and ..._f16f16_..._tilesize128x256x64_... (kernel
-            # names in Nsight traces); 128 x 256 outputs per thread block either way
-            gemm_tile=(128, 256),
-            # that kernel's k-tile x stages: 64 x 4 (a (128 + 256) x 64 bf16 stage is 48 KiB; four
-            # fit the 228 KiB of shared memory per SM)
-            gemm_k_overhead=256,
-            attention_block=128,  # FlashAttention-2 (Dao 2023): kBlockM = 128, head_dim <= 128
-            # PyTorch's flash SDPA backend is FlashAttention-2, which is not Hopper-tuned:
-            # FlashAttention-3 (Shah et al. 2024) measures it at about 35% of H100 peak forward and
-            # less backward; at the default GEMM efficiency (0.78): 0.5 x 0.78 = 39%, 0.42 x 0.78 = 33%
-            attention_fraction=(0.5, 0.42),
-            launch_floor_s=5e-6,  # as the A100 (Gray 2019, "Getting Started with CUDA Graphs")
+            **_GH100_SHAPES,
         ),
         "h200-141g": DevicePreset(
             141 * 10**9,
@@ -165,13 +175,7 @@ DEVICES: Mapping[str, DevicePreset] = MappingProxyType(
             "ib-ndr",
             "NVIDIA H200 Tensor Core GPU datasheet (2024), SXM 141GB, dense",
             nics_per_node=8,  # HGX H200: 8 ConnectX-7 400 Gb/s, as DGX H100
-            # NVIDIA H200 datasheet (2024): the H100's GH100 chip, 132 SMs; shape facts as the H100
-            sm_count=132,  # NVIDIA H100 Tensor Core GPU Architecture whitepaper (2022): 132 SMs (SXM5)
-            gemm_tile=(128, 256),
-            gemm_k_overhead=256,
-            attention_block=128,  # FlashAttention-2 (Dao 2023): kBlockM = 128, head_dim <= 128
-            attention_fraction=(0.5, 0.42),
-            launch_floor_s=5e-6,  # as the A100 (Gray 2019, "Getting Started with CUDA Graphs")
+            **_GH100_SHAPES,  # the H100's GH100 chip
         ),
     }
 )
