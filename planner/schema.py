@@ -47,9 +47,9 @@ from planner.limits import (
 from planner.presets import DEVICES, INTERCONNECTS, OPTIMIZERS, unknown_preset
 from planner.units import parse_bytes
 
-SCHEMA_VERSION: Literal[4] = 4
+SCHEMA_VERSION: Literal[5] = 5
 #: versions a reader accepts (older ones are migrated when read)
-READABLE_VERSIONS = (1, 2, 3, 4)
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 
 Schedule = Literal[
     "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv", "dualpipev", "interleaved-zb", "planned"
@@ -97,11 +97,19 @@ class _Model(BaseModel):
 class MeasuredOn(_Model):
     """Where and how a profile was measured."""
 
-    device: str = Field(description="device kind: 'cpu', 'cuda', or 'synthetic:<preset>'")
+    device: str = Field(
+        description="device kind: 'cpu', 'cuda', 'synthetic:<preset>' (formulas: pipeplan synth) or "
+        "'fake:<preset>' (traced on fake tensors: pipeplan profile --fake)"
+    )
     device_name: str = ""
     dtype: str = "float32"
     num_threads: PosInt | None = Field(default=None, description="torch intra-op threads, CPU")
     torch_version: str | None = None
+    pricing: str | None = Field(
+        default=None,
+        description="what priced the times when nothing was measured: the device model, its device "
+        "preset and constants (synth and fake-tensor profiles); absent: measured",
+    )
 
 
 #: how a layer shards over a tensor-parallel group (``LayerProfile.tensor_parallel``)
@@ -152,6 +160,11 @@ class Operation(_Model):
     fused: bool = True
     bytes: NonNegInt | None = None
     tp_shard: OperationShard | None = None
+    expert: bool | None = Field(
+        default=None,
+        description="a routed expert's operation (a mixture-of-experts layer): ``count`` experts' "
+        "GEMMs of the tokens routed to each; expert parallelism divides ``count``",
+    )
 
     @model_serializer(mode="wrap")
     def _without_unset(self, handler: Callable[[Any], Any]) -> Any:
@@ -169,6 +182,45 @@ class Operation(_Model):
         missing = [f for f in need if getattr(self, f) is None]
         if missing:
             raise ValueError(f"a {self.kind} operation needs {', '.join(missing)}")
+        return self
+
+
+#: how tokens are assumed to reach a mixture-of-experts layer's experts (``MoELayer.routing``)
+MoERouting = Literal["balanced", "capacity"]
+
+
+class MoELayer(_Model):
+    """A mixture-of-experts layer's experts (``LayerProfile.moe``).
+
+    The layer's ``param_bytes`` include every routed expert's weights; ``expert_param_bytes`` is
+    their part (expert parallelism shards it, the rest of the layer keeps its data- and
+    tensor-parallel sharding).  FLOPs, times and activations are those of the routed tokens at
+    ``top_k``: with ``routing`` "balanced" every expert receives tokens·top_k/experts of them;
+    with "capacity" every expert processes ``capacity_factor`` times that (Switch Transformer's
+    capacity, dropped tokens and padding included)."""
+
+    experts: PosInt = Field(description="routed experts")
+    top_k: PosInt = Field(description="experts each token is routed to")
+    shared_experts: NonNegInt = Field(default=0, description="experts every token passes through (not routed)")
+    expert_param_bytes: NonNegInt = Field(description="the routed experts' parameter bytes (all of them)")
+    routing: MoERouting = "balanced"
+    capacity_factor: PosFloat | None = Field(
+        default=None, description="with routing 'capacity': tokens per expert over the balanced share"
+    )
+    dispatch_bytes: list[NonNegInt] = Field(
+        description="per micro-batch size: the bytes of routed tokens one forward sends to the experts "
+        "(tokens x top_k x hidden x dtype bytes); the combine returns as many"
+    )
+
+    @model_validator(mode="after")
+    def _routing(self) -> MoELayer:
+        if self.top_k > self.experts:
+            raise ValueError(f"top_k {self.top_k} is more than the {self.experts} experts")
+        if (self.routing == "capacity") != (self.capacity_factor is not None):
+            raise ValueError(
+                "routing 'capacity' needs a capacity_factor and 'balanced' takes none "
+                f"(got routing {self.routing!r}, capacity_factor {self.capacity_factor})"
+            )
         return self
 
 
@@ -281,6 +333,9 @@ class LayerProfile(_Model):
         "synth; the device model (planner.cost.compute) prices them for shapes and devices that were "
         "not measured.  Absent in profiles made before schema version 4",
     )
+    moe: MoELayer | None = Field(
+        default=None, description="the layer's routed experts, when it is a mixture-of-experts layer"
+    )
 
     @property
     def shards(self) -> bool:
@@ -290,6 +345,15 @@ class LayerProfile(_Model):
     def transfer_bytes(self) -> list[int]:
         """Bytes a cut right after this layer moves (skip connections included)."""
         return self.cut_bytes if self.cut_bytes is not None else self.output_bytes
+
+    @model_validator(mode="after")
+    def _experts_within_params(self) -> LayerProfile:
+        if self.moe is not None and self.moe.expert_param_bytes > self.param_bytes:
+            raise ValueError(
+                f"layer {self.name!r}: moe.expert_param_bytes {self.moe.expert_param_bytes} is more than "
+                f"the layer's param_bytes {self.param_bytes} (they include the experts)"
+            )
+        return self
 
 
 _PARALLEL_FIELDS = (
@@ -371,7 +435,7 @@ class Calibration(_Model):
 class Profile(_Model):
     """A traced model: per-layer costs at several micro-batch sizes."""
 
-    schema_version: Literal[4] = SCHEMA_VERSION
+    schema_version: Literal[5] = SCHEMA_VERSION
     model: str = Field(min_length=1)
     measured_on: MeasuredOn
     microbatch_sizes: list[PosInt] = Field(min_length=1)
@@ -391,7 +455,7 @@ class Profile(_Model):
     @model_validator(mode="before")
     @classmethod
     def _migrate(cls, data: Any) -> Any:
-        return _migrate_v3(_migrate_v2(_migrate_v1("profile", data)))
+        return _migrate_v4(_migrate_v3(_migrate_v2(_migrate_v1("profile", data))))
 
     @model_validator(mode="after")
     def _check_shapes(self) -> Profile:
@@ -415,6 +479,11 @@ class Profile(_Model):
                         f"layers[{i}].{field} has {len(values)} entries but microbatch_sizes "
                         f"{sizes} has {n}: give one value per measured micro-batch size"
                     )
+            if layer.moe is not None and len(layer.moe.dispatch_bytes) != n:
+                raise ValueError(
+                    f"layers[{i}].moe.dispatch_bytes has {len(layer.moe.dispatch_bytes)} entries but "
+                    f"microbatch_sizes {sizes} has {n}: give one value per measured micro-batch size"
+                )
             for j, kept in enumerate(layer.kept_inputs or ()):
                 if len(kept.bytes) != n:
                     raise ValueError(
@@ -843,7 +912,7 @@ class SolverInfo(_Model):
 class Plan(_Model):
     """A pipeline-parallel execution plan for one model on one cluster."""
 
-    schema_version: Literal[4] = SCHEMA_VERSION
+    schema_version: Literal[5] = SCHEMA_VERSION
     model: str
     profile_sha256: str = Field(min_length=64, max_length=64)
     num_layers: PosInt
@@ -900,7 +969,7 @@ class Plan(_Model):
     @model_validator(mode="before")
     @classmethod
     def _migrate(cls, data: Any) -> Any:
-        return _migrate_v3(_migrate_v2(_migrate_v1("plan", data)))
+        return _migrate_v4(_migrate_v3(_migrate_v2(_migrate_v1("plan", data))))
 
     @model_validator(mode="after")
     def _consistent(self) -> Plan:
@@ -1317,6 +1386,17 @@ def _migrate_v3(data: Any) -> Any:
     if not isinstance(data, dict) or data.get("schema_version") != 3:
         return data
     return dict(data, schema_version=4)
+
+
+def _migrate_v4(data: Any) -> Any:
+    """Read a version-4 profile or plan as version 5.
+
+    Version 5 added mixture-of-experts layers (``LayerProfile.moe``, ``Operation.expert``), the
+    fake-tensor device kind and ``MeasuredOn.pricing``.  Version 4 had no experts: nothing to fill.
+    """
+    if not isinstance(data, dict) or data.get("schema_version") != 4:
+        return data
+    return dict(data, schema_version=5)
 
 
 def format_validation_error(err: ValidationError, what: str) -> InputError:

@@ -306,7 +306,7 @@ def test_cli_flags_on_plan_and_estimate(tmp_path, capsys) -> None:  # type: igno
     assert rc == 0 and "tensor-parallel T=4 with sequence parallelism" in text and "(8 devices)" in text
     plan = _json.loads(out.read_text())
     assert (plan["tensor_parallel_degree"], plan["zero_stage"], plan["sequence_parallel"]) == (4, 1, True)
-    assert plan["schema_version"] == 4 and [s["devices"] for s in plan["stages"]] == [[0], [4]]
+    assert plan["schema_version"] == 5 and [s["devices"] for s in plan["stages"]] == [[0], [4]]
     assert main(["show", str(out)]) == 0
     assert "T=4+SP ZeRO-1" in capsys.readouterr().out  # zero 1 with D = 1 is kept as asked by estimate
     rc = main(["plan", str(prof), "--devices", "8", "--batch-size", "8", "--tensor-parallel", "2", "--zero", "2",

@@ -36,7 +36,7 @@ def test_profile_command_split_points(capsys: pytest.CaptureFixture[str]) -> Non
     assert main(argv.split()) == 0
     data = json.loads(capsys.readouterr().out)
     assert [layer["name"] for layer in data["layers"]] == ["embed", "blocks.2"]
-    assert data["split_points"] == ["blocks.2"] and data["schema_version"] == 4
+    assert data["split_points"] == ["blocks.2"] and data["schema_version"] == 5
 
 
 def test_profile_command_warns_about_blocks_it_cannot_cut(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
