@@ -37,15 +37,17 @@ MiB = 2**20
 #: device model), so that this table measures the solver on the same instances over time; the
 #: device model changes the instances themselves (small micro-batches run less efficiently)
 FLAT_MFU = 0.5
+#: and the activations of materialised attention (synth's default became flash attention's, 2026-12-06)
+ATTENTION = "materialized"
 
 def uniform_transformer(layers: int = 48) -> Profile:
     return synth_transformer(layers=layers, hidden=2048, heads=16, seq=2048, vocab=2048, name=f"uniform-{layers}l",
-                             mfu=FLAT_MFU)
+                             mfu=FLAT_MFU, attention=ATTENTION)
 
 
 def heavy_ends_transformer(layers: int = 48) -> Profile:
     return synth_transformer(layers=layers, hidden=2048, heads=16, seq=2048, vocab=256000, name=f"heavy-ends-{layers}l",
-                             mfu=FLAT_MFU)
+                             mfu=FLAT_MFU, attention=ATTENTION)
 
 
 def resnet_like(stages: int = 4, blocks: int = 12) -> Profile:
@@ -268,7 +270,7 @@ def main() -> None:
             for n in counts:
                 rows.append(run_row(name, profile, make(n), training, args.time_limit))
     rows.append(run_row("scale 128x8", uniform_transformer(126), homogeneous(8), training, args.time_limit, args.repeat))
-    big = synth_transformer(layers=1022, hidden=1024, heads=16, seq=1024, vocab=32000, name="scale-1024l", mfu=FLAT_MFU)
+    big = synth_transformer(layers=1022, hidden=1024, heads=16, seq=1024, vocab=32000, name="scale-1024l", mfu=FLAT_MFU, attention=ATTENTION)
     rows.append(run_row("scale 1024x64", big, homogeneous(64), big_training, args.time_limit, args.repeat))
     for name, profile in random_rows:
         rows.append(run_row(name, profile, homogeneous(64), big_training, args.time_limit, args.repeat))

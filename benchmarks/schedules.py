@@ -105,7 +105,7 @@ def main() -> None:
     if not args.quick:
         rows.append(run_row("scale 128x8", bench.uniform_transformer(126), bench.homogeneous(8), training, args.time_limit))
         big = bench.synth_transformer(layers=1022, hidden=1024, heads=16, seq=1024, vocab=32000, name="scale-1024l",
-                                      mfu=bench.FLAT_MFU)
+                                      mfu=bench.FLAT_MFU, attention=bench.ATTENTION)
         rows.append(run_row("scale 1024x64", big, bench.homogeneous(64), TrainingSetup(global_batch_size=1024, optimizer="adam-mixed"),
                             args.time_limit))
     print_table(rows)

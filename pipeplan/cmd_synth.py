@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from profiler.decoder import DecoderSpec
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -19,12 +23,34 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description="A GPT-style decoder profile, e.g. the GPipe paper's 6B-parameter "
         "128-layer Transformer: --layers 128 --hidden 2048 --ffn 8192 --heads 16 --seq 1024 --vocab 32000",
     )
-    t.add_argument("--layers", type=int, required=True, help="Transformer blocks")
-    t.add_argument("--hidden", type=int, required=True, help="hidden size h")
+    t.add_argument("--hf-config", metavar="PATH",
+                   help="read the architecture from a Hugging Face config.json (or a folder holding one; "
+                   "model types gpt2, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe; torch-free). "
+                   "--layers/--hidden/--heads/--vocab then come from it")
+    t.add_argument("--layers", type=int, help="Transformer blocks")
+    t.add_argument("--hidden", type=int, help="hidden size h")
     t.add_argument("--ffn", type=int, help="feed-forward size (default 4 x hidden)")
-    t.add_argument("--heads", type=int, required=True, help="attention heads")
+    t.add_argument("--heads", type=int, help="attention heads")
     t.add_argument("--seq", type=int, required=True, help="sequence length")
-    t.add_argument("--vocab", type=int, required=True, help="vocabulary size")
+    t.add_argument("--vocab", type=int, help="vocabulary size")
+    arch = t.add_argument_group("architecture (default: GPT-3's)")
+    arch.add_argument("--kv-heads", type=int, help="key/value heads (grouped-query attention; default --heads)")
+    arch.add_argument("--head-dim", type=int, help="dimensions per head (default hidden / heads)")
+    arch.add_argument("--gated-mlp", action="store_true", help="SwiGLU/GeGLU MLP: three matrices")
+    arch.add_argument("--norm", choices=("layernorm", "rmsnorm"), default="layernorm", help="block norms")
+    arch.add_argument("--no-bias", action="store_true", help="linear layers without biases (Llama)")
+    arch.add_argument("--positions", choices=("learned", "rotary"), default="learned",
+                      help="learned position embeddings (GPT) or rotary (no parameters)")
+    moe = t.add_argument_group("mixture of experts")
+    moe.add_argument("--experts", type=int, help="routed experts per MoE block (makes the blocks MoE)")
+    moe.add_argument("--top-k", type=int, default=2, help="experts per token (default 2)")
+    moe.add_argument("--expert-ffn", type=int, help="each expert's FFN size (default --ffn)")
+    moe.add_argument("--shared-experts", type=int, default=0, help="experts every token passes (default 0)")
+    moe.add_argument("--shared-expert-ffn", type=int, help="the shared experts' FFN size, all together "
+                     "(default shared experts x expert FFN)")
+    moe.add_argument("--dense-layers", type=int, default=0, help="the first N blocks stay dense (default 0)")
+    moe.add_argument("--capacity-factor", type=float,
+                     help="tokens per expert over the balanced share (default: balanced routing)")
     t.add_argument("--device-type", default="h100-80g", help="preset: cpu, a100-40g, a100-80g, h100-80g, h200-141g")
     t.add_argument("--dtype", default="bf16", help="bf16, fp16 or fp32 (default bf16)")
     t.add_argument("--mfu", type=float, default=None,
@@ -53,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     from planner.cost.compute import DeviceConstants, default_constants
     from planner.errors import InputError, PipeplanError
     from profiler.summary import print_summary
-    from profiler.synth import synth_transformer
+    from profiler.synth import synth_decoder
 
     sizes = parse_sizes(args.microbatch_sizes)
     constants = None
@@ -69,25 +95,15 @@ def run(args: argparse.Namespace) -> int:
             )
         except ValueError as err:
             raise InputError(str(err)) from None
-    if args.ffn is not None and args.ffn < 1:
-        raise InputError(f"--ffn must be >= 1, got {args.ffn}")
     try:
-        profile = synth_transformer(
-            layers=args.layers,
-            hidden=args.hidden,
-            ffn=args.ffn,
-            heads=args.heads,
-            seq=args.seq,
-            vocab=args.vocab,
+        spec = _spec(args)
+        profile = synth_decoder(
+            spec,
             device_type=args.device_type,
             dtype=args.dtype,
             mfu=args.mfu,
             constants=constants,
             microbatch_sizes=tuple(sizes),
-            tied_embeddings=args.tied_embeddings,
-            dropout=not args.no_dropout,
-            attention=args.attention,
-            name=args.name,
         )
     except PipeplanError:
         raise
@@ -107,3 +123,40 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(text)
     return 0
+
+
+def _spec(args: argparse.Namespace) -> DecoderSpec:
+    """The decoder the flags (or ``--hf-config``) describe."""
+    from dataclasses import replace
+
+    from planner.errors import InputError
+    from profiler.decoder import DecoderSpec, MoESpec
+    from profiler.hf_spec import read_config, spec_from_config
+
+    if args.hf_config:
+        given = [f"--{k}" for k in ("layers", "hidden", "heads", "vocab", "ffn", "kv_heads", "head_dim", "experts")
+                 if getattr(args, k) is not None]
+        if given:
+            raise InputError(f"--hf-config gives the architecture: drop {', '.join(given).replace('_', '-')} "
+                             "(or drop --hf-config and give every size)")
+        spec = spec_from_config(read_config(args.hf_config), seq=args.seq, name=args.name)
+        return replace(spec, attention=args.attention, tied_embeddings=spec.tied_embeddings or args.tied_embeddings)
+    missing = [f"--{k}" for k in ("layers", "hidden", "heads", "vocab") if getattr(args, k) is None]
+    if missing:
+        raise InputError(f"synth transformer needs {', '.join(missing)} (or --hf-config PATH to read them from a "
+                         "Hugging Face config.json)")
+    moe = None
+    if args.experts is not None:
+        moe = MoESpec(experts=args.experts, top_k=args.top_k,
+                      expert_ffn=args.expert_ffn if args.expert_ffn is not None else (args.ffn or 4 * args.hidden),
+                      shared_experts=args.shared_experts, shared_ffn=args.shared_expert_ffn,
+                      dense_layers=args.dense_layers, capacity_factor=args.capacity_factor)
+    elif args.expert_ffn is not None or args.shared_experts or args.dense_layers or args.capacity_factor is not None:
+        raise InputError("--expert-ffn, --shared-experts, --dense-layers and --capacity-factor describe a mixture "
+                         "of experts: give --experts N too")
+    return DecoderSpec(
+        layers=args.layers, hidden=args.hidden, ffn=args.ffn, heads=args.heads, seq=args.seq, vocab=args.vocab,
+        kv_heads=args.kv_heads, head_dim=args.head_dim, gated_mlp=args.gated_mlp, norm=args.norm,
+        bias=not args.no_bias, positions=args.positions, tied_embeddings=args.tied_embeddings,
+        dropout=not args.no_dropout, attention=args.attention, moe=moe, name=args.name,
+    )

@@ -1,5 +1,9 @@
 """Analytic profiles: fill the profile format from formulas, for models too big to run here.
 
+The formulas for any decoder (grouped-query attention, gated MLPs, RMSNorm, mixtures of experts)
+are in :mod:`profiler.decoder`; this module assembles a profile from them.  What follows is the
+GPT-3 layout (``synth_transformer``), the case the formulas reduce to.
+
 Torch-free.  Per Transformer block with hidden size h, FFN size f, a heads, sequence s,
 micro-batch b and dtype of p bytes:
 
@@ -16,8 +20,10 @@ micro-batch b and dtype of p bytes:
   a·s²·b score matrix, timed at the device's memory bandwidth (:func:`score_pass_bytes`:
   forward 4p + 1 bytes per score, backward 5p + 1, without dropout 2p and 3p), which weigh
   most on models with few hidden units per sequence position (s / h large);
-* activations kept for backward: s·b·h·(34 + 5·a·s/h) bytes for 16-bit training
-  (Korthikanti et al. 2022, eq. 1).  Term by term that is s·b·h·(16p + 2) + a·s²·b·(2p + 1):
+* activations kept for backward, with materialised attention and f = 4h:
+  s·b·h·(34 + 5·a·s/h) bytes for 16-bit training (Korthikanti et al. 2022, eq. 1); with fused
+  (flash) attention, the default, the a·s²·b terms become flash attention's float32
+  log-sum-exp, 4·a·s·b (tensor by tensor in :mod:`profiler.decoder`).  Term by term that is s·b·h·(16p + 2) + a·s²·b·(2p + 1):
   the 2·sbh and a·s²·b one-byte terms are dropout masks, and one p·a·s²·b term is the
   dropout's output.  Without dropout (``dropout=False``) it is 16p·sbh + p·a·s²·b.  For
   p = 2 with dropout this is exactly Korthikanti's figure; other dtypes scale every term
@@ -33,7 +39,7 @@ micro-batch b and dtype of p bytes:
   forward), the LM head column-parallel with a vocabulary-parallel loss (the table shards; two
   small all-reduces of b·s floats forward, the input gradient's all-reduce backward; the log
   probabilities shard, the LayerNorm's input and output and the targets stay whole);
-* selective recompute (Korthikanti et al. 2022): a block drops attention's softmax, its dropout
+* selective recompute (Korthikanti et al. 2022), with materialised attention: a block drops attention's softmax, its dropout
   mask and output, a·s²·b·(2p + 1) bytes, and recomputes them (4·b·s²·h FLOPs) in the backward.
 
 The token embedding and the LM head are layers of their own (the head holds the final
@@ -46,16 +52,39 @@ the float32 log-probabilities of the cross-entropy loss).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
-from types import MappingProxyType
+from collections.abc import Callable
 
 from planner.cost.compute import DeviceConstants, OpTimes, layer_times
 from planner.presets import DEVICES, unknown_preset
-from planner.schema import LayerProfile, MeasuredOn, Operation, Profile
+from planner.schema import LayerProfile, MeasuredOn, MoELayer, Operation, Profile
+from profiler.decoder import (
+    ATTENTION_KINDS,
+    CANONICAL_DTYPE,
+    DTYPE_BYTES,
+    DecoderSpec,
+    MoESpec,
+    attention_core,
+    block_activation_bytes,
+    block_activation_bytes_of,
+    block_gemm_flops,
+    block_operations_of,
+    block_param_count,
+    block_replicated_bytes,
+    block_tp_param_count,
+    block_weight_grad_bytes,
+    embedding_operations_of,
+    embedding_param_count,
+    expert_params,
+    head_operations_of,
+    head_param_count,
+    norm_kept_bytes,
+    score_pass_bytes,
+)
 
-DTYPE_BYTES: Mapping[str, int] = MappingProxyType({"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2})
-_CANONICAL: Mapping[str, str] = MappingProxyType({"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"})
+__all__ = [
+    "ATTENTION_KINDS", "DTYPE_BYTES", "DecoderSpec", "MoESpec", "block_activation_bytes", "score_pass_bytes",
+    "synth_decoder", "synth_transformer",
+]
 
 
 def synth_transformer(
@@ -76,42 +105,53 @@ def synth_transformer(
     dropout: bool = True,
     attention: str = "fused",
 ) -> Profile:
-    """A GPT-style decoder profile: embedding, ``layers`` blocks, LM head.
+    """A GPT-3-style decoder profile (multi-head attention, LayerNorm, a two-matrix MLP, learned
+    positions): :func:`synth_decoder` of that :class:`DecoderSpec`."""
+    if attention not in ATTENTION_KINDS:
+        raise ValueError(f"unknown attention {attention!r}: choose one of {', '.join(ATTENTION_KINDS)}")
+    spec = DecoderSpec(layers=layers, hidden=hidden, ffn=ffn, heads=heads, seq=seq, vocab=vocab,
+                       tied_embeddings=tied_embeddings, dropout=dropout, attention=attention,  # type: ignore[arg-type]
+                       name=name)
+    return synth_decoder(spec, device_type=device_type, dtype=dtype, mfu=mfu, constants=constants,
+                         microbatch_sizes=microbatch_sizes)
+
+
+def synth_decoder(
+    spec: DecoderSpec,
+    *,
+    device_type: str = "h100-80g",
+    dtype: str = "bfloat16",
+    mfu: float | None = None,
+    constants: DeviceConstants | None = None,
+    microbatch_sizes: tuple[int, ...] = (1, 2, 4, 8),
+) -> Profile:
+    """A decoder's profile: embedding, ``spec.layers`` blocks, head.
 
     Times come from the device model (:mod:`planner.cost.compute`): every layer's operation
-    census (:func:`block_operations`, written into the profile) priced on ``device_type`` with
+    census (:mod:`profiler.decoder`, written into the profile) priced on ``device_type`` with
     ``constants`` (default: the device's published defaults).  ``mfu``, when given, prices every
     layer's FLOPs at that one fraction of peak instead (the flat model of profiles before schema
     version 4); the census is written either way.
 
-    ``dropout``: whether the model trains with dropout (its masks are kept for backward).
-    ``attention``: ``"fused"`` (the score matrix never reaches memory, as with flash attention)
-    or ``"materialized"`` (as in Megatron-LM before flash attention: the a·s² scores per sample
-    are written to memory and read back by the softmax and the dropout, memory-bound passes
-    timed at the device's memory bandwidth; see :func:`score_pass_bytes`).
+    ``spec.attention``: ``"fused"`` (the score matrix never reaches memory, as with flash
+    attention: the block keeps its log-sum-exp) or ``"materialized"`` (as in Megatron-LM before
+    flash attention: the a·s² scores per sample are written to memory and read back by the
+    softmax and the dropout, memory-bound passes timed at the device's memory bandwidth, see
+    :func:`score_pass_bytes`, and kept for backward; selective recompute drops them).
     """
     if device_type not in DEVICES:
         raise unknown_preset("device_type", device_type, DEVICES)
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r}: choose one of {', '.join(sorted(DTYPE_BYTES))}")
-    for label, value in (("layers", layers), ("hidden", hidden), ("heads", heads), ("seq", seq), ("vocab", vocab)):
-        if value < 1:
-            raise ValueError(f"--{label} must be >= 1, got {value}")
     if mfu is not None and not 0 < mfu <= 1:
         raise ValueError(f"--mfu must be in (0, 1], got {mfu}")
-    if hidden % heads:
-        raise ValueError(f"--hidden {hidden} must be a multiple of --heads {heads}")
-    if attention not in ATTENTION_KINDS:
-        raise ValueError(f"unknown attention {attention!r}: choose one of {', '.join(ATTENTION_KINDS)}")
-    dtype = _CANONICAL.get(dtype, dtype)
-    f = ffn if ffn is not None else 4 * hidden
-    h, s, a, v = hidden, seq, heads, vocab
+    dtype = CANONICAL_DTYPE.get(dtype, dtype)
+    h, s, v = spec.hidden, spec.seq, spec.vocab
     p = DTYPE_BYTES[dtype]
     preset = DEVICES[device_type]
     flops_per_s = preset.peak_flops.get(dtype, preset.peak_flops["float32"]) * (mfu or 1.0)
     membw = preset.memory_bandwidth_bytes_per_s
     sizes = sorted(microbatch_sizes)
-    shape = _Shape(h=h, f=f, a=a, s=s, v=v, dtype=dtype, dropout=dropout, fused=attention == "fused")
 
     def ms(flops: float) -> float:
         return flops / flops_per_s * 1e3
@@ -119,19 +159,20 @@ def synth_transformer(
     def priced(ops: list[Operation]) -> OpTimes:
         return layer_times(ops, device_type=device_type, constants=constants)
 
-    block_params = (4 * h * h + 2 * h * f + 9 * h + f) * p
     out: list[LayerProfile] = []
 
     # Embedding: a gather, bound by memory bandwidth; backward scatters into the table.
-    emb_ops = [embedding_operations(b, shape) for b in sizes]
+    emb_ops = [embedding_operations_of(spec, b, dtype) for b in sizes]
     emb_fwd = (
-        [ms(0) + (b * s * h * p * 2) / membw * 1e3 for b in sizes] if mfu is not None
+        [(b * s * h * p * 2) / membw * 1e3 for b in sizes] if mfu is not None
         else [priced(ops).forward for ops in emb_ops]
     )
+    positions = s * 8 if spec.positions == "learned" else 0  # the position ids
+    emb_kept = [b * s * 8 + positions + (b * s * h if spec.dropout else 0) for b in sizes]
     out.append(
         LayerProfile(
             name="embed",
-            param_bytes=(v * h + s * h) * p,
+            param_bytes=embedding_param_count(spec) * p,
             forward_ms=emb_fwd,
             backward_ms=[2 * t for t in emb_fwd],
             # token ids have no gradient: the whole backward is the table's (weight) gradient
@@ -140,7 +181,7 @@ def synth_transformer(
             operations=emb_ops,
             weight_grad_bytes=[b * s * 8 + b * s * h * p for b in sizes],
             # token ids, position ids (+ the dropout mask)
-            activation_bytes=[b * s * 8 + s * 8 + (b * s * h if dropout else 0) for b in sizes],
+            activation_bytes=emb_kept,
             output_bytes=[b * s * h * p for b in sizes],
             kind="Embedding",
             tensor_parallel="vocab-embedding",
@@ -148,58 +189,17 @@ def synth_transformer(
             tp_forward_bytes=[b * s * h * p for b in sizes],
             tp_backward_bytes=[0 for _ in sizes],
             tp_forward_collectives=1,
+            tp_replicated_activation_bytes=emb_kept,
             tp_backward_collectives=0,
-            tp_replicated_activation_bytes=[b * s * 8 + s * 8 + (b * s * h if dropout else 0) for b in sizes],
-            sp_replicated_activation_bytes=[b * s * 8 + s * 8 for b in sizes],
+            sp_replicated_activation_bytes=[b * s * 8 + positions for b in sizes],
         )
     )
-    # the attention scores' memory-bound passes (0 when fused), forward and backward
-    score_fwd_bytes, score_bwd_bytes = score_pass_bytes(p, dropout=dropout, attention=attention)
-    score_fwd = [a * s * s * b * score_fwd_bytes / membw * 1e3 for b in sizes]
-    score_bwd = [a * s * s * b * score_bwd_bytes / membw * 1e3 for b in sizes]
-    block_ops = [block_operations(b, shape) for b in sizes]
-    if mfu is not None:
-        fwd = [ms(2 * b * s * (4 * h * h + 2 * h * f) + 4 * b * s * s * h) + sf for b, sf in zip(sizes, score_fwd, strict=True)]
-        bwd = [2 * (t - sf) + sb for t, sf, sb in zip(fwd, score_fwd, score_bwd, strict=True)]
-        wgt = [ms(2 * b * s * (4 * h * h + 2 * h * f)) for b in sizes]
-        redo = [ms(4 * b * s * s * h) + sf for b, sf in zip(sizes, score_fwd, strict=True)]
-        frac = 1.0
-    else:
-        block_t = [priced(ops) for ops in block_ops]
-        fwd = [x.forward for x in block_t]
-        bwd = [x.backward for x in block_t]
-        wgt = [x.backward_weight for x in block_t]
-        # selective recompute re-runs attention's core (and its dropout) in the backward
-        redo = [priced(_attention_core(ops)).forward for ops in block_ops]
-        sharded = [priced([o for o in ops if o.tp_shard is not None]).forward for ops in block_ops]
-        frac = min(1.0, sharded[-1] / fwd[-1]) if fwd[-1] > 0 else 1.0
-    for i in range(layers):
-        out.append(
-            LayerProfile(
-                name=f"blocks.{i}",
-                param_bytes=block_params,
-                forward_ms=fwd,
-                backward_ms=bwd,
-                backward_input_ms=[t - w_ for t, w_ in zip(bwd, wgt, strict=True)],
-                backward_weight_ms=wgt,
-                weight_grad_bytes=[s * b * (10 * h + 2 * f) * p for b in sizes],
-                activation_bytes=[block_activation_bytes(b, s, h, a, p, dropout=dropout) for b in sizes],
-                output_bytes=[b * s * h * p for b in sizes],
-                flops=[2 * b * s * (4 * h * h + 2 * h * f) + 4 * b * s * s * h for b in sizes],
-                kind="TransformerBlock",
-                tensor_parallel="block",
-                tp_param_bytes=(4 * h * h + 2 * h * f + 3 * h + f) * p,
-                tp_compute_fraction=frac,
-                tp_forward_bytes=[2 * b * s * h * p for b in sizes],
-                tp_backward_bytes=[2 * b * s * h * p for b in sizes],
-                tp_replicated_activation_bytes=[s * b * h * (4 * p + (2 if dropout else 0)) for b in sizes],
-                sp_replicated_activation_bytes=[0 for _ in sizes],
-                selective_recompute_bytes=[a * s * s * b * ((2 * p + 1) if dropout else p) for b in sizes],
-                selective_recompute_ms=redo,
-                operations=block_ops,
-            )
-        )
-    head_ops = [head_operations(b, shape) for b in sizes]
+    kinds = [False] if spec.moe is None else sorted({spec.is_moe_block(i) for i in range(spec.layers)})
+    blocks = {moe: _block(spec, dtype, sizes, moe=moe, mfu_ms=ms if mfu is not None else None,
+                          priced=priced, membw=membw) for moe in kinds}
+    for i in range(spec.layers):
+        out.append(replace_name(blocks[spec.is_moe_block(i)], f"blocks.{i}"))
+    head_ops = [head_operations_of(spec, b, dtype) for b in sizes]
     if mfu is not None:
         head_fwd = [ms(2 * b * s * h * v) for b in sizes]
         head_in, head_wt = head_fwd, head_fwd
@@ -207,164 +207,153 @@ def synth_transformer(
         head_t = [priced(ops) for ops in head_ops]
         head_fwd = [x.forward for x in head_t]
         head_in, head_wt = [x.backward_input for x in head_t], [x.backward_weight for x in head_t]
+    # the final norm, the logits' input, the targets (and below the float32 log-probabilities)
+    head_whole = [norm_kept_bytes(spec, b * s, p) + b * s * h * p + b * s * 8 for b in sizes]
     out.append(
         LayerProfile(
             name="head",
-            param_bytes=(0 if tied_embeddings else v * h * p) + 2 * h * p,
+            param_bytes=head_param_count(spec) * p,
             forward_ms=head_fwd,
             backward_ms=[x + y for x, y in zip(head_in, head_wt, strict=True)],
             backward_input_ms=head_in,
             backward_weight_ms=head_wt,
             operations=head_ops,
-            # the LayerNorm's input and output, the gradient of the logits
+            # the norm's input and output, the gradient of the logits
             weight_grad_bytes=[2 * b * s * h * p + b * s * v * p for b in sizes],
-            # LayerNorm input and output, targets, float32 log-probabilities of the loss
-            activation_bytes=[2 * b * s * h * p + b * s * 8 + b * s * v * 4 for b in sizes],
+            activation_bytes=[w + b * s * v * 4 for w, b in zip(head_whole, sizes, strict=True)],
             output_bytes=[4 for _ in sizes],
             flops=[2 * b * s * h * v for b in sizes],
             kind="LMHead",
             tensor_parallel="column-head",
-            tp_param_bytes=0 if tied_embeddings else v * h * p,
+            tp_param_bytes=0 if spec.tied_embeddings else v * h * p,
             tp_forward_bytes=[2 * b * s * 4 for b in sizes],
             tp_backward_bytes=[b * s * h * p for b in sizes],
             tp_forward_collectives=2,
             tp_backward_collectives=1,
-            tp_replicated_activation_bytes=[2 * b * s * h * p + b * s * 8 for b in sizes],
+            tp_replicated_activation_bytes=head_whole,
             sp_replicated_activation_bytes=[b * s * 8 for b in sizes],
         )
     )
     return Profile(
-        model=name or f"transformer-{layers}l-h{h}",
-        measured_on=MeasuredOn(device=f"synthetic:{device_type}", device_name=device_type, dtype=dtype),
+        model=spec.name or f"transformer-{spec.layers}l-h{h}",
+        measured_on=MeasuredOn(device=f"synthetic:{device_type}", device_name=device_type, dtype=dtype,
+                               pricing=_pricing(device_type, mfu, constants)),
         microbatch_sizes=sizes,
         input_bytes=[b * s * 8 for b in sizes],
         layers=out,
-        metadata={
-            "synth": {
-                "kind": "transformer",
-                "layers": layers,
-                "hidden": h,
-                "ffn": f,
-                "heads": a,
-                "seq": s,
-                "vocab": v,
-                "mfu": mfu,
-                "timing": "flat mfu" if mfu is not None else "device model",
-                **({} if constants is None else {"gemm_efficiency": constants.gemm_efficiency,
-                                                 "memory_efficiency": constants.memory_efficiency}),
-                "device_type": device_type,
-                "attention": attention,
-            }
-        },
+        metadata={"synth": _metadata(spec, device_type=device_type, mfu=mfu, constants=constants)},
     )
 
 
-@dataclass(frozen=True)
-class _Shape:
-    """A decoder's sizes, as the census needs them."""
-
-    h: int
-    f: int
-    a: int
-    s: int
-    v: int
-    dtype: str
-    dropout: bool
-    fused: bool
-
-    @property
-    def p(self) -> int:
-        return DTYPE_BYTES[self.dtype]
+def replace_name(layer: LayerProfile, name: str) -> LayerProfile:
+    return layer.model_copy(update={"name": name})
 
 
-def _memory(nbytes: int, dtype: str, *, count: int = 1, sharded: bool = False) -> Operation:
-    return Operation(kind="memory", bytes=nbytes, dtype=dtype, count=count, tp_shard="bytes" if sharded else None)
+def _pricing(device_type: str, mfu: float | None, constants: DeviceConstants | None) -> str:
+    if mfu is not None:
+        return f"flat {mfu:g} of {device_type}'s peak FLOP/s"
+    from planner.cost.compute import default_constants
+
+    c = constants or default_constants(device_type)
+    return (f"device model {device_type}: gemm efficiency {c.gemm_efficiency:g}, "
+            f"memory efficiency {c.memory_efficiency:g}")
 
 
-def block_operations(b: int, x: _Shape) -> list[Operation]:
-    """One GPT block's forward at micro-batch ``b`` (the census ``pipeplan profile`` records for
-    ``examples.gpt``): the four GEMMs (QKV and the MLP's first: column-parallel, ``tp_shard`` n;
-    the attention output and the MLP's second: row-parallel, k), causal attention (sharded by
-    heads), and the memory-bound kernels: two LayerNorms (read and write s·b·h), two residual
-    adds (two reads, one write), the MLP's activation (s·b·f, inside the tensor-parallel region),
-    two dropouts (read, write and a one-byte mask) and, with materialised attention, the dropout
-    on the a·s²·b probabilities (sharded by heads).  m = b·s tokens."""
-    t, p, h, f = b * x.s, x.p, x.h, x.f
-    ops = [
-        _memory(2 * t * h * p, x.dtype, count=2),  # the two LayerNorms
-        Operation(kind="gemm", m=t, n=3 * h, k=h, dtype=x.dtype, tp_shard="n"),
-        Operation(kind="attention", batch=b, heads=x.a, query_len=x.s, key_len=x.s, head_dim=h // x.a,
-                  causal=True, fused=x.fused, dtype=x.dtype, tp_shard="heads"),
-        Operation(kind="gemm", m=t, n=h, k=h, dtype=x.dtype, tp_shard="k"),
-        Operation(kind="gemm", m=t, n=f, k=h, dtype=x.dtype, tp_shard="n"),
-        _memory(2 * t * f * p, x.dtype, sharded=True),  # GeLU
-        Operation(kind="gemm", m=t, n=h, k=f, dtype=x.dtype, tp_shard="k"),
-        _memory(3 * t * h * p, x.dtype, count=2),  # the residual adds
-    ]
-    if x.dropout:
-        ops.append(_memory(t * h * (2 * p + 1), x.dtype, count=2))
-        if not x.fused:
-            ops.append(_memory(x.a * x.s * x.s * b * (2 * p + 1), x.dtype, sharded=True))
-    return ops
+def _metadata(spec: DecoderSpec, *, device_type: str, mfu: float | None,
+              constants: DeviceConstants | None) -> dict[str, object]:
+    meta: dict[str, object] = {
+        "kind": "transformer",
+        "layers": spec.layers,
+        "hidden": spec.hidden,
+        "ffn": spec.f,
+        "heads": spec.heads,
+        "seq": spec.seq,
+        "vocab": spec.vocab,
+        "mfu": mfu,
+        "timing": "flat mfu" if mfu is not None else "device model",
+        **({} if constants is None else {"gemm_efficiency": constants.gemm_efficiency,
+                                         "memory_efficiency": constants.memory_efficiency}),
+        "device_type": device_type,
+        "attention": spec.attention,
+    }
+    if spec.g != spec.heads:
+        meta["kv_heads"] = spec.g
+    if spec.head_dim is not None:
+        meta["head_dim"] = spec.head_dim
+    if spec.gated_mlp or spec.norm != "layernorm" or not spec.bias or spec.positions != "learned":
+        meta.update(gated_mlp=spec.gated_mlp, norm=spec.norm, bias=spec.bias, positions=spec.positions)
+    if spec.tied_embeddings:
+        meta["tied_embeddings"] = True
+    if spec.moe is not None:
+        m = spec.moe
+        meta["moe"] = {"experts": m.experts, "top_k": m.top_k, "expert_ffn": m.expert_ffn,
+                       "shared_experts": m.shared_experts, "shared_ffn": m.shared_total_ffn,
+                       "dense_layers": m.dense_layers, "capacity_factor": m.capacity_factor}
+    return meta
 
 
-def _attention_core(ops: list[Operation]) -> list[Operation]:
-    """What selective recompute re-runs of a block: attention and the dropout on its
-    probabilities (the sharded memory kernel the attention's scores size)."""
-    attn = [o for o in ops if o.kind == "attention"]
-    scores = attn[0].batch * (attn[0].heads or 0) * (attn[0].query_len or 0) * (attn[0].key_len or 0) if attn else 0
-    return attn + [o for o in ops if o.kind == "memory" and o.tp_shard == "bytes" and (o.bytes or 0) >= scores > 0]
-
-
-def embedding_operations(b: int, x: _Shape) -> list[Operation]:
-    """The embedding's forward: the token and position lookups (gather: read and write s·b·h),
-    their add, and dropout."""
-    t, p, h = b * x.s, x.p, x.h
-    ops = [_memory(2 * t * h * p, x.dtype), _memory(3 * t * h * p, x.dtype)]
-    if x.dropout:
-        ops.append(_memory(t * h * (2 * p + 1), x.dtype))
-    return ops
-
-
-def head_operations(b: int, x: _Shape) -> list[Operation]:
-    """The head's forward: the final LayerNorm, the logits GEMM (column-parallel over the
-    vocabulary) and the cross-entropy over float32 logits (read the logits, write and read the
-    float32 log-probabilities: vocabulary-parallel)."""
-    t, p, h = b * x.s, x.p, x.h
-    return [
-        _memory(2 * t * h * p, x.dtype),
-        Operation(kind="gemm", m=t, n=x.v, k=h, dtype=x.dtype, tp_shard="n"),
-        _memory(t * x.v * (p + 8), x.dtype, sharded=True),
-    ]
-
-
-#: how attention's score matrix is computed: see :func:`synth_transformer`
-ATTENTION_KINDS = ("fused", "materialized")
-
-
-def score_pass_bytes(p: int, *, dropout: bool = True, attention: str = "fused") -> tuple[int, int]:
-    """Bytes moved per attention score (one head, one query, one key) by the memory-bound
-    operators on a materialized score matrix, forward and backward; ``(0, 0)`` when fused.
-
-    Forward: the softmax reads the scores and writes the probabilities (2p); the dropout
-    reads them and writes its output and a one-byte mask (2p + 1).  Backward: the dropout's
-    gradient reads the mask and the output gradient and writes the input gradient (2p + 1);
-    the softmax's reads the probabilities and the output gradient and writes the input
-    gradient (3p).  The two batched matrix products (scores and context) are counted as
-    FLOPs, 4·b·s²·h, as in the paper's formula.
-    """
-    if attention == "fused":
-        return 0, 0
-    forward = 2 * p + (2 * p + 1 if dropout else 0)
-    backward = 3 * p + (2 * p + 1 if dropout else 0)
-    return forward, backward
-
-
-def block_activation_bytes(b: int, s: int, h: int, a: int, p: int, *, dropout: bool = True) -> int:
-    """Bytes one Transformer block keeps for backward (Korthikanti et al. 2022, by dtype).
-
-    With dropout and p = 2 this is s·b·h·(34 + 5·a·s/h).
-    """
-    if dropout:
-        return s * b * h * (16 * p + 2) + a * s * s * b * (2 * p + 1)
-    return s * b * h * 16 * p + a * s * s * b * p
+def _block(
+    spec: DecoderSpec, dtype: str, sizes: list[int], *, moe: bool, mfu_ms: Callable[[float], float] | None,
+    priced: Callable[[list[Operation]], OpTimes], membw: float,
+) -> LayerProfile:
+    """One block's profile (dense, or a mixture of experts)."""
+    s, a, h = spec.seq, spec.heads, spec.hidden
+    p = DTYPE_BYTES[dtype]
+    materialized = spec.attention == "materialized"
+    # the attention scores' memory-bound passes (0 when fused), forward and backward
+    score_fwd_bytes, score_bwd_bytes = score_pass_bytes(p, dropout=spec.dropout, attention=spec.attention)
+    score_fwd = [a * s * s * b * score_fwd_bytes / membw * 1e3 for b in sizes]
+    score_bwd = [a * s * s * b * score_bwd_bytes / membw * 1e3 for b in sizes]
+    ops = [block_operations_of(spec, b, dtype, moe=moe) for b in sizes]
+    flops = [block_gemm_flops(spec, b, moe=moe) for b in sizes]
+    if mfu_ms is not None:
+        fwd = [mfu_ms(f) + sf for f, sf in zip(flops, score_fwd, strict=True)]
+        bwd = [2 * (t - sf) + sb for t, sf, sb in zip(fwd, score_fwd, score_bwd, strict=True)]
+        attn_flops = [4 * b * s * s * a * spec.d for b in sizes]
+        wgt = [mfu_ms(f - af) for f, af in zip(flops, attn_flops, strict=True)]
+        redo = [mfu_ms(af) + sf for af, sf in zip(attn_flops, score_fwd, strict=True)]
+        frac = 1.0
+    else:
+        times = [priced(o) for o in ops]
+        fwd = [x.forward for x in times]
+        bwd = [x.backward for x in times]
+        wgt = [x.backward_weight for x in times]
+        # selective recompute re-runs attention's core (and its dropout) in the backward
+        redo = [priced(attention_core(o)).forward for o in ops]
+        sharded = [priced([op for op in o if op.tp_shard is not None]).forward for o in ops]
+        frac = min(1.0, sharded[-1] / fwd[-1]) if fwd[-1] > 0 else 1.0
+    moe_mark = None
+    if moe and spec.moe is not None:
+        m = spec.moe
+        moe_mark = MoELayer(
+            experts=m.experts, top_k=m.top_k, shared_experts=m.shared_experts,
+            expert_param_bytes=expert_params(spec) * p,
+            routing="balanced" if m.capacity_factor is None else "capacity",
+            capacity_factor=m.capacity_factor,
+            dispatch_bytes=[b * s * m.top_k * h * p for b in sizes],
+        )
+    return LayerProfile(
+        name="block",
+        param_bytes=block_param_count(spec, moe=moe) * p,
+        forward_ms=fwd,
+        backward_ms=bwd,
+        backward_input_ms=[t - w_ for t, w_ in zip(bwd, wgt, strict=True)],
+        backward_weight_ms=wgt,
+        weight_grad_bytes=[block_weight_grad_bytes(spec, b, p, moe=moe) for b in sizes],
+        activation_bytes=[block_activation_bytes_of(spec, b, p, moe=moe) for b in sizes],
+        output_bytes=[b * s * h * p for b in sizes],
+        flops=[float(f) for f in flops],
+        kind="MoEBlock" if moe else "TransformerBlock",
+        tensor_parallel="block",
+        tp_param_bytes=block_tp_param_count(spec, moe=moe) * p,
+        tp_compute_fraction=frac,
+        tp_forward_bytes=[2 * b * s * h * p for b in sizes],
+        tp_backward_bytes=[2 * b * s * h * p for b in sizes],
+        tp_replicated_activation_bytes=[block_replicated_bytes(spec, b, p, moe=moe) for b in sizes],
+        sp_replicated_activation_bytes=[0 for _ in sizes],
+        selective_recompute_bytes=(
+            [a * s * s * b * ((2 * p + 1) if spec.dropout else p) for b in sizes] if materialized else None),
+        selective_recompute_ms=redo if materialized else None,
+        operations=ops,
+        moe=moe_mark,
+    )

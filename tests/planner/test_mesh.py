@@ -237,7 +237,7 @@ def test_synth_block_activations_follow_korthikanti(t: int) -> None:
 
     s_, h, a = 256, 512, 8
     profile = synth_transformer(layers=1, hidden=h, heads=a, seq=s_, vocab=1024, device_type="a100-80g",
-                                dtype="bfloat16", microbatch_sizes=(1,))
+                                dtype="bfloat16", microbatch_sizes=(1,), attention="materialized")
     cl = parse_document("cluster", {"devices": 8, "device_type": "a100-80g"})
     training = parse_document("training", {"global_batch_size": 1})
     sbh = s_ * h

@@ -12,6 +12,7 @@ import examples.gpt as gpt
 import profiler
 from pipeplan.cli import main
 from planner.schema import load_document
+from profiler.decoder import DecoderSpec, block_activation_bytes_of
 from profiler.synth import block_activation_bytes, synth_transformer
 
 SIZES = (1, 2)
@@ -45,6 +46,7 @@ def _synth(dropout: bool) -> object:
         microbatch_sizes=SIZES,
         tied_embeddings=True,
         dropout=dropout,
+        attention="materialized",  # examples.gpt's attention writes its softmax to memory
     )
 
 
@@ -111,7 +113,11 @@ def test_synth_cli_prints_json_without_output(capsys: pytest.CaptureFixture[str]
     assert rc == 0
     data = json.loads(capsys.readouterr().out)
     assert data["microbatch_sizes"] == [1, 2]
-    assert data["layers"][1]["activation_bytes"][0] == block_activation_bytes(1, 16, 64, 4, 2, dropout=False)
+    fused = DecoderSpec(layers=2, hidden=64, heads=4, seq=16, vocab=100, dropout=False)
+    assert data["layers"][1]["activation_bytes"][0] == block_activation_bytes_of(fused, 1, 2)
+    # flash attention keeps its float32 log-sum-exp instead of the a·s² probabilities
+    materialized = block_activation_bytes(1, 16, 64, 4, 2, dropout=False)
+    assert materialized - block_activation_bytes_of(fused, 1, 2) == 4 * 16 * 16 * 2 - 4 * 4 * 16
 
 
 @pytest.mark.parametrize(
