@@ -297,7 +297,7 @@ def test_cli_flags_on_plan_and_estimate(tmp_path, capsys) -> None:  # type: igno
 
     prof = tmp_path / "gpt.json"
     prof.write_text(synth_transformer(layers=4, hidden=1024, heads=8, seq=512, vocab=4096, device_type="a100-80g",
-                                      microbatch_sizes=(1, 2)).model_dump_json())
+                                      microbatch_sizes=(1, 2), attention="materialized").model_dump_json())
     out = tmp_path / "plan.json"
     rc = main(["estimate", str(prof), "--devices", "8", "--batch-size", "8", "--stages", "0:3,3:6",
                "--microbatches", "4", "--tensor-parallel", "4", "--zero", "1", "--data-parallel", "1",
