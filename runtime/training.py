@@ -490,10 +490,13 @@ PARAM_FLOOR = 1e-3
 #: and a key bias's gradient is ~1e-13 of the model's norm, 1e-8 of the floor
 GRAD_FLOOR = 1e-5
 #: with Adam or AdamW, a gradient element below NOISE_LEVEL of the model's root-mean-square
-#: gradient element (``||G|| / sqrt(N)``) counts as rounding noise (:func:`_noise_allowance`):
-#: measured on the zoo's GPT-2, the attention key biases' gradients (zero in exact arithmetic)
-#: are ~1e-13 where that root mean square is ~2e-2, and the smallest real gradients ~1e-7
-NOISE_LEVEL = 1e-6
+#: gradient element (``||G|| / sqrt(N)``) at a compared step counts as rounding noise
+#: (:func:`_noise_allowance`).  Measured (float32, 2 ranks, 10 steps of Adam at lr 1e-3): the
+#: attention key biases' gradients, zero in exact arithmetic, are ~1e-11 of that root mean
+#: square on the zoo's GPT-2 and BERT; Qwen2's key biases (rotary: a real, tiny gradient) have
+#: elements at ~1e-6 of it at the first and last steps that moved 3e-7 differently (between those
+#: steps, not compared whole, their gradient was noise), hence the margin up to 1e-4
+NOISE_LEVEL = 1e-4
 
 
 def compare(

@@ -120,7 +120,11 @@ def add_worker_args(p: argparse.ArgumentParser, *, for_launcher: bool = False) -
         help=f"collective timeout in seconds: a rank that waits longer for another fails the job (default {DEFAULT_TIMEOUT_S:g})",
     )
     p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto", help="default: nccl on CUDA, else gloo")
-    p.add_argument("--check", action="store_true", help="compare losses and final parameters with the unsplit model")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="compare losses, gradients and final parameters with the unsplit model trained in one process",
+    )
     p.add_argument(
         "--tolerance",
         type=float,
