@@ -962,7 +962,7 @@ def full_gradients(named: Iterable[tuple[str, Any]]) -> dict[str, Any]:
     every rank of its mesh must call this, with the same parameters), for ``--check``."""
     from torch.distributed.tensor import DTensor
 
-    out = {}
+    out: dict[str, Any] = {}
     for name, p in named:
         g = p.grad
         if g is None:
@@ -979,7 +979,7 @@ def gradient_norms(named: Iterable[tuple[str, Any]]) -> dict[str, float]:
     import torch
     from torch.distributed.tensor import DTensor
 
-    out = {}
+    out: dict[str, float] = {}
     for name, p in named:
         if p.grad is None:
             out[name] = 0.0

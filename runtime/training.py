@@ -390,9 +390,9 @@ def train_reference(
         norms_now: dict[str, float] = {}
         if not skip:
             for p in params:
-                n = grad_norm(p.grad)
+                size = grad_norm(p.grad)
                 for name in names_of.get(id(p), []):
-                    norms_now[name] = n
+                    norms_now[name] = size
             if step in keep:
                 kept: dict[str, Tensor] = {}
                 for p in params:
