@@ -1042,6 +1042,9 @@ class CheckReport(_Model):
         default=None, description="the largest gradient difference (runs before it: not compared)"
     )
     worst_grad: str = ""
+    grad_tolerance: NonNegFloat | None = Field(
+        default=None, description="the tolerance gradients were judged at (None: the tolerance)"
+    )
     categories: list[CheckCategory] = Field(default_factory=list, description="what was compared, by kind")
 
 

@@ -447,6 +447,7 @@ def check_report(
     max_grad_rel_diff: float | None = None,
     worst_grad: str = "",
     categories: Sequence[Any] = (),
+    grad_tolerance: float | None = None,
 ) -> CheckReport:
     """The ``--check`` verdict as the report holds it (non-finite figures become ``None``);
     ``categories``: :class:`runtime.training.Category` (or anything with its fields)."""
@@ -461,6 +462,7 @@ def check_report(
         losses_reference=[_finite(x) for x in losses_reference],
         max_grad_rel_diff=_finite(max_grad_rel_diff) if max_grad_rel_diff is not None else None,
         worst_grad=worst_grad,
+        grad_tolerance=grad_tolerance,
         categories=[
             CheckCategory(
                 name=c.name, measure=c.measure, compared=c.compared, max_diff=_finite(c.max_diff), worst=c.worst,
@@ -477,9 +479,10 @@ def check_failed_message(check: CheckReport) -> str:
     loss, grad, param = ("n/a" if x is None else f"{x:.3g}" for x in
                          (check.max_loss_rel_diff, check.max_grad_rel_diff, check.max_param_rel_diff))  # fmt: skip
     grads = f"{grad} (gradients, worst {check.worst_grad or '-'}), " if check.categories else ""
+    grad_tol = f" ({check.grad_tolerance:g} for gradients)" if check.grad_tolerance not in (None, check.tolerance) else ""
     return (
         f"--check failed: the pipelined run differs from the unsplit model by {loss} (losses), {grads}"
-        f"{param} (parameters, worst {check.worst_param}), more than the tolerance {check.tolerance:g}: the "
+        f"{param} (parameters, worst {check.worst_param}), more than the tolerance {check.tolerance:g}{grad_tol}: the "
         "split, the schedule or a reduction computes something else (the report's check lists each category), "
         "or, if the difference is rounding, give a larger --tolerance"
     )
@@ -575,7 +578,9 @@ def render_lines(report: RunReport) -> list[str]:
         out.append(
             f"check {verdict}: vs the unsplit model in one process, max relative difference "
             f"{_fmt(c.max_loss_rel_diff, '.2e')} in losses, {grads}{_fmt(c.max_param_rel_diff, '.2e')} in "
-            f"{c.params_compared} parameter tensors (worst {c.worst_param}; tolerance {c.tolerance:g})"
+            f"{c.params_compared} parameter tensors (worst {c.worst_param}; tolerance {c.tolerance:g}"
+            + (f", {c.grad_tolerance:g} for gradients" if c.grad_tolerance not in (None, c.tolerance) else "")
+            + ")"
         )
         out.extend(check_category_lines(c))
     out.extend(f"note: {n}" for n in report.notes)
