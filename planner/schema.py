@@ -1084,6 +1084,18 @@ class StageReport(_Model):
     predicted_memory_bytes: NonNegInt = 0
 
 
+class CheckCategory(_Model):
+    """One kind of figure ``--check`` compared (losses, gradients, near-zero gradients, gradient
+    norms, parameters, parameters within the tolerance only with the optimizer's noise allowance)."""
+
+    name: str
+    measure: str = Field(description="how a difference is measured, in words")
+    compared: NonNegInt = Field(description="how many figures (steps, tensors x steps, tensors)")
+    max_diff: NonNegFloat | None = Field(description="the largest difference (None: not comparable)")
+    worst: str = Field(default="", description="where the largest difference is (tensor, step)")
+    tensors: list[str] = Field(default_factory=list, description="the tensors in an exceptional category")
+
+
 class CheckReport(_Model):
     """``--check``: the pipelined run against the unsplit model (``None``: not comparable)."""
 
@@ -1095,6 +1107,14 @@ class CheckReport(_Model):
     params_compared: NonNegInt
     losses_pipelined: list[FiniteFloat | None]
     losses_reference: list[FiniteFloat | None]
+    max_grad_rel_diff: NonNegFloat | None = Field(
+        default=None, description="the largest gradient difference (runs before it: not compared)"
+    )
+    worst_grad: str = ""
+    grad_tolerance: NonNegFloat | None = Field(
+        default=None, description="the tolerance gradients were judged at (None: the tolerance)"
+    )
+    categories: list[CheckCategory] = Field(default_factory=list, description="what was compared, by kind")
 
 
 class RankInfo(_Model):

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.faults import CheckFailedError, JobFailedError, diagnose, read_statuses
-from runtime.report import load_report
+from runtime.report import check_failed_message, load_report
 
 #: seconds between SIGTERM and SIGKILL when the agent stops the ranks
 SHUTDOWN_TIMEOUT_S = 5
@@ -154,14 +154,7 @@ def launch(
     if report_file.exists():
         check = load_report(report_file.read_bytes(), source=str(report_file)).check
         if check is not None and not check.passed:
-            loss_diff, param_diff = (
-                "n/a" if x is None else f"{x:.3g}" for x in (check.max_loss_rel_diff, check.max_param_rel_diff)
-            )
-            raise CheckFailedError(
-                f"--check failed: the pipelined run differs from the unsplit model by "
-                f"{loss_diff} (losses) and {param_diff} "
-                f"(parameters, worst {check.worst_param}), more than the tolerance {check.tolerance:g}"
-            )
+            raise CheckFailedError(check_failed_message(check))
     statuses = read_statuses(run_dir, world_size)
     message, culprits = diagnose(statuses, exit_codes, world_size=world_size, timeout_s=timeout_s, stage_of=stage_of)
     lost = lost_nodes(culprits, statuses, nproc_per_node=nproc, rendezvous=rendezvous)

@@ -49,6 +49,23 @@ def checkpoint_layers(stage_module: nn.Module, layers: int) -> nn.Module:
     return stage_module
 
 
+class SkipFrom(nn.Module):
+    """Test-only (``--inject-fault RANK:STEP:skip-layer``): from step ``step`` on (the step is
+    ``step_box[0]``) hands its inputs on unchanged instead of running ``inner``, as a split that
+    lost a layer would; ``--check`` must fail.  ``inner``'s outputs must be shaped like its inputs."""
+
+    def __init__(self, inner: nn.Module, step_box: Sequence[int], step: int) -> None:
+        super().__init__()
+        self.inner = inner
+        self.step_box = step_box
+        self.step = step
+
+    def forward(self, *args: Any) -> Any:
+        if self.step_box[0] >= self.step:
+            return tuple(args)
+        return self.inner(*args)
+
+
 class Autocast(nn.Module):
     """Runs ``inner`` under ``torch.autocast`` to a 16-bit ``dtype`` (float32 parameters stay
     the master weights: autocast casts them per operation, and their gradients are float32)."""

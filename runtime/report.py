@@ -16,6 +16,7 @@ import statistics
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from planner.limits import loads_strict
 from planner.schedules import stage_rank
@@ -23,6 +24,7 @@ from planner.schema import (
     REPORT_VERSION,
     ActionTimes,
     AxisTime,
+    CheckCategory,
     CheckReport,
     CollectiveTimes,
     Plan,
@@ -46,6 +48,7 @@ __all__ = [
     "RssRow",
     "RunReport",
     "build_report",
+    "check_failed_message",
     "collective_times",
     "collectives_note",
     "current_rss_bytes",
@@ -441,8 +444,13 @@ def check_report(
     params_compared: int,
     losses_pipelined: Sequence[float | None],
     losses_reference: Sequence[float | None],
+    max_grad_rel_diff: float | None = None,
+    worst_grad: str = "",
+    categories: Sequence[Any] = (),
+    grad_tolerance: float | None = None,
 ) -> CheckReport:
-    """The ``--check`` verdict as the report holds it (non-finite figures become ``None``)."""
+    """The ``--check`` verdict as the report holds it (non-finite figures become ``None``);
+    ``categories``: :class:`runtime.training.Category` (or anything with its fields)."""
     return CheckReport(
         passed=passed,
         tolerance=tolerance,
@@ -452,7 +460,51 @@ def check_report(
         params_compared=params_compared,
         losses_pipelined=[_finite(x) for x in losses_pipelined],
         losses_reference=[_finite(x) for x in losses_reference],
+        max_grad_rel_diff=_finite(max_grad_rel_diff) if max_grad_rel_diff is not None else None,
+        worst_grad=worst_grad,
+        grad_tolerance=grad_tolerance,
+        categories=[
+            CheckCategory(
+                name=c.name, measure=c.measure, compared=c.compared, max_diff=_finite(c.max_diff), worst=c.worst,
+                tensors=list(c.tensors),
+            )
+            for c in categories
+        ],
     )
+
+
+def check_failed_message(check: CheckReport) -> str:
+    """The one ``error:`` line of a failed ``--check``: the largest difference in losses,
+    gradients and parameters (worst tensors), the tolerance, and what to do."""
+    loss, grad, param = ("n/a" if x is None else f"{x:.3g}" for x in
+                         (check.max_loss_rel_diff, check.max_grad_rel_diff, check.max_param_rel_diff))  # fmt: skip
+    grads = f"{grad} (gradients, worst {check.worst_grad or '-'}), " if check.categories else ""
+    grad_tol = f" ({check.grad_tolerance:g} for gradients)" if check.grad_tolerance not in (None, check.tolerance) else ""
+    return (
+        f"--check failed: the pipelined run differs from the unsplit model by {loss} (losses), {grads}"
+        f"{param} (parameters, worst {check.worst_param}), more than the tolerance {check.tolerance:g}{grad_tol}: the "
+        "split, the schedule or a reduction computes something else (the report's check lists each category), "
+        "or, if the difference is rounding, give a larger --tolerance"
+    )
+
+
+#: how many tensors of an exceptional check category the printed report names
+CATEGORY_NAMES_SHOWN = 4
+
+
+def check_category_lines(check: CheckReport) -> list[str]:
+    """One indented line per category of a ``--check`` verdict: what was compared, how many,
+    the largest difference and where (the tensors of an exceptional category, the first few)."""
+    out = []
+    for cat in check.categories:
+        where = f" at {cat.worst}" if cat.worst else ""
+        line = f"  {cat.name}: {cat.compared} compared, max {_fmt(cat.max_diff, '.2e')}{where} ({cat.measure})"
+        if cat.tensors:
+            shown = ", ".join(cat.tensors[:CATEGORY_NAMES_SHOWN])
+            more = len(cat.tensors) - CATEGORY_NAMES_SHOWN
+            line += f"; tensors: {shown}" + (f" and {more} more" if more > 0 else "")
+        out.append(line)
+    return out
 
 
 def _fmt(x: float | None, spec: str = ".2f") -> str:
@@ -518,11 +570,19 @@ def render_lines(report: RunReport) -> list[str]:
     if report.check is not None:
         c = report.check
         verdict = "PASSED" if c.passed else "FAILED"
+        grads = (
+            f"{_fmt(c.max_grad_rel_diff, '.2e')} in gradients (worst {c.worst_grad}), "
+            if c.max_grad_rel_diff is not None
+            else ""
+        )
         out.append(
             f"check {verdict}: vs the unsplit model in one process, max relative difference "
-            f"{_fmt(c.max_loss_rel_diff, '.2e')} in losses, {_fmt(c.max_param_rel_diff, '.2e')} in "
-            f"{c.params_compared} parameter tensors (worst {c.worst_param}; tolerance {c.tolerance:g})"
+            f"{_fmt(c.max_loss_rel_diff, '.2e')} in losses, {grads}{_fmt(c.max_param_rel_diff, '.2e')} in "
+            f"{c.params_compared} parameter tensors (worst {c.worst_param}; tolerance {c.tolerance:g}"
+            + (f", {c.grad_tolerance:g} for gradients" if c.grad_tolerance not in (None, c.tolerance) else "")
+            + ")"
         )
+        out.extend(check_category_lines(c))
     out.extend(f"note: {n}" for n in report.notes)
     return out
 

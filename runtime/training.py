@@ -104,6 +104,17 @@ RUN_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "float32
 #: a weight's 16-bit cast to the neighbouring value, one 16-bit rounding step (bfloat16: 2**-7,
 #: float16: 2**-10) in what follows, which the tolerance allows (see the README)
 DEFAULT_TOLERANCES = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 2e-3}
+#: in a 16-bit run --check judges gradients at this many times the tolerance: a weight whose
+#: 16-bit cast tipped to the neighbouring value (above) changes the gradients computed from it
+#: by about a 16-bit step in every layer it feeds (measured: 1.1e-2 on a LayerNorm bias of
+#: examples.charlm after 20 AdamW steps in bf16, clipping and cosine schedule, lr 3e-3, where
+#: the parameters differ by 9.7e-4); float32 runs judge gradients at the tolerance itself
+GRAD_TOLERANCE_FACTOR_16BIT = 4.0
+
+
+def grad_tolerance(tolerance: float, dtype: str) -> float:
+    """The tolerance ``--check`` judges gradients at (:data:`GRAD_TOLERANCE_FACTOR_16BIT`)."""
+    return tolerance if dtype == "float32" else GRAD_TOLERANCE_FACTOR_16BIT * tolerance
 
 
 @dataclass(frozen=True)
@@ -215,6 +226,40 @@ def unique_parameters(modules: Iterable[nn.Module]) -> list[nn.Parameter]:
 
 
 @dataclass(frozen=True)
+class NoiseBound:
+    """How far an Adam-type optimizer moves a parameter whose gradient is rounding noise.
+
+    Adam steps by ``lr * m / (sqrt(v) + eps)`` (bias-corrected moments): whatever the gradient's
+    size, one step moves an element by at most ``lr * max(1, (1 - beta1) / sqrt(1 - beta2))``
+    (Kingma and Ba, section 2.1; 3.16 lr with torch's betas (0.9, 0.999)).  Where the true
+    gradient is zero (an attention key bias: softmax ignores it) the gradient is rounding noise,
+    different in two runs that sum the same terms in another order, and the step is noise of
+    order ``lr * |g| / (|g| + eps)``.  :func:`compare` allows a parameter element to differ by
+    ``2 * max_move * sum(lr) * min(1, rho)``, ``rho = |g_a - g_b| / (min(|g_a|, |g_b|) + eps)``:
+    the relative disagreement of its gradients (1 or more: noise), ``eps`` keeping gradients far
+    below ``eps`` (which Adam barely moves on) from counting as unresolved."""
+
+    #: the largest move of one step, in units of lr
+    max_move: float
+    eps: float
+
+
+def noise_bound(opt: torch.optim.Optimizer) -> NoiseBound | None:
+    """The :class:`NoiseBound` of an Adam or AdamW optimizer (its first group's betas and eps);
+    None for other optimizers (SGD's step is linear in the gradient: no allowance)."""
+    if not isinstance(opt, torch.optim.Adam | torch.optim.AdamW):
+        return None
+    group = opt.param_groups[0]
+    beta1, beta2 = group["betas"]
+    return NoiseBound(max_move=max(1.0, (1.0 - beta1) / math.sqrt(1.0 - beta2)), eps=float(group["eps"]))
+
+
+def grad_norm(g: Tensor | None) -> float:
+    """The L2 norm of a gradient in float64 (None: 0)."""
+    return 0.0 if g is None else float(torch.linalg.vector_norm(g.detach().double()))
+
+
+@dataclass(frozen=True)
 class ReferenceResult:
     losses: list[float]
     params: dict[str, Tensor]
@@ -222,6 +267,16 @@ class ReferenceResult:
     groups: list[list[str]] = field(default_factory=list)
     #: per step: the global gradient norm before clipping (when clipping), else empty
     grad_norms: list[float] = field(default_factory=list)
+    #: step -> name -> the gradient the optimizer stepped on (after averaging, unscaling and
+    #: clipping; every name of a tied tensor), for the steps asked for (``grad_steps``)
+    grads: dict[int, dict[str, Tensor]] = field(default_factory=dict)
+    #: per step: name -> the L2 norm of that gradient (a tensor without a gradient: 0); a step
+    #: skipped for inf/NaN gradients: empty
+    tensor_grad_norms: list[dict[str, float]] = field(default_factory=list)
+    #: per step: the learning rate it stepped with (0 for a skipped step)
+    lrs: list[float] = field(default_factory=list)
+    #: Adam and AdamW: the optimizer's :class:`NoiseBound`; None for SGD
+    noise: NoiseBound | None = None
 
 
 def train_reference(
@@ -242,6 +297,7 @@ def train_reference(
     seed_hooks: Callable[[nn.Module, Any], list[Any]] | None = None,
     source: Any = None,
     options: TrainOptions | None = None,
+    grad_steps: Sequence[int] = (),
 ) -> ReferenceResult:
     """Train the unsplit ``model`` in this process exactly as GPipe's maths says.
 
@@ -259,7 +315,9 @@ def train_reference(
     parameters by qualified name (tied weights under every name).  ``keywords``: the names
     of the trailing inputs passed by keyword.  ``seed_hooks(model, streams)``
     (:meth:`profiler.split.SplitModel.seed_hooks`) makes every layer draw from the random
-    stream of (seed, step, replica, micro-batch, layer), as the pipelined stages do.
+    stream of (seed, step, replica, micro-batch, layer), as the pipelined stages do.  Every
+    step records each tensor's gradient norm as the optimizer sees it, and the steps in
+    ``grad_steps`` the gradients themselves, for :func:`compare`.
     """
     from profiler.loading import Batch, call_model
     from profiler.split import RngStreams
@@ -270,7 +328,14 @@ def train_reference(
     streams = RngStreams(seed=seed)
     handles = seed_hooks(model, streams) if seed_hooks is not None else []
     params = unique_parameters([model])
+    names_of: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
     opt = make_optimizer(opts.optimizer, params, lr=opts.lr)
+    keep = set(grad_steps)
+    grads_at: dict[int, dict[str, Tensor]] = {}
+    tensor_norms: list[dict[str, float]] = []
+    lrs: list[float] = []
     scaler = LossScaler(opts.dtype == "float16")
     per_replica = global_batch_size // replicas // microbatch_size
     readers: list[Any] = []
@@ -332,6 +397,21 @@ def train_reference(
                     g.mul_(coef)
         for group in opt.param_groups:
             group["lr"] = opts.lr_at(step)
+        # what the optimizer steps on, for the gradient comparison
+        norms_now: dict[str, float] = {}
+        if not skip:
+            for p in params:
+                size = grad_norm(p.grad)
+                for name in names_of.get(id(p), []):
+                    norms_now[name] = size
+            if step in keep:
+                kept: dict[str, Tensor] = {}
+                for p in params:
+                    g = p.grad.detach().cpu().clone() if p.grad is not None else torch.zeros_like(p, device="cpu")
+                    kept.update((name, g) for name in names_of.get(id(p), []))
+                grads_at[step] = kept
+        tensor_norms.append(norms_now)
+        lrs.append(0.0 if skip else opts.lr_at(step))
         if not skip:
             opt.step()
         opt.zero_grad(set_to_none=True)
@@ -342,7 +422,32 @@ def train_reference(
     by_tensor: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         by_tensor.setdefault(id(p), []).append(name)
-    return ReferenceResult(losses=losses, params=final, groups=list(by_tensor.values()), grad_norms=norms)
+    return ReferenceResult(
+        losses=losses,
+        params=final,
+        groups=list(by_tensor.values()),
+        grad_norms=norms,
+        grads=grads_at,
+        tensor_grad_norms=tensor_norms,
+        lrs=lrs,
+        noise=noise_bound(opt),
+    )
+
+
+@dataclass(frozen=True)
+class Category:
+    """One kind of figure ``--check`` compares: how, how many, the largest difference, where."""
+
+    name: str
+    #: how a difference is measured, in words
+    measure: str
+    compared: int
+    max_diff: float
+    #: the tensor (and step) of the largest difference
+    worst: str = ""
+    #: the tensors in it, for the categories that are exceptions (near-zero gradients, the
+    #: Adam noise allowance); empty for the others
+    tensors: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -352,13 +457,28 @@ class Comparison:
     worst_param: str
     params_compared: int
     missing: list[str]
+    #: the largest gradient difference (:data:`GRAD_FLOOR`), over every compared step
+    max_grad_rel_diff: float = 0.0
+    worst_grad: str = ""
+    categories: list[Category] = field(default_factory=list)
+
+    def passed(self, tolerance: float, *, grad_tolerance: float | None = None) -> bool:
+        """Losses and parameters within ``tolerance``, gradients within ``grad_tolerance``
+        (default: ``tolerance``; see :func:`grad_tolerance`)."""
+        grad_tol = tolerance if grad_tolerance is None else grad_tolerance
+        return self.max_loss_rel_diff <= tolerance and self.max_param_rel_diff <= tolerance and self.max_grad_rel_diff <= grad_tol
 
 
-def relative_difference(a: Tensor, b: Tensor, *, floor: float = 0.0) -> float:
-    """``max|a - b| / max(max|b|, floor)`` (per tensor, so near-zero entries do not blow it up)."""
+def relative_difference(a: Tensor, b: Tensor, *, floor: float = 0.0, allowance: Tensor | None = None) -> float:
+    """``max|a - b| / max(max|b|, floor)`` (per tensor, so near-zero entries do not blow it up);
+    with ``allowance`` (shaped like ``b``) each element's difference is first reduced by its
+    allowance (not below 0)."""
     a64, b64 = a.detach().double().cpu(), b.detach().double().cpu()
     scale = max(float(b64.abs().max()) if b64.numel() else 0.0, floor)
-    diff = float((a64 - b64).abs().max()) if b64.numel() else 0.0
+    delta = (a64 - b64).abs()
+    if allowance is not None:
+        delta = (delta - allowance.double().cpu()).clamp(min=0.0)
+    diff = float(delta.max()) if b64.numel() else 0.0
     if scale == 0.0:
         return diff
     return diff / scale
@@ -373,41 +493,241 @@ LOSS_FLOOR = 1.0
 PARAM_FLOOR = 1e-3
 
 
+#: gradients are compared per tensor by ``||a - b|| / max(||b||, GRAD_FLOOR * ||G||)``, ``G``
+#: the whole model's gradient that step (the reference's): relative to the tensor's own norm,
+#: except for a tensor whose gradient is near zero in the reference (an attention key bias of
+#: its own, whose true gradient is zero: what remains is rounding noise of terms that cancel),
+#: which is compared absolutely, against ``GRAD_FLOOR`` of the model's gradient norm.  Measured
+#: on the zoo's GPT-2 (float32, 2 ranks, Adam): after 10 steps every tensor's gradient differs
+#: by at most 6.4e-7 of its own norm, the smallest tensors (4e-5 of the model's norm) included,
+#: and a key bias's gradient is ~1e-13 of the model's norm, 1e-8 of the floor
+GRAD_FLOOR = 1e-5
+#: with Adam or AdamW, a gradient element below NOISE_LEVEL of the model's root-mean-square
+#: gradient element (``||G|| / sqrt(N)``) at a compared step counts as rounding noise
+#: (:func:`_noise_allowance`).  Measured (float32, 2 ranks, 10 steps of Adam at lr 1e-3): the
+#: attention key biases' gradients, zero in exact arithmetic, are ~1e-11 of that root mean
+#: square on the zoo's GPT-2 and BERT; Qwen2's key biases (rotary: a real, tiny gradient) have
+#: elements at ~1e-6 of it at the first and last steps that moved 3e-7 differently (between those
+#: steps, not compared whole, their gradient was noise), hence the margin up to 1e-4
+NOISE_LEVEL = 1e-4
+
+
 def compare(
     losses: Sequence[float],
     params: Mapping[str, Tensor],
     reference: ReferenceResult,
+    *,
+    grads: Mapping[int, Mapping[str, Tensor | None]] | None = None,
+    grad_norms: Mapping[int, Mapping[str, float]] | None = None,
+    tolerance: float | None = None,
 ) -> Comparison:
     """Max relative differences between a pipelined run and the reference.
 
-    Losses: ``|a - b| / max(|b|, LOSS_FLOOR)``.  Parameters: per tensor ``max|a - b| /
-    max(max|b|, PARAM_FLOOR)``.  Tied weights are matched by storage: every tensor of the reference (under
-    any of its names) must have a pipelined value under one of those names, so a shared
-    weight whose owner module is never called (T5's ``shared``) is still compared once.
+    Losses: ``|a - b| / max(|b|, LOSS_FLOOR)``.  Gradients (what the optimizer stepped on),
+    per tensor: ``||a - b|| / max(||b||, GRAD_FLOOR * ||G||)`` at the steps of ``grads``
+    (step -> name -> gradient; the reference kept the same steps, ``grad_steps``), and the
+    norms' difference ``| ||a|| - ||b|| |`` on the same scale at the steps of ``grad_norms``
+    (step -> name -> norm) that ``grads`` lacks.  Parameters: per tensor ``max|a - b| /
+    max(max|b|, PARAM_FLOOR)``, where with Adam or AdamW each element's difference is first
+    reduced by the move the optimizer can make on gradient noise (:class:`NoiseBound`, judged
+    from the gradients of ``grads``).  ``tolerance``: to name the tensors that are within it
+    only with that allowance.  Tied weights are matched by storage: every tensor of the
+    reference (under any of its names) must have a pipelined value under one of those names,
+    so a shared weight whose owner module is never called (T5's ``shared``) is still compared once.
     """
-    loss_diff = 0.0
+    loss_diff, worst_loss = 0.0, ""
     if len(losses) != len(reference.losses):
-        loss_diff = math.inf
-    for a, b in zip(losses, reference.losses, strict=False):
-        loss_diff = max(loss_diff, abs(a - b) / max(abs(b), LOSS_FLOOR))
-    worst, worst_name = 0.0, ""
+        loss_diff, worst_loss = math.inf, f"{len(losses)} steps against {len(reference.losses)}"
+    for step, (a, b) in enumerate(zip(losses, reference.losses, strict=False)):
+        d = abs(a - b) / max(abs(b), LOSS_FLOOR)
+        if not d <= loss_diff:  # NaN counts as the worst
+            loss_diff, worst_loss = (d if d == d else math.inf), f"step {step}"
+    categories = [
+        Category("losses", f"|a - b| / max(|b|, {LOSS_FLOOR:g}) per step", len(losses), loss_diff, worst_loss)
+    ]
     groups = reference.groups or [[name] for name in reference.params]
+    grad_cats = _compare_gradients(reference, groups, grads or {}, grad_norms or {})
+    categories.extend(grad_cats)
+    grad_worst = max(grad_cats, key=lambda c: c.max_diff, default=None)
+
+    noise = reference.noise
+    lr_sum = sum(reference.lrs)
+    noise_levels = _noise_levels(reference, groups, grads or {}) if noise is not None else {}
+    worst, worst_name = 0.0, ""
+    allowed: list[tuple[float, str]] = []  # (difference before the allowance, name)
     missing = [g[0] for g in groups if not any(name in params for name in g)]
     for name, value in params.items():
         ref = reference.params.get(name)
         if ref is None or ref.shape != value.shape:
             missing.append(name)
             continue
-        d = relative_difference(value, ref, floor=PARAM_FLOOR)
-        if d > worst or not worst_name:
-            worst, worst_name = d, name
+        raw = relative_difference(value, ref, floor=PARAM_FLOOR)
+        d = raw
+        if noise is not None and lr_sum > 0 and raw > 0:
+            allowance = _noise_allowance(name, value.shape, grads or {}, reference.grads, noise, lr_sum, noise_levels)
+            if allowance is not None:
+                d = relative_difference(value, ref, floor=PARAM_FLOOR, allowance=allowance)
+        if not d <= worst or not worst_name:
+            worst, worst_name = (d if d == d else math.inf), name
+        if tolerance is not None and raw > tolerance >= d:
+            allowed.append((raw, name))
     if missing:
         worst = math.inf
         worst_name = f"{len(missing)} parameter(s) not matched, e.g. {missing[0]}"
+    measure = f"max|a - b| / max(max|b|, {PARAM_FLOOR:g}) per tensor"
+    if noise is not None:
+        measure += (
+            f", each element's difference less the optimizer's move on gradient noise (2 x {noise.max_move:.3g} x "
+            f"sum(lr) = {2 * noise.max_move * lr_sum:.3g} where its gradient is below {NOISE_LEVEL:g} of the model's "
+            "root-mean-square gradient element, that times its gradients' relative disagreement elsewhere)"
+        )
+    categories.append(Category("parameters", measure, len(params), worst, worst_name))
+    if noise is not None and tolerance is not None:
+        allowed.sort(reverse=True)
+        categories.append(
+            Category(
+                "parameters within the tolerance only with the noise allowance",
+                f"max|a - b| / max(max|b|, {PARAM_FLOOR:g}) per tensor, before the allowance",
+                len(allowed),
+                allowed[0][0] if allowed else 0.0,
+                allowed[0][1] if allowed else "",
+                [n for _, n in allowed],
+            )
+        )
     return Comparison(
         max_loss_rel_diff=loss_diff,
         max_param_rel_diff=worst,
         worst_param=worst_name,
         params_compared=len(params),
         missing=missing,
+        max_grad_rel_diff=grad_worst.max_diff if grad_worst is not None else 0.0,
+        worst_grad=grad_worst.worst if grad_worst is not None else "",
+        categories=categories,
     )
+
+
+def _model_grad_norm(norms: Mapping[str, float], groups: Sequence[Sequence[str]]) -> float:
+    """The whole model's gradient norm from per-tensor norms (each tensor once)."""
+    return math.sqrt(sum(norms.get(g[0], 0.0) ** 2 for g in groups))
+
+
+@dataclass
+class _Worst:
+    """A running count and maximum, NaN counting as the worst."""
+
+    count: int = 0
+    max: float = 0.0
+    where: str = ""
+
+    def add(self, d: float, where: str) -> None:
+        self.count += 1
+        if not d <= self.max:
+            self.max, self.where = (d if d == d else math.inf), where
+
+
+def _compare_gradients(
+    reference: ReferenceResult,
+    groups: Sequence[Sequence[str]],
+    grads: Mapping[int, Mapping[str, Tensor | None]],
+    grad_norms: Mapping[int, Mapping[str, float]],
+) -> list[Category]:
+    """The gradient categories of :func:`compare`: whole gradients (relative to their norm, and
+    near zero against the model's), then the norms of the other steps (empty: none compared)."""
+    if not grads and not grad_norms:
+        return []
+    full, near, norm = _Worst(), _Worst(), _Worst()
+    near_names: set[str] = set()
+    for step in sorted(set(grads) | set(grad_norms)):
+        ref_norms = reference.tensor_grad_norms[step] if step < len(reference.tensor_grad_norms) else {}
+        mine = grad_norms.get(step, {})
+        whole = grads.get(step)
+        if not ref_norms or not (whole or mine):
+            if bool(ref_norms) != bool(whole or mine):
+                norm.add(math.inf, f"step {step}: skipped for inf/NaN gradients in one run only")
+            continue
+        floor = GRAD_FLOOR * _model_grad_norm(ref_norms, groups)
+        ref_whole = reference.grads.get(step, {})
+        for name in whole if whole else mine:
+            if name not in ref_norms:
+                continue  # not a parameter of the reference: the parameters' comparison says so
+            nb = ref_norms[name]
+            scale = max(nb, floor)
+            if whole and name in ref_whole:
+                b = ref_whole[name].double()
+                a = whole[name]
+                diff = grad_norm((a.detach().double().cpu() if a is not None else torch.zeros_like(b)) - b)
+                d = diff / scale if scale > 0 else diff
+                if nb < floor:
+                    near_names.add(name)
+                    near.add(d, f"{name} (step {step})")
+                else:
+                    full.add(d, f"{name} (step {step})")
+            else:
+                diff = abs(mine.get(name, 0.0) - nb)
+                norm.add(diff / scale if scale > 0 else diff, f"{name} (step {step})")
+    at = ", ".join(map(str, sorted(grads)))
+    out = []
+    if grads:
+        out.append(Category("gradients", f"||a - b|| / ||b|| per tensor at step(s) {at}", full.count, full.max, full.where))
+    if near.count:
+        out.append(
+            Category(
+                "near-zero gradients",
+                f"||a - b|| / ({GRAD_FLOOR:g} x the model's gradient norm) per tensor at step(s) {at}, for the "
+                "tensors whose gradient norm is below that",
+                near.count, near.max, near.where, sorted(near_names),
+            )
+        )  # fmt: skip
+    if norm.count:
+        out.append(
+            Category(
+                "gradient norms",
+                f"| ||a|| - ||b|| | / max(||b||, {GRAD_FLOOR:g} x the model's gradient norm) per tensor at the "
+                "steps whose whole gradients are not kept",
+                norm.count, norm.max, norm.where,
+            )
+        )  # fmt: skip
+    return out
+
+
+def _noise_levels(
+    reference: ReferenceResult, groups: Sequence[Sequence[str]], grads: Mapping[int, Any]
+) -> dict[int, float]:
+    """Step -> the gradient size below which an element counts as rounding noise:
+    ``NOISE_LEVEL`` of the model's root-mean-square gradient element, ``||G|| / sqrt(N)``."""
+    n = sum(reference.params[g[0]].numel() for g in groups if g[0] in reference.params)
+    out = {}
+    for step in grads:
+        if step < len(reference.tensor_grad_norms) and reference.tensor_grad_norms[step] and n:
+            out[step] = NOISE_LEVEL * _model_grad_norm(reference.tensor_grad_norms[step], groups) / math.sqrt(n)
+    return out
+
+
+def _noise_allowance(
+    name: str,
+    shape: Any,
+    grads: Mapping[int, Mapping[str, Tensor | None]],
+    ref_grads: Mapping[int, Mapping[str, Tensor]],
+    noise: NoiseBound,
+    lr_sum: float,
+    levels: Mapping[int, float],
+) -> Tensor | None:
+    """Per element, how far the optimizer may have moved ``name`` on gradient noise, over the
+    compared steps (:class:`NoiseBound`): ``2 * max_move * lr_sum`` where the element's gradient
+    is rounding noise at one of them (below ``levels[step]`` in either run), else that times
+    ``min(1, rho)``, ``rho`` its gradients' largest relative disagreement (Adam's step is a smooth
+    function of a resolved gradient); None without gradients."""
+    rho: Tensor | None = None
+    for step, mine in grads.items():
+        b = ref_grads.get(step, {}).get(name)
+        if b is None or tuple(b.shape) != tuple(shape) or step not in levels:
+            continue
+        a = mine.get(name)
+        b64 = b.detach().double()
+        a64 = a.detach().double().cpu() if a is not None else torch.zeros_like(b64)
+        r = (a64 - b64).abs() / (torch.minimum(a64.abs(), b64.abs()) + noise.eps)
+        r = torch.where(torch.minimum(a64.abs(), b64.abs()) <= levels[step], torch.ones_like(r), r)
+        rho = r if rho is None else torch.maximum(rho, r)
+    if rho is None:
+        return None
+    return 2.0 * noise.max_move * lr_sum * rho.clamp(max=1.0)

@@ -120,7 +120,11 @@ def add_worker_args(p: argparse.ArgumentParser, *, for_launcher: bool = False) -
         help=f"collective timeout in seconds: a rank that waits longer for another fails the job (default {DEFAULT_TIMEOUT_S:g})",
     )
     p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto", help="default: nccl on CUDA, else gloo")
-    p.add_argument("--check", action="store_true", help="compare losses and final parameters with the unsplit model")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="compare losses, gradients and final parameters with the unsplit model trained in one process",
+    )
     p.add_argument(
         "--tolerance",
         type=float,
@@ -143,7 +147,7 @@ def add_worker_args(p: argparse.ArgumentParser, *, for_launcher: bool = False) -
         "or ZeRO: the checkpoint is resharded on load); --steps counts from step 0",
     )
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
-    # RANK:STEP:MODE (raise|exit|hang): make one rank fail mid-step, for fault tests
+    # RANK:STEP:MODE (FAULT_MODES): make one rank fail mid-step or compute wrongly, for tests
     p.add_argument("--inject-fault", help=argparse.SUPPRESS)
 
 
@@ -179,11 +183,20 @@ def tolerance(args: argparse.Namespace, dtype: str) -> float:
     return float(args.tolerance) if args.tolerance is not None else DEFAULT_TOLERANCES[dtype]
 
 
+#: --inject-fault modes (test-only): raise, exit and hang stop the rank mid-step (the launcher's
+#: diagnosis); drop-grad zeroes the gradient of the rank's first parameter at that step, before
+#: any reduction (a lost gradient); skip-layer skips, from that step on, the rank's first layer
+#: whose outputs are shaped like its inputs (a wrong split): --check must fail on both
+FAULT_MODES = ("raise", "exit", "hang", "drop-grad", "skip-layer")
+
+
 @dataclass(frozen=True)
 class Fault:
+    """``--inject-fault RANK:STEP:MODE`` (:data:`FAULT_MODES`), for tests."""
+
     rank: int
     step: int
-    mode: str  # raise | exit | hang
+    mode: str
 
     @staticmethod
     def parse(text: str) -> Fault:
@@ -192,8 +205,8 @@ class Fault:
             fault = Fault(int(rank), int(step), mode)
         except ValueError:
             raise InputError(f"--inject-fault {text!r}: write RANK:STEP:MODE, e.g. 1:1:raise") from None
-        if fault.mode not in ("raise", "exit", "hang"):
-            raise InputError(f"--inject-fault mode {fault.mode!r}: choose raise, exit or hang")
+        if fault.mode not in FAULT_MODES:
+            raise InputError(f"--inject-fault mode {fault.mode!r}: choose one of {', '.join(FAULT_MODES)}")
         return fault
 
 
@@ -396,7 +409,9 @@ def _train(
         apply_mesh,
         build_mesh,
         data_mesh,
+        full_gradients,
         full_parameters,
+        gradient_norms,
         make_sharded_optimizer,
         reduces_data_gradients,
         squared_grad_norm,
@@ -460,10 +475,17 @@ def _train(
     stages: list[Any] = []
     modules = []
     examples = stage_examples(split, entry.example_inputs, plan.microbatch_size, device, dtype=opts.dtype)
+    my_fault = fault if fault is not None and fault.rank == rank else None
+    skipped_unit = _layer_to_skip(plan, my_stages, examples, my_fault) if my_fault is not None else None
     for s in my_stages:
         sp = plan.stages[s]
         mod: Any = split.stage_module(sp.start, sp.stop, pipeline=True)
         mod.rng = streams
+        if skipped_unit is not None and sp.start <= skipped_unit < sp.stop and my_fault is not None:
+            from runtime.modules import SkipFrom
+
+            i = skipped_unit - sp.start
+            mod.units[i] = SkipFrom(mod.units[i], step_box, my_fault.step)
         modules.append(mod)
         # tensor parallelism, recompute, autocast (and the split-backward view guard), then FSDP2
         # outermost (ZeRO 2/3), so that PipelineStage sees the FSDP module; tied weights stay whole
@@ -485,7 +507,8 @@ def _train(
             output_args=examples[sp.stop - 1][1],
             group=pp_group,
         )
-        _time_stage(stage, timings[s], step_box, device, fault if fault and fault.rank == rank else None, status, streams)
+        stops = my_fault if my_fault is not None and my_fault.mode in ("raise", "exit", "hang") else None
+        _time_stage(stage, timings[s], step_box, device, stops, status, streams)
         stages.append(stage)
     del examples
 
@@ -568,6 +591,11 @@ def _train(
     comm: list[dict[str, float]] = []  # per step: runtime.report.COMM_KEYS
     local_losses: list[float | None] = []
     grad_norms: list[float | None] = []
+    # --check: every step's per-tensor gradient norms, and the whole gradients of the first and
+    # last steps (runtime.training.compare), on CPU
+    grad_steps = check_grad_steps(first_step, args.steps)
+    check_norms: dict[int, dict[str, float]] = {}
+    check_grads: dict[int, dict[str, Any]] = {}
     skipped: list[bool] = []
     status.state = "running"
     # the resident set with the model, its stages and the process group built; the peak from here on
@@ -627,6 +655,8 @@ def _train(
         for p in params:
             if p.grad is not None:
                 p.grad.div_(m)  # mean over micro-batches, once per tensor
+        if my_fault is not None and my_fault.mode == "drop-grad" and step == my_fault.step:
+            _drop_gradient(params)
         if dp_group is not None:  # FSDP2 (ZeRO 2/3) averaged the gradients of what it shards itself
             mine_to_reduce = [p for p in params if p.grad is not None and not reduces_data_gradients(spec, p)]
             _allreduce_mean([p.grad for p in mine_to_reduce if not _is_dtensor(p.grad)], dp_group, d_deg)
@@ -664,6 +694,10 @@ def _train(
         lr = opts.lr_at(step)
         for group in opt.param_groups if opt is not None else ():
             group["lr"] = lr
+        if args.check:  # what the optimizer steps on, against the reference's (DTensors: collectives)
+            check_norms[step] = {} if skip else gradient_norms(named)
+            if step in grad_steps and not skip:
+                check_grads[step] = full_gradients(named)
         if not skip and opt is not None:
             opt.step()
         if opt is not None:
@@ -741,6 +775,8 @@ def _train(
         full = full_parameters(named)
         if replica == 0 and tp_rank == 0:
             mine["params"] = full
+            mine["check_norms"] = check_norms
+            mine["check_grads"] = check_grads
     gathered: list[Any] = [None] * world if rank == 0 else []
     dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
     dist.barrier()
@@ -806,13 +842,14 @@ def _finish(
         RankRecord,
         RssRow,
         build_report,
+        check_failed_message,
         check_report,
         collective_times,
         collectives_note,
         render_lines,
         rss_note,
     )
-    from runtime.training import compare, train_reference
+    from runtime.training import compare, grad_tolerance, train_reference
 
     steps = args.steps
     first_step = gathered[0]["first_step"]  # > 0 when resumed from a checkpoint
@@ -933,11 +970,18 @@ def _finish(
             device=device,
             source=DataSource.of(ref_entry, global_batch_size=plan.global_batch_size, steps=steps, seed=args.seed),
             options=opts,
+            grad_steps=check_grad_steps(first_step, steps),
         )
         params: dict[str, Any] = {}
+        check_norms: dict[int, dict[str, float]] = {}
+        check_grads: dict[int, dict[str, Any]] = {}
         for g in gathered:
             if g["params"]:
                 params.update(g["params"])
+                for step, norms in g["check_norms"].items():
+                    check_norms.setdefault(step, {}).update(norms)
+                for step, grads in g["check_grads"].items():
+                    check_grads.setdefault(step, {}).update(grads)
         got_losses = [x if x is not None else float("nan") for x in losses]
         if first_step:  # resumed: the reference trained every step from the seed's weights
             reference = dataclasses.replace(reference, losses=reference.losses[first_step:])
@@ -946,37 +990,42 @@ def _finish(
                 f"weights and is compared at steps {first_step}..{steps - 1} and at the end; it holds when the "
                 "checkpoint came from a run with the same --seed, data, learning-rate schedule and batch"
             )
-        cmp = compare(got_losses, params, reference)
-        passed = cmp.max_loss_rel_diff <= tol and cmp.max_param_rel_diff <= tol
+        cmp = compare(got_losses, params, reference, grads=check_grads, grad_norms=check_norms, tolerance=tol)
+        grad_tol = grad_tolerance(tol, opts.dtype)
+        passed = cmp.passed(tol, grad_tolerance=grad_tol)
         check = check_report(
             passed=passed,
             tolerance=tol,
+            grad_tolerance=grad_tol,
             max_loss_rel_diff=cmp.max_loss_rel_diff,
             max_param_rel_diff=cmp.max_param_rel_diff,
             worst_param=cmp.worst_param,
             params_compared=cmp.params_compared,
             losses_pipelined=got_losses,
             losses_reference=reference.losses,
+            max_grad_rel_diff=cmp.max_grad_rel_diff,
+            worst_grad=cmp.worst_grad,
+            categories=cmp.categories,
         )
         report = report.model_copy(update={"check": check})
         if opts.mixed:
             report.notes.append(
                 f"check in {opts.dtype}: the reference runs the unsplit model under the same autocast; "
-                f"tolerance {tol:g} (16-bit rounding of the same operations, grouped differently)"
+                f"tolerance {tol:g} (16-bit rounding of the same operations, grouped differently), {grad_tol:g} for "
+                "gradients (a weight whose 16-bit cast tipped changes the gradients of every layer it feeds)"
             )
-        if not passed and opts.optimizer in ("adam", "adamw") and cmp.max_loss_rel_diff <= tol:
+        if reference.noise is not None:
             report.notes.append(
-                "Adam divides each update by the root of the squared-gradient average, so a parameter whose "
-                "true gradient is zero (e.g. attention key biases) moves by about lr on rounding noise alone; "
-                "two single-process runs that only group micro-batches differently differ as much. Check "
-                "the maths with --optimizer sgd (a plan made for sgd)"
+                f"check with {opts.optimizer}: it divides each update by the root of the squared-gradient average, "
+                "so a parameter element whose true gradient is zero (an attention key bias) moves by up to about lr "
+                "per step on rounding noise alone, differently in two runs that sum the same terms in another "
+                "order; the check compares the gradients themselves, and allows a parameter element the move "
+                f"{opts.optimizer} can make on noise where its gradient is rounding noise (and that move scaled by "
+                "its gradients' relative disagreement elsewhere); the check's categories name the tensors that "
+                "needed it"
             )
         if not passed:
-            failed = (
-                f"--check failed: the pipelined run differs from the unsplit model by {cmp.max_loss_rel_diff:.3g} "
-                f"(losses) and {cmp.max_param_rel_diff:.3g} (parameters, worst {cmp.worst_param}), more than the "
-                f"tolerance {tol:g}"
-            )
+            failed = check_failed_message(check)
     text = report.to_json()
     if args.report:
         Path(args.report).write_text(text + "\n", encoding="utf-8")
@@ -1216,6 +1265,42 @@ def _fold_loss(record: dict[str, list[list[Any]]], step: int, t0: float, t1: flo
         op, mb, start, _ = record["events"][step][-1]
         record["events"][step][-1] = (op, mb, start, t1)
         record["forward"][step][-1] += (t1 - t0) * 1e3
+
+
+def check_grad_steps(first_step: int, steps: int) -> tuple[int, ...]:
+    """The steps whose whole gradients ``--check`` keeps and compares: the first this run trains
+    (the same weights in both runs: what the split, the schedule and the reductions compute)
+    and the last; the other steps compare per-tensor gradient norms (memory: two copies of the
+    gradients on CPU, not one per step)."""
+    return tuple(sorted({first_step, steps - 1}))
+
+
+def _layer_to_skip(plan: Any, my_stages: list[int], examples: Any, fault: Fault) -> int | None:
+    """``--inject-fault R:S:skip-layer``: this rank's first layer whose outputs are shaped like
+    its inputs, which :class:`runtime.modules.SkipFrom` will skip (a layer lost from step S on);
+    None for the other modes."""
+    if fault.mode != "skip-layer":
+        return None
+
+    def shapes(values: Any) -> list[Any]:
+        return [(tuple(t.shape), t.dtype) for t in values]
+
+    for s in my_stages:
+        for u in range(plan.stages[s].start, plan.stages[s].stop):
+            if shapes(examples[u][0]) == shapes(examples[u][1]):
+                return u
+    raise InputError(
+        f"--inject-fault {fault.rank}:{fault.step}:skip-layer: rank {fault.rank} has no layer whose outputs "
+        "are shaped like its inputs; inject it on another rank"
+    )
+
+
+def _drop_gradient(params: list[Any]) -> None:
+    """``--inject-fault R:S:drop-grad``: zero this rank's first gradient (a lost gradient)."""
+    for p in params:
+        if p.grad is not None:
+            p.grad.zero_()
+            return
 
 
 def _inject(fault: Fault, status: RankStatus) -> None:

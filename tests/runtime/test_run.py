@@ -130,14 +130,15 @@ def test_split_points_travel_with_the_plan(tmp_path: Path) -> None:
 
 
 def test_a_failed_check_says_so_once(profiles, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """Adam moves parameters whose true gradient is zero on rounding noise: the check fails,
-    and its error line is printed once, with exit code 1."""
+    """A tolerance no float32 run meets (1e-12): the check fails, and its error line (losses,
+    gradients, parameters) is printed once, with exit code 1."""
     plan_file = write_plan(make_plan(profiles[GPT], [(0, 3), (3, 6)], optimizer="adam"), tmp_path / "plan.json")
     proc, _ = run_cli(["run", "--plan", str(plan_file), "--model", GPT, "--steps", "3", "--lr", "0.05",
                        "--check", "--tolerance", "1e-12", "--timeout", "30"])  # fmt: skip
     assert proc.returncode == 1, proc.stdout + proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "--check failed" in line]
     assert len(errors) == 1 and errors[0].startswith("error: --check failed"), proc.stderr
+    assert "(gradients, worst " in errors[0] and "(parameters, worst " in errors[0], errors[0]
     assert "Traceback" not in proc.stderr
 
 
