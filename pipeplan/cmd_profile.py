@@ -232,7 +232,7 @@ def _name(args: argparse.Namespace) -> str:
     if args.hf_config:
         import os
 
-        path = os.path.abspath(args.hf_config)
+        path = os.path.abspath(str(args.hf_config))
         return os.path.basename(os.path.dirname(path) if path.endswith(".json") else path)
     return str(args.model)
 

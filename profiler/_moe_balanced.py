@@ -147,7 +147,8 @@ def _balanced_forward(ratio: Fraction) -> Any:
         token = slots % tokens  # the balanced assignment: routed slot -> token
         x = hidden_states.index_select(0, token).view(e, per_expert, hidden)  # dispatch
         gated = getattr(self, "has_gate", True)
-        up = _project(self, x, self.gate_up_proj if gated else self.up_proj, "gate_up_proj" if gated else "up_proj")
+        up_name = "gate_up_proj" if gated else "up_proj"
+        up = _project(self, x, getattr(self, up_name), up_name)
         h = self._apply_gate(up) if gated else self.act_fn(up)  # type: ignore[operator]
         y = _project(self, h, self.down_proj, "down_proj")
         weight = top_k_weights.reshape(-1).index_select(0, slots % (tokens * k)).view(e, per_expert, 1)

@@ -339,13 +339,16 @@ def _moe_fields(
             continue
         dispatch = []
         for ops in d["operations"]:
-            slots = [_moe_balanced.routed_slots(ops, x) for x in mine]
-            if any(s is None for s in slots):
-                raise InputError(
-                    f"the census of layer with experts {[x.name for x in mine]} has no expert GEMM: the "
-                    "balanced-routing stand-in did not run (profiler/_moe_balanced.py); profile it for real"
-                )
-            dispatch.append(sum(int(s) * x.hidden * elem for s, x in zip(slots, mine, strict=True)))  # type: ignore[arg-type]
+            total = 0
+            for x in mine:
+                slots = _moe_balanced.routed_slots(ops, x)
+                if slots is None:
+                    raise InputError(
+                        f"the census of the layer holding experts {x.name!r} has no expert GEMM: the "
+                        "balanced-routing stand-in did not run (profiler/_moe_balanced.py); profile it for real"
+                    )
+                total += slots * x.hidden * elem
+            dispatch.append(total)
         d["moe"] = MoELayer(
             experts=mine[0].experts,
             top_k=mine[0].top_k,
@@ -391,7 +394,7 @@ def _diagnose(model: nn.Module, inputs: Sequence[Tensor], keywords: Sequence[str
     step of it on fake tensors, and the module and line that needed tensor values."""
     try:
         out = call_model(model, inputs, keywords)
-        loss(out).backward()
+        loss(out).backward()  # type: ignore[no-untyped-call]
     except Exception as err:
         found = _data_dependent(err)
         if found is None:
