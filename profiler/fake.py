@@ -85,7 +85,7 @@ def fake_profile(
     if not sizes or sizes[0] < 1:
         raise InputError(f"micro-batch sizes must be positive integers, got {list(microbatch_sizes)}")
     torch_dtype = parse_dtype(dtype)
-    with _torch_fake.fake_mode(), torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), _torch_fake.fake_mode():  # a builder's manual_seed is undone
         entry = _build(make_entry)
         model = _cast(entry.model, torch_dtype)
         model.train()

@@ -249,3 +249,21 @@ def test_stage_activation_bytes_match_torch_mem_tracker_under_fake_tensors() -> 
             )
             assert graph
             assert tracked == pytest.approx(predicted, rel=0.03), (a, z)
+
+
+def test_cli_fake_profile_of_a_builder(tmp_path: object) -> None:
+    from pipeplan.cli import main
+    from planner.schema import Profile
+
+    out = os.path.join(str(tmp_path), "gpt.json")
+    rc = main(["profile", "--fake", "--device-type", "h100-80g", "--model", "examples.gpt:tiny",
+               "--microbatch-sizes", "1,2", "-q", "-o", out])  # fmt: skip
+    assert rc == 0
+    with open(out) as f:
+        prof = Profile.model_validate_json(f.read())
+    assert prof.model == "examples.gpt:tiny" and prof.measured_on.device == "fake:h100-80g"
+    assert prof.measured_on.dtype == "bfloat16"  # --fake's default: a GPU training dtype
+    api = _fake("examples.gpt:tiny", dtype="bfloat16")
+    assert [x.activation_bytes for x in prof.layers] == [x.activation_bytes for x in api.layers]
+    assert main(["profile", "--model", "examples.gpt:tiny", "--device-type", "h100-80g", "-q"]) != 0  # needs --fake
+    assert main(["profile", "--fake", "--model", "examples.gpt:tiny", "-q"]) != 0  # needs --device-type
