@@ -148,9 +148,9 @@ def _balanced_forward(ratio: Fraction) -> Any:
         x = hidden_states.index_select(0, token).view(e, per_expert, hidden)  # dispatch
         gated = getattr(self, "has_gate", True)
         up_name = "gate_up_proj" if gated else "up_proj"
-        up = _project(self, x, getattr(self, up_name), up_name)
+        up = _project(self, x, self.get_parameter(up_name), up_name)
         h = self._apply_gate(up) if gated else self.act_fn(up)  # type: ignore[operator]
-        y = _project(self, h, self.down_proj, "down_proj")
+        y = _project(self, h, self.get_parameter("down_proj"), "down_proj")
         weight = top_k_weights.reshape(-1).index_select(0, slots % (tokens * k)).view(e, per_expert, 1)
         y = (y * weight).view(e * per_expert, hidden)
         out = torch.zeros_like(hidden_states)
