@@ -22,6 +22,15 @@ skips it).
     OMP_NUM_THREADS=1 python benchmarks/profiler.py [--size tiny|small] [--batch 8]
         [--device cpu|cuda] [--threads 1] [--clock wall|cpu] [--repeats 7] [--rounds 5]
     OMP_NUM_THREADS=1 python benchmarks/profiler.py --zoo [--batch 4] [--no-pipeline]
+
+``--fake``: the speed and memory of fake-tensor profiles (``pipeplan profile --fake
+--hf-config``) of the shipped configs at sequence 8192, micro-batch sizes 1,2,4, priced for an
+H100: Llama 3 70B (goal: at most 20 s) and Llama 3.1 405B (at most 60 s), both within 1.5 GiB
+of resident memory (``--more``: Mixtral 8x7B and DeepSeek-V3 too).  Each model is profiled in
+a fresh process; the table gives the profile's wall and CPU seconds (after imports), the whole
+process's wall seconds and its maximum resident set.
+
+    python benchmarks/profiler.py --fake [--more]
 """
 
 from __future__ import annotations
@@ -156,6 +165,73 @@ def zoo(args: argparse.Namespace) -> int:
     return 0
 
 
+#: (config folder under examples/configs, goal in seconds) of the --fake table
+FAKE_CASES = (("llama3-70b", 20.0), ("llama3.1-405b", 60.0))
+FAKE_MORE = (("mixtral-8x7b", None), ("deepseek-v3", None))
+FAKE_RSS_GOAL = 1.5 * 2**30
+FAKE_SEQ = 8192
+FAKE_SIZES = "1,2,4"
+
+
+def fake_case(config: str, seq: int, sizes: str) -> int:
+    """One fake profile in this process; prints its numbers as JSON (for :func:`fake_table`)."""
+    import json
+    import resource
+    import warnings
+
+    from profiler.fake import fake_profile
+    from profiler.hf_config import hf_entrypoint
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prof = fake_profile(
+            lambda: hf_entrypoint(config, seq=seq),
+            device_type="h100-80g",
+            microbatch_sizes=[int(x) for x in sizes.split(",")],
+            dtype="bfloat16",
+        )
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    print(json.dumps({
+        "seconds": wall, "cpu_seconds": cpu, "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "layers": prof.num_layers, "param_bytes": sum(x.param_bytes for x in prof.layers),
+    }))  # fmt: skip
+    return 0
+
+
+def fake_table(args: argparse.Namespace) -> int:
+    import json
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    cases = FAKE_CASES + (FAKE_MORE if args.more else ())
+    rows = []
+    for name, goal in cases:
+        config = str(root / "examples" / "configs" / name)
+        t0 = time.perf_counter()
+        run = subprocess.run(
+            [sys.executable, __file__, "--fake-case", config, "--seq", str(FAKE_SEQ), "--sizes", FAKE_SIZES],
+            capture_output=True, text=True, cwd=root,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])},
+        )  # fmt: skip
+        process_s = time.perf_counter() - t0
+        if run.returncode != 0:
+            print(f"{name}: failed\n{run.stderr[-2000:]}", file=sys.stderr)
+            return 1
+        r = json.loads(run.stdout.strip().splitlines()[-1])
+        ok = (goal is None or r["seconds"] <= goal) and r["max_rss"] <= FAKE_RSS_GOAL
+        rows.append((name, r, process_s, goal, ok))
+    print(f"fake profiles, seq {FAKE_SEQ}, micro-batch sizes {FAKE_SIZES}, priced for h100-80g, bf16 "
+          f"({torch.__version__}, {os.cpu_count()} CPUs)")  # fmt: skip
+    print(f"{'model':<16} {'params':>9} {'layers':>6} {'profile s':>9} {'cpu s':>7} {'process s':>9} "
+          f"{'max RSS':>9} {'goal':>12}")  # fmt: skip
+    for name, r, process_s, goal, ok in rows:
+        goal_text = (f"<= {goal:g} s" if goal else "-") + (" ok" if ok else " MISSED")
+        print(f"{name:<16} {r['param_bytes'] / 2 / 1e9:>8.1f}B {r['layers']:>6} {r['seconds']:>9.1f} "
+              f"{r['cpu_seconds']:>7.1f} {process_s:>9.1f} {r['max_rss'] / 2**30:>7.2f} GiB {goal_text:>12}")  # fmt: skip
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="tiny", choices=("tiny", "small"))
@@ -167,9 +243,18 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5, help="profiles (and step timings) per model")
     ap.add_argument("--zoo", action="store_true", help="the real-model zoo table instead (see above)")
+    ap.add_argument("--fake", action="store_true", help="the fake-profile speed and memory table instead (see above)")
+    ap.add_argument("--more", action="store_true", help="--fake: Mixtral 8x7B and DeepSeek-V3 too")
+    ap.add_argument("--fake-case", metavar="CONFIG", help=argparse.SUPPRESS)
+    ap.add_argument("--seq", type=int, default=FAKE_SEQ, help=argparse.SUPPRESS)
+    ap.add_argument("--sizes", default=FAKE_SIZES, help=argparse.SUPPRESS)
     ap.add_argument("--no-pipeline", dest="pipeline", action="store_false", help="--zoo: skip the 2-rank runs")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.fake_case:
+        return fake_case(args.fake_case, args.seq, args.sizes)
+    if args.fake:
+        return fake_table(args)
     if args.zoo:
         return zoo(args)
     device = torch.device(args.device)

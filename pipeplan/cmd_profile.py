@@ -18,13 +18,42 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description="Measure a model's layers at several micro-batch sizes and write a profile. "
         "The model comes from a function taking no arguments that returns (model, example_inputs), "
         "(model, example_inputs, loss_fn) or (model, example_inputs, loss_fn, data); the default loss is "
-        "output.float().mean(), and a loss_fn(output, target) gets the targets of the data's first batch.",
+        "output.float().mean(), and a loss_fn(output, target) gets the targets of the data's first batch. "
+        "Or from a Hugging Face config.json (--hf-config).  With --fake nothing is measured: the model is "
+        "traced on fake tensors (no memory, no weights, any size) and the device model of --device-type "
+        "prices each layer's operations.",
     )
-    p.add_argument(
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument(
         "--model",
-        required=True,
         metavar="SPEC",
         help="MODULE:FUNC or path/to/file.py:FUNC, e.g. examples.gpt:tiny",
+    )
+    source.add_argument(
+        "--hf-config",
+        metavar="PATH",
+        help="a Hugging Face config.json, or a folder holding one (e.g. examples/configs/llama3-70b): the model "
+        "is built from it (nothing downloaded) and trained on input_ids of --seq tokens with its LM loss",
+    )
+    p.add_argument(
+        "--fake",
+        action="store_true",
+        help="trace on fake tensors instead of measuring: the real profile's layers, parameter, activation "
+        "and cut bytes and operation census, times priced by the device model of --device-type (no memory "
+        "or weights allocated)",
+    )
+    p.add_argument(
+        "--device-type",
+        metavar="PRESET",
+        help="with --fake: the device preset whose device model prices the times, e.g. h100-80g",
+    )
+    p.add_argument("--seq", type=int, default=2048, help="with --hf-config: tokens per sample (default 2048)")
+    p.add_argument(
+        "--capacity-factor",
+        type=float,
+        metavar="F",
+        help="with --fake, mixture-of-experts layers: each expert processes F times its balanced share of "
+        "tokens (capacity routing; default: balanced, tokens x top_k / experts each)",
     )
     p.add_argument(
         "--microbatch-sizes",
@@ -38,7 +67,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "can use (1,2,4,... up to G), so no plan extrapolates",
     )
     p.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "fp32", "bf16", "fp16"))
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16", "fp32", "bf16", "fp16"),
+        help="parameter and activation dtype (default float32; bfloat16 with --fake)",
+    )
     p.add_argument("--split-points", help="module names to cut before, e.g. blocks.4,blocks.8 (default: every block)")
     p.add_argument("--warmup", type=int, default=2, help="warm-up training steps, not timed (default 2)")
     p.add_argument(
@@ -133,15 +166,18 @@ def run(args: argparse.Namespace) -> int:
             f"--microbatch-sizes: {len(sizes)} sizes up to {max(sizes):,}; pipeplan profiles at most "
             f"{MAX_PROFILE_SIZES} sizes of at most {MAX_GLOBAL_BATCH:,} samples (e.g. 1,2,4,8)"
         )
-    from profiler.loading import load_entrypoint
-    from profiler.measure import profile
+    _check_fake_options(args)
     from profiler.split import CutWarning
 
-    entry = load_entrypoint(args.model)
     split_points = [x.strip() for x in args.split_points.split(",") if x.strip()] if args.split_points else None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", CutWarning)
-        result = _profile(profile, entry, args, sizes, split_points)
+        if args.fake:
+            result = _fake(args, sizes, split_points)
+        else:
+            from profiler.measure import profile
+
+            result = _profile(profile, _entry(args), args, sizes, split_points)
     for w in caught:
         if issubclass(w.category, CutWarning):
             print(f"warning: {w.message}", file=sys.stderr)
@@ -149,8 +185,7 @@ def run(args: argparse.Namespace) -> int:
             warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     text = result.model_dump_json(indent=1)
     if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
+        _write_whole(args.output, text + "\n")
         print(f"profile of {result.num_layers} layers written to {args.output} (sha256 {result.sha256()[:12]})")
     else:
         print(text)
@@ -160,20 +195,101 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_fake_options(args: argparse.Namespace) -> None:
+    from planner.errors import InputError
+    from planner.presets import DEVICES
+
+    if args.fake:
+        if not args.device_type:
+            raise InputError(
+                f"--fake needs --device-type: the device whose model prices the times, one of {', '.join(sorted(DEVICES))}"
+            )
+        if args.device != "cpu":
+            raise InputError(f"--fake traces on fake CPU tensors: leave out --device {args.device!r}")
+        return
+    if args.device_type:
+        raise InputError(f"--device-type {args.device_type!r} prices a fake profile: add --fake, or leave it out to measure")
+    if args.capacity_factor is not None:
+        raise InputError(
+            f"--capacity-factor {args.capacity_factor} applies to fake profiles (balanced routing stand-in): add --fake"
+        )
+
+
+def _entry(args: argparse.Namespace) -> Any:
+    """The entry point of --model or --hf-config (real tensors)."""
+    if args.hf_config:
+        from profiler.hf_config import hf_entrypoint
+
+        return hf_entrypoint(args.hf_config, seq=args.seq)
+    from profiler.loading import load_entrypoint
+
+    return load_entrypoint(args.model)
+
+
+def _name(args: argparse.Namespace) -> str:
+    if args.name:
+        return str(args.name)
+    if args.hf_config:
+        import os
+
+        path = os.path.abspath(str(args.hf_config))
+        return os.path.basename(os.path.dirname(path) if path.endswith(".json") else path)
+    return str(args.model)
+
+
+def _fake(args: argparse.Namespace, sizes: list[int], split_points: list[str] | None) -> Any:
+    from profiler.fake import fake_profile
+    from profiler.summary import print_summary
+
+    result = fake_profile(
+        lambda: _entry(args),
+        device_type=args.device_type,
+        microbatch_sizes=sizes,
+        dtype=args.dtype or "bfloat16",
+        split_points=split_points,
+        name=_name(args),
+        capacity_factor=args.capacity_factor,
+    )
+    if not args.quiet:
+        print_summary(result)
+    return result
+
+
+def _write_whole(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` all at once: a temporary file beside it, renamed into place
+    (an error or an interrupt leaves no half-written profile)."""
+    import os
+    import tempfile
+
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".pipeplan-profile-", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)  # as open() would have made it
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
 def _profile(profile: Any, entry: Any, args: argparse.Namespace, sizes: list[int], split_points: list[str] | None) -> Any:
     return profile(
         entry.model,
         entry.example_inputs,
         microbatch_sizes=sizes,
         device=args.device,
-        dtype=args.dtype,
+        dtype=args.dtype or "float32",
         split_points=split_points,
         loss_fn=entry.output_loss(),  # a loss(output, target) gets the first batch's targets
         warmup=args.warmup,
         repeats=args.repeats,
         num_threads=args.threads,
         progress=not args.quiet,
-        name=args.name or args.model,
+        name=_name(args),
         clock=args.clock,
         keywords=entry.keywords,
         time_budget_s=args.time_budget,

@@ -10,6 +10,9 @@
 * ``profiler.stage_saved_bytes(split, batch, ranges)``: what each stage really keeps for
   backward, the truth the profile's memory predicts;
 * ``profiler.load_entrypoint("examples.gpt:tiny")`` -> ``Entrypoint`` (:mod:`profiler.loading`);
+* ``profiler.fake_profile(make_entry, *, device_type=...)`` -> a ``Profile`` traced on fake tensors,
+  times priced by the device model (:mod:`profiler.fake`); ``profiler.hf_entrypoint(path, seq=...)``
+  builds a Hugging Face model from its config.json (:mod:`profiler.hf_config`);
 * ``profiler.synth_transformer(...)`` -> an analytic ``Profile`` (:mod:`profiler.synth`, torch-free).
 """
 
@@ -31,6 +34,8 @@ _LAZY = {
     "Entrypoint": "profiler.loading",
     "default_loss": "profiler.loading",
     "synth_transformer": "profiler.synth",
+    "fake_profile": "profiler.fake",
+    "hf_entrypoint": "profiler.hf_config",
 }
 
 

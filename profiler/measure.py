@@ -67,6 +67,7 @@ from torch import Tensor, nn
 from planner.errors import InputError
 from planner.schema import LayerProfile, MeasuredOn, Operation, Profile
 from profiler import _torch_private
+from profiler._torch_fake import storage_key
 from profiler.census import census
 from profiler.loading import call_model, check_example_inputs, default_loss, model_inputs
 from profiler.sampling import (
@@ -209,7 +210,7 @@ class SavedBytes:
 
     def pack(self, t: Tensor) -> Tensor:
         storage = t.untyped_storage()
-        key = storage.data_ptr()
+        key = storage_key(t)
         if key in self.exclude or storage.nbytes() == 0:
             return t
         if key not in self.size:
@@ -236,7 +237,7 @@ def state_storages(split: SplitModel) -> set[int]:
                 value = _fetch(unit, str(node.target))
                 if isinstance(value, Tensor):
                     tensors.append(value)
-    return {t.untyped_storage().data_ptr() for t in tensors}
+    return {storage_key(t) for t in tensors}
 
 
 def _fetch(module: nn.Module, target: str) -> Any:
@@ -260,7 +261,7 @@ def kept_inputs(saved: SavedBytes, unit_inputs: Sequence[Sequence[Any]]) -> list
         sizes: dict[int, int] = {}
         for t in unit_inputs[a]:
             if isinstance(t, Tensor) and t.numel():
-                key = t.untyped_storage().data_ptr()
+                key = storage_key(t)
                 sizes[key] = max(sizes.get(key, 0), t.numel() * t.element_size())
         for key, nbytes in sizes.items():
             savers = saved.savers.get(key)
@@ -663,9 +664,11 @@ def reference_pass(
     loss: Callable[[Any], Tensor],
     *,
     exclude: set[int] | None = None,
+    backward: bool = True,
 ) -> ReferencePass:
     """Forward unit by unit with saved-tensor hooks, then backward from the loss, unit by
-    unit, collecting the upstream gradient each unit receives."""
+    unit, collecting the upstream gradient each unit receives (``backward=False``: no
+    backward, every upstream gradient ``None``; the bytes are the same)."""
     n = len(split)
     saved = SavedBytes(exclude if exclude is not None else state_storages(split))
     unit_inputs: list[tuple[Any, ...]] = []
@@ -685,6 +688,8 @@ def reference_pass(
         unit_outputs.append(res)
         current = res if i < n - 1 else ()
     upstream: list[list[Tensor | None] | None] = [None] * n
+    if not backward:
+        return ReferencePass(unit_inputs, unit_outputs, upstream, act, kept_inputs(saved, unit_inputs))
     unit_outputs[-1][1].backward()
     for i in range(n - 2, -1, -1):
         grads: list[Tensor | None] = [t.grad if isinstance(t, Tensor) else None for t in unit_inputs[i + 1]]
@@ -827,8 +832,8 @@ def split_backward_bytes(
     def pack(t: Tensor) -> Any:
         storage = t.untyped_storage()
         held = _Held(t)
-        if storage.data_ptr() not in exclude and storage.nbytes() > 0:
-            packed[unit[0]].append((weakref.ref(held), storage.data_ptr(), storage.nbytes()))
+        if storage_key(t) not in exclude and storage.nbytes() > 0:
+            packed[unit[0]].append((weakref.ref(held), storage_key(t), storage.nbytes()))
         return held
 
     def unpack(held: Any) -> Tensor:

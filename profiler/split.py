@@ -62,6 +62,7 @@ from torch import Tensor, nn
 
 from planner.errors import InputError
 from planner.schema import structure_sha256
+from profiler._torch_fake import is_fake, storage_key
 from profiler._torch_private import (
     is_leaf_spec,
     op_is_mutating,
@@ -147,7 +148,7 @@ def frozen_state(model: nn.Module, *, train: bool = False) -> Iterator[None]:
         with torch.no_grad():
             current = model.state_dict(keep_vars=True)
             for k, v in state.items():
-                if not torch.equal(current[k], v):
+                if is_fake(v) or not torch.equal(current[k], v):  # fake tensors hold no values to compare
                     current[k].copy_(v)
 
 
@@ -956,7 +957,7 @@ def tensor_bytes(value: Any) -> int:
     def walk(v: Any) -> None:
         nonlocal total
         if isinstance(v, Tensor):
-            key = (v.untyped_storage().data_ptr(), v.storage_offset()) if v.numel() else (id(v), 0)
+            key = (storage_key(v), v.storage_offset()) if v.numel() else (id(v), 0)
             if key not in seen:
                 seen.add(key)
                 total += v.numel() * v.element_size()
