@@ -78,6 +78,13 @@ class EstimateRequest(_Body):
         ]
         | None
     ) = Field(default=None, description="device index of each data-parallel replica, per stage")
+    tensor_parallel: int = Field(default=1, ge=1, le=MAX_DEVICES, description="tensor-parallel degree T")
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    sequence_parallel: bool = False
+    selective_recompute: bool = False
+    context_parallel: int = Field(default=1, ge=1, le=MAX_DEVICES, description="context-parallel degree C")
+    context_attention: Literal["all-gather", "ring"] = "all-gather"
+    expert_parallel: int = Field(default=1, ge=1, le=MAX_DEVICES, description="expert-parallel degree E")
 
 
 class ErrorEntry(BaseModel):

@@ -99,6 +99,13 @@ def estimate_json(request_json: str) -> bytes:
                 data_parallel=body.data_parallel,
                 pipeline_degree=body.pipeline_degree,
                 devices=body.devices,
+                tensor_parallel=body.tensor_parallel,
+                zero_stage=body.zero_stage,
+                sequence_parallel=body.sequence_parallel,
+                selective_recompute=body.selective_recompute,
+                context_parallel=body.context_parallel,
+                expert_parallel=body.expert_parallel,
+                context_attention=body.context_attention,
             ),
         )
         return _outcome("plan", plan.model_dump_json())

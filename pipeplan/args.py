@@ -87,6 +87,15 @@ def add_mesh_args(p: argparse.ArgumentParser, *, fixed_default: bool) -> None:
                    help="Megatron's selective recompute of attention's scores, softmax and dropout on every "
                    "block, instead of full recompute (needs a profile with selective_recompute_bytes, "
                    "e.g. from synth)" + (free or " (default off)"))
+    g.add_argument("--context-parallel", type=int, metavar="C",
+                   help="context-parallel degree C: devices that split each sequence (long sequences)"
+                   + (" (default: the solver chooses; C > 1 for sequences of 16K tokens or more)" if free else " (default 1)"))
+    g.add_argument("--context-attention", choices=("all-gather", "ring"), default="all-gather",
+                   help="attention under C > 1: all-gather K/V (Llama 3; default) or a ring pass overlapped "
+                   "with attention (torch's context_parallel)")
+    g.add_argument("--expert-parallel", type=int, metavar="E",
+                   help="expert-parallel degree E: ranks a mixture-of-experts layer's experts are sharded over "
+                   "(from the D x C ranks of a stage)" + (" (default: the solver chooses, MoE profiles)" if free else " (default 1)"))
 
 
 def add_output_args(p: argparse.ArgumentParser) -> None:
@@ -122,9 +131,12 @@ def check_plan_flags(args: argparse.Namespace) -> None:
     check_flag("--virtual-stages", getattr(args, "virtual_stages", None), MAX_LAYERS, "virtual stages per device")
     check_flag("--time-limit", getattr(args, "time_limit", None), MAX_TIME_LIMIT_S, "seconds of solver time")
     check_flag("--tensor-parallel", getattr(args, "tensor_parallel", None), MAX_DEVICES, "tensor-parallel devices")
-    t = getattr(args, "tensor_parallel", None)
-    if t is not None and t < 1:
-        raise InputError(f"--tensor-parallel {t}: give a degree of at least 1")
+    for flag in ("tensor_parallel", "context_parallel", "expert_parallel"):
+        name = "--" + flag.replace("_", "-")
+        check_flag(name, getattr(args, flag, None), MAX_DEVICES, "devices")
+        value = getattr(args, flag, None)
+        if value is not None and value < 1:
+            raise InputError(f"{name} {value}: give a degree of at least 1")
 
 
 def load_profile_arg(path: str | None) -> Profile:

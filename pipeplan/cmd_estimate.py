@@ -63,6 +63,9 @@ def run(args: argparse.Namespace) -> int:
             sequence_parallel=bool(args.sequence_parallel),
             tensor_parallel_across_nodes=args.tensor_parallel_across_nodes,
             selective_recompute=bool(args.selective_recompute),
+            context_parallel=args.context_parallel or 1,
+            expert_parallel=args.expert_parallel or 1,
+            context_attention=args.context_attention,
         ),
     )
     emit_plan(plan, args)

@@ -137,6 +137,12 @@ def options_from_args(args: argparse.Namespace) -> PlanOptions:
         data["tensor_parallel_across_nodes"] = True
     if getattr(args, "selective_recompute", None) is not None:
         data["selective_recompute"] = args.selective_recompute
+    if getattr(args, "context_parallel", None) is not None:
+        data["context_parallel"] = args.context_parallel
+    if getattr(args, "context_attention", None) not in (None, "all-gather"):
+        data["context_attention"] = args.context_attention
+    if getattr(args, "expert_parallel", None) is not None:
+        data["expert_parallel"] = args.expert_parallel
     options: PlanOptions = parse_document("options", data, source="(from the command line)")
     return options
 

@@ -76,6 +76,14 @@ def run(args: argparse.Namespace) -> int:
             f"{args.plan} uses selective recompute, which pipeplan run does not execute yet (it recomputes "
             "whole stages): replan with --no-selective-recompute, or export it to Megatron-LM or torchtitan"
         )
+    for axis, degree, layer_kind in (("context parallelism", plan.context_parallel_degree, "attention"),
+                                     ("expert parallelism", plan.expert_parallel_degree, "mixture-of-experts")):
+        if degree > 1:
+            raise InputError(
+                f"{args.plan} uses {axis} (degree {degree}), which pipeplan run does not execute yet on its "
+                f"{layer_kind} layers: replan without it (--{axis.split()[0]}-parallel 1), or export the plan to "
+                "Megatron-LM or torchtitan"
+            )
     optimizer = args.optimizer or plan.training.optimizer
     check_optimizer_supported(optimizer)
     opts = train_options(args, plan, optimizer)

@@ -102,6 +102,8 @@ def collective_lines(plan: Plan) -> list[str]:
             ("data-parallel gradients after the last backward", p.allreduce_ms),
             ("tensor-parallel collectives", p.tensor_parallel_ms),
             ("ZeRO-2/3 collectives", p.zero_ms),
+            ("context-parallel K/V collectives", p.context_parallel_ms),
+            ("expert all-to-alls", p.expert_parallel_ms),
             ("pipeline sends and receives", p.pipeline_transfer_ms),
         ) if ms
     ]
@@ -135,9 +137,13 @@ def summary_lines(plan: Plan, comparisons: Sequence[Comparison] = ()) -> list[st
             if plan.tensor_parallel_degree > 1
             else ""
         )
+        + (f", context-parallel C={plan.context_parallel_degree}"
+           + (" (ring attention)" if plan.context_attention == "ring" else "")
+           if plan.context_parallel_degree > 1 else "")
+        + (f", expert-parallel E={plan.expert_parallel_degree}" if plan.expert_parallel_degree > 1 else "")
         + (f", ZeRO-{plan.zero_stage}" if plan.zero_stage else "")
         + (", selective recompute" if plan.selective_recompute else "")
-        + (f" ({plan.world_size} devices)" if plan.tensor_parallel_degree > 1 else "")
+        + (f" ({plan.world_size} devices)" if plan.tensor_parallel_degree * plan.context_parallel_degree > 1 else "")
         + (f", {plan.idle_devices} device(s) idle" if plan.idle_devices else ""),
         f"micro-batches M={plan.num_microbatches} of {plan.microbatch_size} "
         f"(global batch {plan.global_batch_size})"

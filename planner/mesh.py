@@ -61,10 +61,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from planner.context import check_context, context_layer
 from planner.cost.collectives import group_on, half_ring_ms, replica_link, ring_link, ring_ms
 from planner.cost.compute import layer_times
 from planner.cost.layers import SHA_KEY
 from planner.errors import InputError
+from planner.experts import check_experts, expert_layer
 from planner.presets import DEVICES
 from planner.schema import (
     Cluster,
@@ -82,25 +84,40 @@ MESH_KEY = "mesh_transformed"
 
 @dataclass(frozen=True)
 class Mesh:
-    """The axes beyond D x K: tensor-parallel degree T, ZeRO stage, sequence parallelism."""
+    """The axes beyond D x K: tensor-parallel degree T, ZeRO stage, sequence parallelism,
+    context-parallel degree C (:mod:`planner.context`) and expert-parallel degree E
+    (:mod:`planner.experts`).  A group of T x C consecutive devices (T innermost) is one virtual
+    device of the D x K problem (:attr:`group`)."""
 
     tensor_parallel: int = 1
     zero_stage: int = 0
     sequence_parallel: bool = False
     #: Megatron's selective recompute on every layer that gives its bytes (see :func:`selective_layer`)
     selective_recompute: bool = False
+    context_parallel: int = 1
+    expert_parallel: int = 1
+    #: how attention sees every key and value under context parallelism ("all-gather" or "ring")
+    context_attention: str = "all-gather"
+
+    @property
+    def group(self) -> int:
+        """Devices per virtual device: T x C."""
+        return self.tensor_parallel * self.context_parallel
 
     @property
     def trivial(self) -> bool:
         return (
             self.tensor_parallel == 1 and self.zero_stage == 0 and not self.sequence_parallel
-            and not self.selective_recompute
+            and not self.selective_recompute and self.context_parallel == 1 and self.expert_parallel == 1
         )
 
     def describe(self) -> str:
         sp = "+SP" if self.sequence_parallel else ""
         sr = " selective-recompute" if self.selective_recompute else ""
-        return f"T={self.tensor_parallel}{sp} zero={self.zero_stage}{sr}"
+        cp = f" C={self.context_parallel}" + ("(ring)" if self.context_attention == "ring" else "") \
+            if self.context_parallel > 1 else ""
+        ep = f" E={self.expert_parallel}" if self.expert_parallel > 1 else ""
+        return f"T={self.tensor_parallel}{sp}{cp}{ep} zero={self.zero_stage}{sr}"
 
 
 @dataclass(frozen=True)
@@ -128,6 +145,19 @@ def check_mesh(mesh: Mesh, cluster: Cluster, *, across_nodes: bool = False) -> N
     n, dpn = cluster.num_devices, cluster.devices_per_node
     if t > n:
         raise InputError(f"--tensor-parallel {t} needs {t} devices but the cluster has {n}: use T <= {n}")
+    c = mesh.context_parallel
+    if c < 1 or mesh.expert_parallel < 1:
+        raise InputError(f"context- and expert-parallel degrees must be >= 1, got {c} and {mesh.expert_parallel}")
+    if t * c > n:
+        raise InputError(
+            f"--tensor-parallel {t} x --context-parallel {c} = {t * c} devices but the cluster has {n}: "
+            f"use T x C <= {n}"
+        )
+    if c > 1 and n % (t * c):
+        raise InputError(
+            f"--tensor-parallel {t} x --context-parallel {c} = {t * c} does not divide the {n} devices: use "
+            f"T x C dividing {n}"
+        )
     if not across_nodes:
         if t > dpn:
             raise InputError(
@@ -511,13 +541,29 @@ def mesh_problem(
     device = census_device(profile) if census_roles(profile) else None
     memo: _ScaleMemo = {}
     layers = [_tp_layer(layer, mesh, training, tp_link(cluster, t), device=device, memo=memo) for layer in profile.layers]
+    c, e = mesh.context_parallel, mesh.expert_parallel
+    if c > 1:
+        check_context(profile, c, mesh.context_attention)
+        layers = [
+            context_layer(x, orig, c, t=t, sequence_parallel=mesh.sequence_parallel, cluster=cluster,
+                          device=census_device(profile), mode=mesh.context_attention)
+            for x, orig in zip(layers, profile.layers, strict=True)
+        ]
+    if e > 1:
+        check_experts(profile, e, replicas=d * c)
+        layers = [
+            expert_layer(x, e, t=t, c=c, sequence_parallel=mesh.sequence_parallel, cluster=cluster,
+                         pipeline_degree=pipeline_degree or 1, expert_tp_share=_expert_tp_share(orig, t))
+            for x, orig in zip(layers, profile.layers, strict=True)
+        ]
     tp_params = tuple(x.param_bytes for x in layers)
     if mesh.selective_recompute:
         layers = [selective_layer(x) for x in layers]
+    g = mesh.group
     if z >= 2 and d > 1:
-        if pipeline_degree is None and d * t < cluster.devices_per_node:
+        if pipeline_degree is None and d * g < cluster.devices_per_node:
             raise ValueError("ZeRO-2/3 with D x T inside a node needs the pipeline degree (its link)")
-        link = dp_link(cluster, t, d, pipeline_degree or cluster.num_devices)
+        link = dp_link(cluster, g, d, pipeline_degree or cluster.num_devices)
         layers = [_zero_layer(layer, z, d, training, link) for layer in layers]
     static, comm = zero_factors(z, d, training)
     base = 1.0 + training.gradient_bytes_per_param_byte + training.optimizer_state_factor
@@ -547,8 +593,16 @@ def mesh_problem(
             "metadata": {**profile.metadata, SHA_KEY: sha, MESH_KEY: mesh.describe()},
         }
     )
-    new_cluster = virtual_cluster(cluster, t, gathered_bytes=gathered, margin=training.memory_margin)
+    new_cluster = virtual_cluster(cluster, g, gathered_bytes=gathered, margin=training.memory_margin)
     return MeshProblem(new_profile, new_cluster, new_training, tp_params, gathered)
+
+
+def _expert_tp_share(layer: LayerProfile, t: int) -> float:
+    """The fraction of a layer's routed experts one tensor-parallel rank holds: 1/T when the
+    layer's tensor-parallel parameters include them (synth's and Megatron's MoE blocks), else 1."""
+    if t <= 1 or layer.moe is None or not layer.shards:
+        return 1.0
+    return 1.0 / t if (layer.tp_param_bytes or 0) >= layer.moe.expert_param_bytes else 1.0
 
 
 def replicated_note(profile: Profile, t: int) -> str | None:

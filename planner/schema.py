@@ -156,6 +156,9 @@ class Operation(_Model):
     query_len: PosInt | None = None
     key_len: PosInt | None = None
     head_dim: PosInt | None = None
+    kv_heads: PosInt | None = Field(
+        default=None, description="attention's key/value heads (grouped-query attention; absent: heads)"
+    )
     causal: bool = False
     fused: bool = True
     bytes: NonNegInt | None = None
@@ -776,6 +779,17 @@ class PlanOptions(_Model):
         "block (true: always, with no stage recomputed in full; false: never; default: the solver "
         "chooses, when the profile gives selective_recompute_bytes)",
     )
+    context_parallel: Annotated[int, Field(ge=1, le=MAX_DEVICES)] | None = Field(
+        default=None, description="context-parallel degree C (devices splitting each sequence); default: the "
+        "solver chooses (C > 1 only for sequences of at least 16K tokens unless given)",
+    )
+    context_attention: Literal["all-gather", "ring"] = Field(
+        default="all-gather", description="attention under C > 1: all-gather K/V (Llama 3) or ring (torch)"
+    )
+    expert_parallel: Annotated[int, Field(ge=1, le=MAX_DEVICES)] | None = Field(
+        default=None, description="expert-parallel degree E of the mixture-of-experts layers; default: the solver "
+        "chooses among the divisors of the expert count (MoE profiles only)",
+    )
     partial_recompute: bool = Field(
         default=True,
         description="after the search, checkpoint only the first N layers of each recomputing stage, the "
@@ -894,6 +908,14 @@ class Predicted(_Model):
         "before every forward, recomputed forward and backward; the collective after the step is "
         "allreduce_ms (0 for ZeRO 0/1 or D = 1)",
     )
+    context_parallel_ms: NonNegFloat = Field(
+        default=0.0, description="context parallelism's K/V all-gathers and reduce-scatters per step (busiest "
+        "rank; inside the layer times, ring passes before their overlap)",
+    )
+    expert_parallel_ms: NonNegFloat = Field(
+        default=0.0, description="the MoE layers' dispatch and combine all-to-alls per step (busiest rank; inside "
+        "the layer times)",
+    )
     pipeline_transfer_ms: NonNegFloat | None = Field(
         default=None,
         description="pipeline transfers per step on the busiest pipeline rank: every micro-batch's "
@@ -939,6 +961,18 @@ class Plan(_Model):
         description="Megatron's selective recompute (--recompute-granularity selective): every block "
         "drops attention's scores, softmax and dropout mask and recomputes them in the backward; "
         "no stage then recomputes in full",
+    )
+    context_parallel_degree: PosInt = Field(
+        default=1, description="context-parallel degree C: devices that split each sequence (planner/context.py)"
+    )
+    context_attention: Literal["all-gather", "ring"] = Field(
+        default="all-gather",
+        description="how attention sees the whole sequence under C > 1: all-gather K/V (Llama 3) or a ring pass "
+        "overlapped with attention (torch's context_parallel)",
+    )
+    expert_parallel_degree: PosInt = Field(
+        default=1, description="expert-parallel degree E: ranks a mixture-of-experts layer's experts are sharded "
+        "over, drawn from the D x C ranks of a stage (planner/experts.py)",
     )
     virtual_stages: PosInt = Field(default=1, description="chunks (stages) per device")
     num_microbatches: PosInt
@@ -997,6 +1031,12 @@ class Plan(_Model):
             raise ValueError("schedule 'planned' needs its actions: the plan must list what each rank runs")
         if self.sequence_parallel and self.tensor_parallel_degree == 1:
             raise ValueError("sequence_parallel needs tensor_parallel_degree > 1 (it shards inside the tensor-parallel group)")
+        ep, dc = self.expert_parallel_degree, self.data_parallel_degree * self.context_parallel_degree
+        if dc % ep:
+            raise ValueError(
+                f"expert_parallel_degree {ep} does not divide data_parallel_degree x context_parallel_degree = {dc} "
+                "(the experts are sharded over those ranks)"
+            )
         if self.selective_recompute and any(st.recompute for st in self.stages):
             full = [st.index for st in self.stages if st.recompute]
             raise ValueError(
@@ -1014,8 +1054,9 @@ class Plan(_Model):
 
     @property
     def world_size(self) -> int:
-        """Devices the plan uses: D x T x K."""
-        return self.pipeline_degree * self.data_parallel_degree * self.tensor_parallel_degree
+        """Devices the plan uses: D x T x C x K."""
+        return (self.pipeline_degree * self.data_parallel_degree * self.tensor_parallel_degree
+                * self.context_parallel_degree)
 
     @property
     def idle_devices(self) -> int:

@@ -402,6 +402,7 @@ def block_operations_of(spec: DecoderSpec, b: int, dtype: str, *, moe: bool = Fa
         memory_op(2 * t * h * p, dtype, count=2),  # the two norms
         Operation(kind="gemm", m=t, n=(a + 2 * g) * d, k=h, dtype=dtype, tp_shard="n"),
         Operation(kind="attention", batch=b, heads=a, query_len=s, key_len=s, head_dim=d,
+                  kv_heads=g if g != a else None,
                   causal=True, fused=spec.attention == "fused", dtype=dtype, tp_shard="heads"),
         Operation(kind="gemm", m=t, n=h, k=a * d, dtype=dtype, tp_shard="k"),
     ]

@@ -31,7 +31,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from planner import scaling
-from planner.cost.collectives import allreduce_ms, boundary_transfer_ms, replica_link
+from planner.context import context_gradient_ms, context_group, kv_bytes
+from planner.cost.collectives import (
+    all_gather_ms,
+    allreduce_ms,
+    boundary_transfer_ms,
+    reduce_scatter_ms,
+    replica_link,
+)
 from planner.cost.layers import (
     LayerCosts,
     _prefix,
@@ -42,6 +49,7 @@ from planner.cost.layers import (
 )
 from planner.cost.memory import RankTerms, held_bytes, rank_memory_from_terms, rank_memory_terms
 from planner.errors import InputError
+from planner.experts import all_to_all_per_microbatch_ms
 from planner.mesh import (
     Mesh,
     MeshProblem,
@@ -228,6 +236,9 @@ class Layout:
     sequence_parallel: bool = False
     tensor_parallel_across_nodes: bool = False
     selective_recompute: bool = False
+    context_parallel: int = 1
+    expert_parallel: int = 1
+    context_attention: str = "all-gather"
 
     @staticmethod
     def of(plan: Plan, *, actions: bool = True) -> Layout:
@@ -248,6 +259,9 @@ class Layout:
             sequence_parallel=plan.sequence_parallel,
             tensor_parallel_across_nodes=plan.tensor_parallel_degree > plan.cluster.devices_per_node,
             selective_recompute=plan.selective_recompute,
+            context_parallel=plan.context_parallel_degree,
+            expert_parallel=plan.expert_parallel_degree,
+            context_attention=plan.context_attention,
         )
 
 
@@ -281,7 +295,8 @@ def estimate(
     """
     profile = profile_in_dtype(profile, training.dtype)
     ranges = [(s.start, s.stop) if isinstance(s, StageRange) else (int(s[0]), int(s[1])) for s in layout.stages]
-    mesh = Mesh(layout.tensor_parallel, layout.zero_stage, layout.sequence_parallel, layout.selective_recompute)
+    mesh = Mesh(layout.tensor_parallel, layout.zero_stage, layout.sequence_parallel, layout.selective_recompute,
+                layout.context_parallel, layout.expert_parallel, layout.context_attention)
     recompute, recompute_layers = layout.recompute, layout.recompute_layers
     data_parallel, pipeline_degree, schedule = layout.data_parallel, layout.pipeline_degree, layout.schedule
     num_microbatches, devices, actions = layout.num_microbatches, layout.devices, layout.actions
@@ -483,12 +498,13 @@ def _mesh_estimate(
 ) -> Plan:
     """:func:`estimate` of a plan with tensor parallelism or ZeRO: the D x K plan of one
     tensor-parallel rank (:func:`planner.mesh.mesh_problem`), reported on the real devices."""
-    t = mesh.tensor_parallel
+    t, c = mesh.tensor_parallel, mesh.context_parallel
+    g = mesh.group  # devices per virtual device: T x C
     across_nodes = layout.tensor_parallel_across_nodes
     data_parallel, devices, schedule = layout.data_parallel, layout.devices, layout.schedule
     check_mesh(mesh, cluster, across_nodes=across_nodes)
     n = cluster.num_devices
-    groups = n // t
+    groups = n // g
     if data_parallel < 1:
         raise InputError(f"data_parallel must be >= 1, got {data_parallel}")
     chunks = SCHEDULE_CHUNKS[schedule]
@@ -500,10 +516,11 @@ def _mesh_estimate(
             k = max(1, len(ranges) // 2)
         else:
             k = len(ranges)
-    if k * data_parallel * t > n:
+    if k * data_parallel * g > n:
+        cp = f" x context-parallel degree {c}" if c > 1 else ""
         raise InputError(
             f"the plan needs pipeline degree {k} x data-parallel degree {data_parallel} x tensor-parallel "
-            f"degree {t} = {k * data_parallel * t} devices but the cluster has {n}: use fewer stages, a "
+            f"degree {t}{cp} = {k * data_parallel * g} devices but the cluster has {n}: use fewer stages, a "
             "smaller degree, or add devices"
         )
     virt: list[list[int]] | None = None
@@ -512,12 +529,12 @@ def _mesh_estimate(
         for s, devs in enumerate(devices):
             row = []
             for dev in devs:
-                if dev % t:
+                if dev % g:
                     raise InputError(
                         f"stage {s} is placed on device {dev}, which does not start a tensor-parallel group of "
-                        f"{t}: give the first device of each group (a multiple of {t})"
+                        f"{g}: give the first device of each group (a multiple of {g})"
                     )
-                row.append(dev // t)
+                row.append(dev // g)
             virt.append(row)
     problem = mesh_problem(
         profile, cluster, training, mesh, data_parallel=data_parallel, pipeline_degree=k, across_nodes=across_nodes
@@ -525,7 +542,8 @@ def _mesh_estimate(
     inner = estimate(
         problem.profile, problem.cluster, problem.training,
         replace(layout, stages=ranges, pipeline_degree=k, devices=virt, tensor_parallel=1, zero_stage=0,
-                sequence_parallel=False, tensor_parallel_across_nodes=False, selective_recompute=False),
+                sequence_parallel=False, tensor_parallel_across_nodes=False, selective_recompute=False,
+                context_parallel=1, expert_parallel=1),
         solver=solver, templates=templates,
     )
     pre = _prefix(problem.param_bytes)
@@ -533,9 +551,9 @@ def _mesh_estimate(
     rank_of = [stage_rank(inner.placement, x.index, inner.pipeline_degree, inner.virtual_stages) for x in inner.stages]
     stage_plans = []
     for st in inner.stages:
-        phys = [d * t for d in st.devices]
+        phys = [d * g for d in st.devices]
         limit = min(
-            int(cluster.devices[x].memory_bytes * (1 - margin)) for d in phys for x in range(d, d + t)
+            int(cluster.devices[x].memory_bytes * (1 - margin)) for d in phys for x in range(d, d + g)
         )
         own = [x for x in inner.stages if rank_of[x.index] == rank_of[st.index]]
         parts = memory_parts(
@@ -556,6 +574,16 @@ def _mesh_estimate(
     note = flat_scaling_note(profile, t)
     if note:
         notes.append(note)
+    axes = axis_collectives_ms(profile, cluster, training, mesh, problem, inner)
+    extra = axes.pop("context_gradient_ms")
+    predicted = inner.predicted
+    if extra > 0:  # the gradients' reduction over the context-parallel group, once per step
+        step = predicted.step_time_ms + extra
+        predicted = predicted.model_copy(update={
+            "step_time_ms": step,
+            "throughput_samples_per_s": inner.global_batch_size / (step / 1e3) if step > 0 else 0.0,
+            "allreduce_ms": predicted.allreduce_ms + extra,
+        })
     return inner.model_copy(update={
         "stages": stage_plans,
         "cluster": cluster,
@@ -564,10 +592,14 @@ def _mesh_estimate(
         "zero_stage": mesh.zero_stage,
         "sequence_parallel": mesh.sequence_parallel,
         "selective_recompute": mesh.selective_recompute,
+        "context_parallel_degree": c,
+        "expert_parallel_degree": mesh.expert_parallel,
+        "context_attention": mesh.context_attention,
         "notes": notes,
-        "predicted": inner.predicted.model_copy(update={
+        "predicted": predicted.model_copy(update={
             "lower_bound_ms": lower_bound_ms(profile, cluster, training),
             **mesh_collectives_ms(profile, cluster, training, mesh, problem, inner),
+            **axes,
         }),
     })
 
@@ -623,13 +655,14 @@ def mesh_collectives_ms(
     ``problem`` (``profile`` in the plan's dtype)."""
     t, z, d = mesh.tensor_parallel, mesh.zero_stage, inner.data_parallel_degree
     k, m, b = inner.pipeline_degree, inner.num_microbatches, inner.microbatch_size
+    g = mesh.group
     sizes = profile.microbatch_sizes
     tp_f, tp_b = [], []
     for layer in profile.layers:
         f, bw = tp_collectives_ms(layer, t, tp_link(cluster, t))
         tp_f.append(scaling.at_size(sizes, f, b) if any(f) else 0.0)
         tp_b.append(scaling.at_size(sizes, bw, b) if any(bw) else 0.0)
-    link = dp_link(cluster, t, d, k)
+    link = dp_link(cluster, g, d, k)
     zero = [zero_collectives_ms(p, z, d, training, link) for p in problem.param_bytes]
     tp_rank = [0.0] * k
     zero_rank = [0.0] * k
@@ -640,6 +673,47 @@ def mesh_collectives_ms(
         tp_rank[r] += m * sum((2 if i < redone else 1) * tp_f[i] + tp_b[i] for i in layers)
         zero_rank[r] += m * sum(rs + (3 if i < redone else 2) * ag for i, (rs, ag) in ((i, zero[i]) for i in layers))
     return {"tensor_parallel_ms": max(tp_rank), "zero_ms": max(zero_rank)}
+
+
+def axis_collectives_ms(
+    profile: Profile, cluster: Cluster, training: TrainingSetup, mesh: Mesh, problem: MeshProblem, inner: Plan
+) -> dict[str, float]:
+    """``Predicted.context_parallel_ms`` and ``expert_parallel_ms`` of a mesh plan (0 without the
+    axis): per pipeline rank, the K/V collectives and the MoE all-to-alls its layer times carry,
+    over the micro-batches (a recomputing stage's forward counted twice), the busiest rank's; and
+    ``context_gradient_ms``, the per-step all-reduce of the busiest rank's gradients over its
+    context-parallel group (:func:`planner.context.context_gradient_ms`), which the step adds."""
+    t, c, e = mesh.tensor_parallel, mesh.context_parallel, mesh.expert_parallel
+    out = {"context_parallel_ms": 0.0, "expert_parallel_ms": 0.0, "context_gradient_ms": 0.0}
+    if c == 1 and e == 1:
+        return out
+    k, m, b = inner.pipeline_degree, inner.num_microbatches, inner.microbatch_size
+    sizes = profile.microbatch_sizes
+    cp_f, cp_b, ep = [0.0] * profile.num_layers, [0.0] * profile.num_layers, [0.0] * profile.num_layers
+    if c > 1:
+        group = context_group(cluster, t, c)
+        for i, layer in enumerate(profile.layers):
+            kv = [kv_bytes(ops, t) for ops in (layer.operations or [])]
+            if any(kv):
+                cp_f[i] = scaling.at_size(sizes, [all_gather_ms(x, group, cluster) for x in kv], b)
+                cp_b[i] = scaling.at_size(sizes, [reduce_scatter_ms(x, group, cluster) for x in kv], b)
+    if e > 1:
+        for i, layer in enumerate(profile.layers):
+            per = all_to_all_per_microbatch_ms(layer, e, t=t, c=c, sequence_parallel=mesh.sequence_parallel,
+                                               cluster=cluster, pipeline_degree=k)
+            ep[i] = scaling.at_size(sizes, per, b) if any(per) else 0.0
+    cp_rank, ep_rank, grads = [0.0] * k, [0.0] * k, [0.0] * k
+    for st in inner.stages:
+        r = stage_rank(inner.placement, st.index, k, inner.virtual_stages)
+        redone = st.start + st.checkpointed_layers
+        layers = range(st.start, st.stop)
+        cp_rank[r] += m * sum((2 if i < redone else 1) * cp_f[i] + cp_b[i] for i in layers)
+        ep_rank[r] += m * sum((1.5 if i < redone else 1.0) * ep[i] for i in layers)
+        grads[r] += sum(problem.param_bytes[i] for i in layers) * training.gradient_bytes_per_param_byte
+    out["context_parallel_ms"] = max(cp_rank)
+    out["expert_parallel_ms"] = max(ep_rank)
+    out["context_gradient_ms"] = max(context_gradient_ms(x, cluster, t, c) for x in grads)
+    return out
 
 
 def checkpoint_counts(

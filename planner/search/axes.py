@@ -60,8 +60,10 @@ import math
 import time
 from dataclasses import dataclass
 
+from planner.context import sequence_length
 from planner.cost import Layout, ScheduleTemplates, estimate, lower_bound_ms, profile_in_dtype
 from planner.errors import InfeasibleError, InputError
+from planner.experts import expert_counts
 from planner.infeasible import any_fits
 from planner.mesh import Mesh, check_mesh, mesh_problem, recomputes_selectively
 from planner.schema import (
@@ -101,12 +103,21 @@ class _Family:
     tensor_parallel: int
     sequence_parallel: bool
     selective_recompute: bool = False
+    context_parallel: int = 1
+    context_attention: str = "all-gather"
 
-    def mesh(self, zero: int = 0) -> Mesh:
-        return Mesh(self.tensor_parallel, zero, self.sequence_parallel, self.selective_recompute)
+    @property
+    def group(self) -> int:
+        """Devices per virtual device: T x C."""
+        return self.tensor_parallel * self.context_parallel
+
+    def mesh(self, zero: int = 0, expert: int = 1) -> Mesh:
+        return Mesh(self.tensor_parallel, zero, self.sequence_parallel, self.selective_recompute,
+                    self.context_parallel, expert, self.context_attention)
 
     def describe(self) -> str:
         return (f"T={self.tensor_parallel}{'+SP' if self.sequence_parallel else ''}"
+                f"{f' C={self.context_parallel}' if self.context_parallel > 1 else ''}"
                 f"{' selective' if self.selective_recompute else ''}")
 
 
@@ -142,6 +153,32 @@ def selective_choices(profile: Profile, options: PlanOptions) -> list[bool]:
     return [False, True]
 
 
+#: sequences at least this long make the search try context parallelism (C > 1) on its own
+CONTEXT_PARALLEL_MIN_SEQ = 16384
+
+
+def context_parallel_degrees(profile: Profile, cluster: Cluster, options: PlanOptions) -> list[int]:
+    """The C values the search tries: the fixed one, else 1 and, for sequences of at least
+    ``CONTEXT_PARALLEL_MIN_SEQ`` tokens, every power of two up to 16 that divides the sequence."""
+    if options.context_parallel is not None:
+        return [options.context_parallel]
+    seq = sequence_length(profile)
+    if seq is None or seq < CONTEXT_PARALLEL_MIN_SEQ:
+        return [1]
+    return [c for c in (1, 2, 4, 8, 16) if seq % c == 0 and c <= cluster.num_devices]
+
+
+def expert_parallel_degrees(profile: Profile, options: PlanOptions) -> list[int]:
+    """The E values the search tries: the fixed one, else 1 and (an MoE profile) every power of
+    two up to 64 that divides every MoE layer's expert count."""
+    if options.expert_parallel is not None:
+        return [options.expert_parallel]
+    counts = expert_counts(profile)
+    if not counts:
+        return [1]
+    return [e for e in (1, 2, 4, 8, 16, 32, 64) if all(n % e == 0 for n in counts)]
+
+
 def _families(profile: Profile, cluster: Cluster, options: PlanOptions) -> list[_Family]:
     out: list[_Family] = []
     selective = selective_choices(profile, options)
@@ -150,7 +187,10 @@ def _families(profile: Profile, cluster: Cluster, options: PlanOptions) -> list[
         for sp in sps:
             if sp and t == 1:
                 continue
-            out.extend(_Family(t, sp, sr) for sr in selective)
+            for c in context_parallel_degrees(profile, cluster, options):
+                if c > 1 and (t * c > cluster.num_devices or cluster.num_devices % (t * c)):
+                    continue
+                out.extend(_Family(t, sp, sr, c, options.context_attention) for sr in selective)
     if not out:
         raise InputError("sequence parallelism needs --tensor-parallel T > 1: give T, or drop --sequence-parallel")
     return out
@@ -186,7 +226,8 @@ def solve(
     options = options or PlanOptions()
     families = _families(profile, cluster, options)
     zero_fixed = options.zero_stage
-    if len(families) == 1 and families[0] == _Family(1, False, False) and (
+    experts = expert_parallel_degrees(profile, options)
+    if len(families) == 1 and families[0] == _Family(1, False, False) and experts == [1] and (
         zero_fixed == 0 or options.data_parallel == 1 or cluster.num_devices == 1
     ):
         return _plain(profile, cluster, training, options)
@@ -202,11 +243,15 @@ def solve(
         per_solve = options.time_limit_s
     sub = options.model_copy(update={
         "time_limit_s": per_solve, "tensor_parallel": None, "zero_stage": None, "sequence_parallel": None,
-        "selective_recompute": None,
+        "selective_recompute": None, "context_parallel": None, "expert_parallel": None,
     })
     zeros: list[int] = [zero_fixed] if zero_fixed is not None else [0, *ZERO_STAGES]
     if options.data_parallel == 1 or cluster.num_devices == 1:
         zeros = [0]  # one replica: ZeRO shards nothing
+    # expert parallelism, like ZeRO, only trades time (the all-to-alls) for memory (the experts'
+    # bytes / E): its plans are solved with D fixed beside ZeRO's, bounded by the same relaxation;
+    # a fixed E > 1 leaves no plan to the D-free solves of ZeRO 0
+    expert_fixed = options.expert_parallel is not None and options.expert_parallel > 1
 
     best: Plan | None = None
     allotted = 0.0  # time limits given to the solves so far
@@ -224,8 +269,9 @@ def solve(
         ):
             best = plan
 
-    def price(fam: _Family, zero: int, split: SeedSplit, *, solver: SolverInfo, actions: list[str] | None = None) -> Plan:
-        """A D x K split of the family's problem priced on the whole mesh (each T-group's first
+    def price(fam: _Family, zero: int, split: SeedSplit, *, solver: SolverInfo, actions: list[str] | None = None,
+              expert: int = 1) -> Plan:
+        """A D x K split of the family's problem priced on the whole mesh (each T x C group's first
         device standing for the group)."""
         return estimate(
             base, cluster, training,
@@ -236,31 +282,34 @@ def solve(
                 recompute=split.recompute,
                 data_parallel=split.data_parallel,
                 pipeline_degree=split.pipeline_degree,
-                devices=[[d * fam.tensor_parallel for d in devs] for devs in split.devices],
+                devices=[[d * fam.group for d in devs] for devs in split.devices],
                 actions=actions,
                 tensor_parallel=fam.tensor_parallel,
                 zero_stage=zero if split.data_parallel > 1 else 0,
                 sequence_parallel=fam.sequence_parallel,
                 tensor_parallel_across_nodes=options.tensor_parallel_across_nodes,
                 selective_recompute=fam.selective_recompute,
+                context_parallel=fam.context_parallel,
+                expert_parallel=expert,
+                context_attention=fam.context_attention,
             ),
             solver=solver,
             templates=templates,
         )
 
-    def reprice(plan: Plan, fam: _Family, zero: int) -> Plan:
+    def reprice(plan: Plan, fam: _Family, zero: int, expert: int = 1) -> Plan:
         # only a planned schedule's actions are its own; the others are their schedule's template,
         # which estimate makes again (cheaper than parsing and checking 10^5 actions of text)
         actions = plan.actions if plan.schedule == "planned" else None
-        return price(fam, zero, SeedSplit.of(plan), solver=plan.solver, actions=actions)
+        return price(fam, zero, SeedSplit.of(plan), solver=plan.solver, actions=actions, expert=expert)
 
     def run(
         fam: _Family, zero: int, data_parallel: int | None, *, relaxed: bool = False, first: bool = False,
-        optimistic_link: bool = False,
+        optimistic_link: bool = False, expert: int = 1,
     ) -> Plan | None:
         nonlocal solves, allotted
         solves += 1
-        mesh = fam.mesh(0 if relaxed else zero)
+        mesh = fam.mesh(0 if relaxed else zero, 1 if relaxed else expert)
         train = _relaxed_training(training) if relaxed else training
         d = data_parallel if data_parallel is not None else 1
         # ZeRO-2/3 collectives priced on the inter-node link here (repriced after), or on the
@@ -296,14 +345,14 @@ def solve(
     def seed(fam: _Family, zero: int) -> Plan | None:
         """The family's Megatron hand rule, no search (a few simulations, one estimate)."""
         problem = mesh_problem(base, cluster, training, fam.mesh(zero), data_parallel=options.data_parallel or 1,
-                               pipeline_degree=cluster.num_devices,
+                               pipeline_degree=cluster.num_devices // fam.group,
                                across_nodes=options.tensor_parallel_across_nodes)
         opts = sub.model_copy(update={"data_parallel": options.data_parallel})
         try:
             found = seed_split(problem.profile, problem.cluster, problem.training, opts, templates=templates)
             if found is None:
                 return None
-            return price(fam, zero, found, solver=SolverInfo(
+            return price(fam, zero, found, expert=options.expert_parallel or 1, solver=SolverInfo(
                 status="feasible", gap=1.0,
                 message="plan: Megatron-LM's hand rule for its T (no faster plan found within the limit)"))
         except (InfeasibleError, InputError):
@@ -318,7 +367,7 @@ def solve(
                 and options.data_parallel in (None, n) and options.tensor_parallel in (None, 1)
                 and options.num_microbatches is None and options.virtual_stages in (None, 1)
                 and not options.sequence_parallel and not options.selective_recompute)
-        if not free or n < 2 or 3 not in zeros or g % n:
+        if not free or n < 2 or 3 not in zeros or g % n or expert_fixed or options.context_parallel not in (None, 1):
             return
         for b in base.microbatch_sizes:
             if (g // n) % b:
@@ -355,7 +404,8 @@ def solve(
     # recompute families (when the choice is free) only where some plan is memory-bound
     zero_families: list[_Family] = []
     # (a small instance searches every ZeRO stage and selective recompute: exact, not skipped)
-    skip_zero = zero_fixed is None and not small
+    # (an MoE profile searches expert parallelism with ZeRO: E also divides the gradient reduction)
+    skip_zero = zero_fixed is None and not small and not expert_fixed and experts == [1]
     deferred = [f for f in order if f.selective_recompute] if (
         options.selective_recompute is None and 0 in zeros and not small) else []
     memory_seen = False
@@ -373,7 +423,7 @@ def solve(
                 open_pieces[fam] = (work[fam], True)
                 continue
             zero_families.append(fam)
-            if 0 not in zeros:
+            if 0 not in zeros or expert_fixed:
                 continue
             plan0 = run(fam, 0, options.data_parallel, first=i == 0)
             if plan0 is not None:
@@ -435,7 +485,7 @@ def solve(
             ds = [relaxed.data_parallel_degree]
             if best is not None and best.tensor_parallel_degree == fam.tensor_parallel:
                 ds.insert(0, best.data_parallel_degree)
-        groups = cluster.num_devices // fam.tensor_parallel
+        groups = cluster.num_devices // fam.group
         promising = set(ds)
         if options.data_parallel is None and (0 not in zeros or best is None):
             # ZeRO fixed by the user (the relaxation's D may be 1: nothing to shard), or nothing
@@ -443,15 +493,18 @@ def solve(
             # other replica count is a candidate too, after the promising ones (late() bounds it)
             ds += [d for d in range(2, groups + 1) if groups % d == 0]
         ds = [d for d in dict.fromkeys(ds) if (d > 1 or 0 not in zeros) and d <= groups and training.global_batch_size % d == 0]
-        for z in (z for z in zeros if z > 0):
+        pairs = [(z, e) for z in zeros for e in experts if (z > 0 or e > 1) and not (expert_fixed and e == 1)]
+        for z, e in pairs:
             for d in ds:
                 if (best is not None and lower >= best.predicted.step_time_ms * (1 - 1e-9)) or late():
                     break
-                if d not in promising and 0 in zeros and best is not None:
+                if d not in promising and 0 in zeros and best is not None and not expert_fixed:
                     continue  # (the other replica counts were for a first plan, now found)
-                plan = run(fam, z, d)
+                if (d * fam.context_parallel) % e:
+                    continue  # E ranks are drawn from the D x C of a stage
+                plan = run(fam, z, d, expert=e)
                 if plan is not None:
-                    offer(reprice(plan, fam, z))
+                    offer(reprice(plan, fam, z, e))
     # phase 4: the open pieces, least first, raised by their configuration floors where the
     # budget allows (the plan is settled: only the proven gap can change)
     searched_zero = any(z > 0 for z in zeros) and not skip_zero
@@ -641,7 +694,7 @@ def _fits(profile: Profile, cluster: Cluster, training: TrainingSetup, options: 
     except InputError:
         return False
     opts = options.model_copy(update={"tensor_parallel": None, "zero_stage": None, "sequence_parallel": None,
-                                      "selective_recompute": None,
+                                      "selective_recompute": None, "context_parallel": None, "expert_parallel": None,
                                       "data_parallel": d})
     return any_fits(problem.profile, problem.cluster, problem.training, opts)
 
@@ -676,6 +729,25 @@ def _mesh_fixes(profile: Profile, cluster: Cluster, training: TrainingSetup, opt
         if hit is not None:
             out.append(f"--zero {z} fits (with --data-parallel {hit})")
             break
+    sp = bool(options.sequence_parallel) and t_fixed > 1
+    seq = sequence_length(profile)
+    if options.context_parallel in (None, 1) and seq is not None:
+        for c in (2, 4, 8, 16):
+            if seq % c or t_fixed * c > cluster.num_devices or cluster.num_devices % (t_fixed * c):
+                continue
+            if _fits(profile, cluster, training, options, Mesh(t_fixed, 0, sp, context_parallel=c), None):
+                out.append(f"--context-parallel {c} fits")
+                break
+    if options.expert_parallel in (None, 1):
+        counts = expert_counts(profile)
+        for e in (2, 4, 8, 16, 32, 64):
+            if not counts or any(n % e for n in counts):
+                continue
+            hit = next((d for d in ds if d % e == 0 and _fits(profile, cluster, training, options,
+                                                               Mesh(t_fixed, 0, sp, expert_parallel=e), d)), None)
+            if hit is not None:
+                out.append(f"--expert-parallel {e} fits (with --data-parallel {hit})")
+                break
     return out
 
 
