@@ -241,7 +241,9 @@ def _fit_device_constants(
 
 
 def _repriced(profile: Profile, pricing: DevicePricing, fit: ConstantsFit) -> Profile:
-    out = reprice(profile, device_type=pricing.device_type, old=pricing.constants, new=fit.constants)
+    out = reprice(
+        profile, device_type=pricing.device_type, old=pricing.constants, new=fit.constants, derived=fit.derived
+    )
     p = pricing.constants
     note = (
         f"fitted by pipeplan calibrate: {' and '.join(fit.fitted)} from {fit.observations} timed stage(s); "
@@ -263,6 +265,7 @@ def _constants_entry(profile: Profile, pricing: DevicePricing, fit: ConstantsFit
         "profiled_memory_efficiency": pricing.constants.memory_efficiency,
         "profiled_pricing": profile.measured_on.pricing,
         "stages": fit.observations,
+        "derived": list(fit.derived),
     })
 
 
@@ -344,6 +347,7 @@ def uncalibrated(profile: Profile) -> Profile:
             device_type=dc.device_type,
             old=DeviceConstants(dc.gemm_efficiency, dc.memory_efficiency),
             new=DeviceConstants(dc.profiled_gemm_efficiency, dc.profiled_memory_efficiency),
+            derived=dc.derived,
         )
         out = out.model_copy(
             update={"measured_on": out.measured_on.model_copy(update={"pricing": dc.profiled_pricing})}

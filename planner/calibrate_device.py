@@ -31,11 +31,13 @@ therefore prices the census itself for each candidate:
 * **Re-pricing.**  Each layer's times at each micro-batch size are multiplied by ratios of its
   census's price with the new and the old constants.  The forward by the forward's ratio; each
   other figure (backward, its input and weight parts, the selective-recompute part: attention's
-  core) that *is* its census price at the old constants (every synth block's, priced straight
-  by :func:`planner.cost.compute.layer_times`) by its own ratio, so it becomes exactly the new
-  price; a figure derived otherwise (the synth embedding's backward, twice its forward, all of
-  it weight gradient) by the forward's ratio, so it keeps its shape.  Ratios make the
-  re-pricing exactly reversible (``uncalibrated``).
+  core) that *is* its census price at the profiled constants at every micro-batch size (every
+  synth block's, priced straight by :func:`planner.cost.compute.layer_times`) by its own ratio,
+  so it becomes exactly the new price; a figure derived otherwise (the synth embedding's
+  backward, twice its forward, all of it weight gradient) by the forward's ratio, so it keeps
+  its shape.  Which figures are derived is decided once, at the profiled constants, and
+  recorded (``DeviceConstantsCalibration.derived``), so that the re-pricing is exactly
+  reversible (``uncalibrated``).
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ class ConstantsFit:
 
     constants: DeviceConstants
     fitted: tuple[str, ...]
+    derived: tuple[str, ...]  # figures re-priced with their layer's forward (derived_figures)
     observations: int
     rms_before: float  # root-mean-square relative error of the stages, profile's constants
     rms_after: float  # the same with the fitted constants
@@ -195,55 +198,81 @@ class _Prices:
 
 #: a figure within this relative distance of its census's price is that price
 _SAME_PRICE = 1e-9
+#: the figures besides the forward that re-pricing scales (the forward's spread follows the forward)
+_FIGURES = ("backward_ms", "backward_input_ms", "backward_weight_ms", "selective_recompute_ms")
 
 
-def _ratio(value: float, old: float, new: float, forward: float) -> float:
-    """What ``value`` is multiplied by: new / old census price when ``value`` is the census's
-    price at the old constants, else the forward's ratio (a figure derived from the forward)."""
-    if old > 0 and abs(value - old) <= _SAME_PRICE * max(abs(value), old):
-        return new / old
-    return forward
+def _census_price(times: tuple[OpTimes, float], name: str) -> float:
+    t, redo = times
+    return {
+        "backward_ms": t.backward,
+        "backward_input_ms": t.backward_input,
+        "backward_weight_ms": t.backward_weight,
+        "selective_recompute_ms": redo,
+    }[name]
 
 
-def _repriced_layer(layer: LayerProfile, old: _Prices, new: _Prices) -> LayerProfile:
+def derived_figures(profile: Profile, *, device_type: str, constants: DeviceConstants) -> list[str]:
+    """The layer figures (``"layer.field"``) of ``profile``, priced with ``constants``, that are
+    not their census's price at some micro-batch size (derived from the forward instead, like the
+    synth embedding's backward): re-pricing scales them with the forward."""
+    prices = _Prices(device_type, constants)
+    out = []
+    for layer in profile.layers:
+        if layer.operations is None:
+            continue
+        for name in _FIGURES:
+            values = getattr(layer, name)
+            if values is None:
+                continue
+            if not all(
+                abs(v - (t := _census_price(prices(ops), name))) <= _SAME_PRICE * max(abs(v), t)
+                for v, ops in zip(values, layer.operations, strict=True)
+            ):
+                out.append(f"{layer.name}.{name}")
+    return out
+
+
+def _repriced_layer(layer: LayerProfile, old: _Prices, new: _Prices, derived: frozenset[str]) -> LayerProfile:
     if layer.operations is None:
         return layer
-    rf, rb, ri, rw, rs = [], [], [], [], []
-    for j, ops in enumerate(layer.operations):
-        (t0, redo0), (t1, redo1) = old(ops), new(ops)
-        f = t1.forward / t0.forward if t0.forward > 0 else 1.0
-        rf.append(f)
-        rb.append(_ratio(layer.backward_ms[j], t0.backward, t1.backward, f))
-        if layer.backward_input_ms is not None:
-            ri.append(_ratio(layer.backward_input_ms[j], t0.backward_input, t1.backward_input, f))
-        if layer.backward_weight_ms is not None:
-            rw.append(_ratio(layer.backward_weight_ms[j], t0.backward_weight, t1.backward_weight, f))
-        if layer.selective_recompute_ms is not None:
-            rs.append(_ratio(layer.selective_recompute_ms[j], redo0, redo1, f))
+    ratios: dict[str, list[float]] = {"forward_ms": [], **{name: [] for name in _FIGURES}}
+    for ops in layer.operations:
+        t0, t1 = old(ops), new(ops)
+        f = t1[0].forward / t0[0].forward if t0[0].forward > 0 else 1.0
+        ratios["forward_ms"].append(f)
+        for name in _FIGURES:
+            before = _census_price(t0, name)
+            own = f"{layer.name}.{name}" not in derived and before > 0
+            ratios[name].append(_census_price(t1, name) / before if own else f)
 
-    def times(values: list[float] | None, ratios: list[float]) -> list[float] | None:
-        return None if values is None else [x * r for x, r in zip(values, ratios, strict=True)]
+    def times(values: list[float] | None, name: str) -> list[float] | None:
+        return None if values is None else [x * r for x, r in zip(values, ratios[name], strict=True)]
 
     return layer.model_copy(
         update={
-            "forward_ms": times(layer.forward_ms, rf),
-            "backward_ms": times(layer.backward_ms, rb),
-            "forward_ms_spread": times(layer.forward_ms_spread, rf),
-            "backward_ms_spread": times(layer.backward_ms_spread, rb),
-            "backward_input_ms": times(layer.backward_input_ms, ri),
-            "backward_weight_ms": times(layer.backward_weight_ms, rw),
-            "selective_recompute_ms": times(layer.selective_recompute_ms, rs),
+            "forward_ms": times(layer.forward_ms, "forward_ms"),
+            "forward_ms_spread": times(layer.forward_ms_spread, "forward_ms"),
+            "backward_ms_spread": times(layer.backward_ms_spread, "backward_ms"),
+            **{name: times(getattr(layer, name), name) for name in _FIGURES},
         }
     )
 
 
-def reprice(profile: Profile, *, device_type: str, old: DeviceConstants, new: DeviceConstants) -> Profile:
-    """``profile``'s layers, priced with ``old`` constants, re-priced with ``new`` ones (see the
-    module doc; ``measured_on`` and the calibration are left to the caller)."""
+def reprice(
+    profile: Profile, *, device_type: str, old: DeviceConstants, new: DeviceConstants, derived: Sequence[str]
+) -> Profile:
+    """``profile``'s layers, priced with ``old`` constants, re-priced with ``new`` ones; the
+    ``derived`` figures (:func:`derived_figures` at the profiled constants) scale with their
+    layer's forward (see the module doc; ``measured_on`` and the calibration are left to the
+    caller)."""
     if old == new:
         return profile
     before, after = _Prices(device_type, old), _Prices(device_type, new)
-    return profile.model_copy(update={"layers": [_repriced_layer(layer, before, after) for layer in profile.layers]})
+    keep = frozenset(derived)
+    return profile.model_copy(
+        update={"layers": [_repriced_layer(layer, before, after, keep) for layer in profile.layers]}
+    )
 
 
 # --------------------------------------------------------------------------- the fit
@@ -267,12 +296,13 @@ def fit_constants(
             "check the report (pipeplan run --report) it came from"
         )
     prior = pricing.constants
+    derived = derived_figures(profile, device_type=pricing.device_type, constants=prior)
     measured = np.log(np.array([o.measured_ms for o in observations], dtype=np.float64))
     sizes = sorted({o.microbatch_size for o in observations})
 
     def residuals(x: NDArray[np.float64]) -> NDArray[np.float64]:
         c = DeviceConstants(*(float(v) for v in np.minimum(np.exp(x), 1.0)))
-        priced = reprice(profile, device_type=pricing.device_type, old=prior, new=c)
+        priced = reprice(profile, device_type=pricing.device_type, old=prior, new=c, derived=derived)
         costs = {b: layer_costs(priced, b) for b in sizes}
         pred = np.array(
             [
@@ -318,7 +348,7 @@ def fit_constants(
             "explain (another device than the preset, or not the plan that ran?)"
         )
     return ConstantsFit(
-        constants=fitted, fitted=names, observations=len(observations), rms_before=rms0, rms_after=rms1, source=source
+        constants=fitted, fitted=names, derived=tuple(derived), observations=len(observations), rms_before=rms0, rms_after=rms1, source=source
     )
 
 

@@ -435,6 +435,11 @@ class DeviceConstantsCalibration(_Model):
     profiled_memory_efficiency: PeakFraction = Field(description="the constant the profile was priced with")
     profiled_pricing: str | None = Field(default=None, description="the profile's measured_on.pricing before")
     stages: NonNegInt = Field(default=0, description="timed stage observations the fit used")
+    derived: list[str] = Field(
+        default_factory=list,
+        description="layer figures ('layer.field') that were not their census's price at the profiled constants "
+        "(derived from the forward, like synth's embedding backward): re-priced with their layer's forward",
+    )
 
 
 class Calibration(_Model):
