@@ -7,16 +7,20 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from planner.calibrate import CalibrationResult
+    from planner.schema import Calibration
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "calibrate",
-        help="fit a profile to run reports: per-layer time factors, links, step overhead",
+        help="fit a profile to run reports: per-layer time factors, links, step overhead (and the device "
+        "model's constants of a synthesized profile)",
         description="Fit the cost model to what runs measured: per-layer time scale factors from the "
         "stages' measured times, link latency and bandwidth from measured transfers and all-reduces, and "
-        "a fixed overhead per step.  Writes a new profile that records where each figure came from; plan "
-        "with it (pipeplan plan CALIBRATED ...).  Reports of plans with different splits combine.",
+        "a fixed overhead per step; for a profile the device model priced (pipeplan synth, fake tensors), "
+        "first the device model's gemm and memory efficiencies, re-pricing the layers with them.  Writes a new "
+        "profile that records where each figure came from; plan with it (pipeplan plan CALIBRATED ...).  "
+        "Reports of plans with different splits combine.",
     )
     p.add_argument("profile", help="the profile the plans were made from")
     p.add_argument("reports", nargs="+", metavar="REPORT", help="run reports (pipeplan run --report FILE)")
@@ -71,6 +75,7 @@ def summary_lines(result: CalibrationResult) -> list[str]:
             f"layers: forward x{min(fwd):.3g}..{max(fwd):.3g}, backward x{min(bwd):.3g}..{max(bwd):.3g} "
             f"({len(timed)} of {len(cal.layers)} layers timed; the others keep their profiled times)"
         )
+    out.extend(constants_lines(cal))
     for link in (cal.intra_node, cal.inter_node):
         if link is not None:
             out.append(
@@ -81,3 +86,24 @@ def summary_lines(result: CalibrationResult) -> list[str]:
     out.append(f"step overhead: {cal.step_overhead_ms:.2f} ms ({cal.step_overhead_source})")
     out.extend(f"note: {n}" for n in result.notes)
     return out
+
+
+def constants_lines(cal: Calibration) -> list[str]:
+    """The device model's fitted constants, and how to synthesize with them (nothing for a
+    measured profile)."""
+    dc = cal.device_constants
+    if dc is None:  # a measured profile, or nothing fitted (a note says why)
+        return []
+    fitted = set(dc.fitted)
+
+    def shown(name: str, value: float, before: float) -> str:
+        what = f"{value:.4g} (profiled {before:g})" if name in fitted else f"{value:g} (kept)"
+        return f"{name.replace('_', ' ')} {what}"
+
+    return [
+        f"device model {dc.device_type}: {shown('gemm_efficiency', dc.gemm_efficiency, dc.profiled_gemm_efficiency)}, "
+        f"{shown('memory_efficiency', dc.memory_efficiency, dc.profiled_memory_efficiency)}",
+        f"  {cal.device_constants_source}",
+        f"  synthesize with them: pipeplan synth transformer ... --device-type {dc.device_type} "
+        f"--gemm-efficiency {dc.gemm_efficiency:.4g} --memory-efficiency {dc.memory_efficiency:.4g}",
+    ]

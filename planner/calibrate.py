@@ -6,6 +6,17 @@ action started (on one clock when every rank shared a host), and where each rank
 (schedule, all-reduces, optimizer).  :func:`calibrate` fits three things to one or more reports
 and returns a new profile that records where each figure came from (``Profile.calibration``):
 
+* **The device model's constants**, first, when the device model priced the profile from its
+  operation census (``pipeplan synth``: ``measured_on.device`` ``synthetic:<preset>``; fake
+  tensors: ``fake:<preset>``; not a flat ``--mfu`` profile) and the runs ran on that preset:
+  ``gemm_efficiency`` and ``memory_efficiency`` are fitted to the timed stages (the same
+  observations as the factors below) and the layers re-priced with them
+  (:mod:`planner.calibrate_device`; ``Calibration.device_constants``, ``measured_on.pricing``).
+  A constant the stages do not determine (all the time GEMM-bound, or every stage the same
+  mix) keeps the profile's value and the provenance says so.  The per-layer factors are then
+  fitted on top of the re-priced profile, so what the constants cannot explain (one layer
+  slower than the model says) is still corrected; with a device model that explains the runs
+  they come out near 1.  A measured profile skips this step.
 * **Per-layer time scale factors.**  Every timed stage is an observation: its measured time
   per micro-batch against the sum of its layers' profiled times at the run's micro-batch size
   (a recomputing stage's backward includes its forward again).  The unknowns are a forward and
@@ -35,7 +46,7 @@ report's step time is.
 The cost model adds ``Profile.step_overhead_ms`` to every step (:func:`planner.cost.estimate`);
 clusters built from command-line flags use the fitted links (:func:`calibrated_cluster`).
 Calibrating a calibrated profile starts again from the profiled figures (its factors are divided
-out): pass every report that should count.
+out, its layers re-priced with the profiled constants): pass every report that should count.
 """
 
 from __future__ import annotations
@@ -48,12 +59,24 @@ from dataclasses import dataclass, field
 import numpy as np
 from numpy.typing import NDArray
 
+from planner.calibrate_device import (
+    CONSTANT_SPREAD,
+    ConstantsFit,
+    DevicePricing,
+    StageObservation,
+    device_pricing,
+    fit_constants,
+    pricing_text,
+    reprice,
+)
 from planner.cost import layer_costs, reestimate
+from planner.cost.compute import DeviceConstants
 from planner.errors import InputError
 from planner.schema import (
     Calibration,
     CalibrationRun,
     Cluster,
+    DeviceConstantsCalibration,
     Interconnect,
     LayerCalibration,
     LinkCalibration,
@@ -84,6 +107,12 @@ _METHOD = (
     f"layer's time share) x the run's own level (log-spread {RUN_SPREAD:g}, 1 in predictions); "
     "links: non-negative least squares on waited transfers and all-reduces; step overhead: median of "
     "measured - predicted at each run's own level"
+)
+_CONSTANTS_METHOD = (
+    "device model constants (synth / fake-tensor profiles): Levenberg-Marquardt on log(measured / predicted) of "
+    "every timed stage over the log-constants, the census re-priced per evaluation; a constant is fitted when "
+    f"the stages determine it within a log-spread of {CONSTANT_SPREAD:g} (noise {STAGE_NOISE:.0%}), else kept; "
+    "the layers are re-priced with the fitted constants and the per-layer factors fitted on top"
 )
 
 
@@ -122,6 +151,12 @@ def calibrate(profile: Profile, reports: Sequence[tuple[str, RunReport]]) -> Cal
         raise InputError("give at least one run report (pipeplan run --plan PLAN --model SPEC --report FILE)")
     base = uncalibrated(profile)
     _check_reports(base, reports)
+    cluster0 = reports[0][1].plan.cluster
+    device_type = _device_kind(cluster0)
+    notes = []
+    base, constants_entry, constants_source = _fit_device_constants(base, reports, device_type)
+    if constants_source and constants_entry is None:
+        notes.append(constants_source)
     fwd_scale, bwd_scale, seen, levels = _fit_layers(base, [r for _, r in reports])
     scaled = _scaled(base, fwd_scale, bwd_scale)
     layer_cal = [
@@ -129,7 +164,6 @@ def calibrate(profile: Profile, reports: Sequence[tuple[str, RunReport]]) -> Cal
         for i in range(base.num_layers)
     ]
     samples = [s for _, r in reports for s in link_samples(scaled, r)]
-    cluster0 = reports[0][1].plan.cluster
     links = {
         name: _fit_link(
             [s for s in samples if s.link == name],
@@ -138,14 +172,15 @@ def calibrate(profile: Profile, reports: Sequence[tuple[str, RunReport]]) -> Cal
         )
         for name in ("intra_node", "inter_node")
     }
-    device_type = _device_kind(cluster0)
     draft = Calibration(
         device_type=device_type,
         intra_node=links["intra_node"],
         inter_node=links["inter_node"],
         layers=layer_cal,
         runs=[_run_entry(name, r, 0.0, 0.0) for name, r in reports],
-        method=_METHOD,
+        method=_METHOD if constants_entry is None else f"{_CONSTANTS_METHOD}; then {_METHOD}",
+        device_constants=constants_entry,
+        device_constants_source=constants_source,
     )
     with_links = scaled.model_copy(update={"calibration": draft})
     residuals = []
@@ -169,7 +204,6 @@ def calibrate(profile: Profile, reports: Sequence[tuple[str, RunReport]]) -> Cal
     calibrated = scaled.model_copy(update={"calibration": final})
     # validate once more as a whole document (shapes, limits of every field)
     calibrated = Profile.model_validate(calibrated.model_dump())
-    notes = []
     if not samples:
         notes.append(
             "no transfer was measured (one stage, or the ranks did not share a clock): the links are the cluster's"
@@ -181,6 +215,78 @@ def calibrate(profile: Profile, reports: Sequence[tuple[str, RunReport]]) -> Cal
         collectives=sum(1 for s in samples if s.collective),
         notes=notes,
     )
+
+
+def _fit_device_constants(
+    profile: Profile, reports: Sequence[tuple[str, RunReport]], device_type: str | None
+) -> tuple[Profile, DeviceConstantsCalibration | None, str]:
+    """When the device model priced ``profile`` (synth, fake tensors) and the runs ran on that
+    device preset: its two constants fitted to the timed stages (:mod:`planner.calibrate_device`),
+    and ``profile`` re-priced with them.  Returns the (re-priced) profile, the calibration entry
+    (``None``: nothing fitted) and what was done or why not (empty: a measured profile)."""
+    pricing, why_not = device_pricing(profile)
+    if pricing is None:
+        return profile, None, why_not
+    if device_type != pricing.device_type:
+        return profile, None, (
+            f"the device model's constants are not fitted: the profile was priced for {pricing.device_type!r} but "
+            f"the runs ran on {device_type or 'mixed devices'!r}; calibrate with runs on {pricing.device_type} "
+            "devices (pipeplan run ... --device-type), or profile the device the runs used"
+        )
+    observations = stage_observations(profile, [r for _, r in reports])
+    fit = fit_constants(profile, observations, pricing=pricing, noise=STAGE_NOISE)
+    if not fit.fitted:
+        return profile, None, fit.source
+    return _repriced(profile, pricing, fit), _constants_entry(profile, pricing, fit), fit.source
+
+
+def _repriced(profile: Profile, pricing: DevicePricing, fit: ConstantsFit) -> Profile:
+    out = reprice(
+        profile, device_type=pricing.device_type, old=pricing.constants, new=fit.constants, derived=fit.derived
+    )
+    p = pricing.constants
+    note = (
+        f"fitted by pipeplan calibrate: {' and '.join(fit.fitted)} from {fit.observations} timed stage(s); "
+        f"priced before with gemm efficiency {p.gemm_efficiency:g}, memory efficiency {p.memory_efficiency:g}"
+    )
+    measured_on = out.measured_on.model_copy(
+        update={"pricing": pricing_text(pricing.device_type, fit.constants, note=note)}
+    )
+    return out.model_copy(update={"measured_on": measured_on})
+
+
+def _constants_entry(profile: Profile, pricing: DevicePricing, fit: ConstantsFit) -> DeviceConstantsCalibration:
+    return DeviceConstantsCalibration.model_validate({
+        "device_type": pricing.device_type,
+        "gemm_efficiency": fit.constants.gemm_efficiency,
+        "memory_efficiency": fit.constants.memory_efficiency,
+        "fitted": list(fit.fitted),
+        "profiled_gemm_efficiency": pricing.constants.gemm_efficiency,
+        "profiled_memory_efficiency": pricing.constants.memory_efficiency,
+        "profiled_pricing": profile.measured_on.pricing,
+        "stages": fit.observations,
+        "derived": list(fit.derived),
+    })
+
+
+def stage_observations(profile: Profile, reports: Sequence[RunReport]) -> list[StageObservation]:
+    """Every timed stage of ``reports`` (the median step's times, :func:`stage_means`): the
+    same observations the per-layer factors are fitted to (a recomputing stage's backward
+    counts its forward again)."""
+    out = []
+    for r in reports:
+        costs = layer_costs(profile, r.plan.microbatch_size)
+        means = stage_means(r)
+        for st, sp in zip(r.stages, r.plan.stages, strict=True):
+            speed = min(r.plan.cluster.devices[d].speed for d in sp.devices)
+            idx = tuple(range(st.start, st.stop))
+            measured_f, measured_b = means.get(st.index, (st.forward_ms, st.backward_ms))
+            b = r.plan.microbatch_size
+            if measured_f is not None and measured_f > 0 and sum(costs.forward_ms[i] for i in idx) > 0:
+                out.append(StageObservation(b, idx, (), speed, measured_f))
+            if measured_b is not None and measured_b > 0 and sum(costs.backward_ms[i] for i in idx) > 0:
+                out.append(StageObservation(b, idx if st.recompute else (), idx, speed, measured_b))
+    return out
 
 
 def _scaled(profile: Profile, fwd_scale: Sequence[float], bwd_scale: Sequence[float]) -> Profile:
@@ -208,7 +314,8 @@ def _scaled(profile: Profile, fwd_scale: Sequence[float], bwd_scale: Sequence[fl
 
 
 def uncalibrated(profile: Profile) -> Profile:
-    """``profile`` with its calibration undone (its layer times divided by the factors)."""
+    """``profile`` with its calibration undone (its layer times divided by the factors, and
+    re-priced with the profiled device constants when calibration fitted them)."""
     cal = profile.calibration
     if cal is None:
         return profile
@@ -232,7 +339,20 @@ def uncalibrated(profile: Profile) -> Profile:
                 }
             )
         )
-    return profile.model_copy(update={"layers": layers, "calibration": None})
+    out = profile.model_copy(update={"layers": layers, "calibration": None})
+    dc = cal.device_constants
+    if dc is not None:  # re-price back to the constants the profile was priced with
+        out = reprice(
+            out,
+            device_type=dc.device_type,
+            old=DeviceConstants(dc.gemm_efficiency, dc.memory_efficiency),
+            new=DeviceConstants(dc.profiled_gemm_efficiency, dc.profiled_memory_efficiency),
+            derived=dc.derived,
+        )
+        out = out.model_copy(
+            update={"measured_on": out.measured_on.model_copy(update={"pricing": dc.profiled_pricing})}
+        )
+    return out
 
 
 def calibrated_cluster(

@@ -416,11 +416,42 @@ class CalibrationRun(_Model):
     predicted_after_ms: NonNegFloat = Field(description="the calibrated profile's prediction")
 
 
+#: a fraction of peak in (0, 1] (the device model's constants)
+PeakFraction = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
+#: the device model's constants that calibration may fit (``planner.cost.compute.DeviceConstants``)
+DeviceConstantName = Literal["gemm_efficiency", "memory_efficiency"]
+
+
+class DeviceConstantsCalibration(_Model):
+    """The device model's constants ``pipeplan calibrate`` fitted for a profile whose times the
+    device model priced from the census (synth and fake-tensor profiles;
+    ``Calibration.device_constants``).  The layer times are re-priced with them; the profiled
+    constants are kept so that the re-pricing can be undone."""
+
+    device_type: str = Field(description="the device preset the constants describe")
+    gemm_efficiency: PeakFraction = Field(description="fitted (or kept: see fitted) GEMM efficiency")
+    memory_efficiency: PeakFraction = Field(description="fitted (or kept: see fitted) memory efficiency")
+    fitted: list[DeviceConstantName] = Field(
+        default_factory=list, description="the constants the runs determined; the others are the profile's"
+    )
+    profiled_gemm_efficiency: PeakFraction = Field(description="the constant the profile was priced with")
+    profiled_memory_efficiency: PeakFraction = Field(description="the constant the profile was priced with")
+    profiled_pricing: str | None = Field(default=None, description="the profile's measured_on.pricing before")
+    stages: NonNegInt = Field(default=0, description="timed stage observations the fit used")
+    derived: list[str] = Field(
+        default_factory=list,
+        description="layer figures ('layer.field') that were not their census's price at the profiled constants "
+        "(derived from the forward, like synth's embedding backward): re-priced with their layer's forward",
+    )
+
+
 class Calibration(_Model):
     """What ``pipeplan calibrate`` learned from run reports, and where each figure came from.
 
     The profile's layer times are already scaled (``layers[i]`` says by how much: the profiled
-    figure is ``forward_ms / forward_scale``).  The cost model adds ``step_overhead_ms`` to
+    figure is ``forward_ms / forward_scale``; when ``device_constants`` is set, the layers were
+    first re-priced from the census with those constants, and the factors apply on top).  The
+    cost model adds ``step_overhead_ms`` to
     every step; a cluster built from command-line flags for ``device_type`` devices uses the
     fitted ``intra_node`` / ``inter_node`` links unless a link is given.
     """
@@ -433,6 +464,14 @@ class Calibration(_Model):
     layers: list[LayerCalibration] = Field(description="one per profile layer, in order")
     runs: list[CalibrationRun] = Field(min_length=1)
     method: str = Field(default="", description="how the factors were fitted")
+    device_constants: DeviceConstantsCalibration | None = Field(
+        default=None,
+        description="the device model's constants fitted to the runs, when the device model priced the "
+        "profile (absent: a measured profile, or nothing was fitted)",
+    )
+    device_constants_source: str = Field(
+        default="", description="what was fitted of the device model's constants, and why the rest was kept"
+    )
 
 
 class Profile(_Model):
