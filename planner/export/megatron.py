@@ -1,7 +1,16 @@
 """Megatron-LM: the command-line flags that run a plan.
 
 Units: the embedding is ``E``, decoder layer *i* is the *i*-th ``t``, the head (final norm,
-output layer, loss) is ``L``.  ``--pipeline-model-parallel-layout`` lists the stages separated by
+output layer, loss) is ``L`` (a Hugging Face decoder's ``model.embed_tokens``, ``model.layers.i``,
+``model.norm`` + ``lm_head``; its ``model.rotary_emb`` places nothing and goes with its stage).
+``--num-layers`` (a model flag, named in the header) is the number of decoder layers.
+
+Mixture of experts, when the profile is given: ``--num-experts E --moe-router-topk k
+--expert-model-parallel-size 1`` (pipeplan's plans do not shard experts yet), ``--moe-layer-freq``
+when only some decoder layers have experts (DeepSeek-V3's dense first layers), and a profile routed
+with a capacity factor as ``--moe-expert-capacity-factor`` with padding.  Shared experts need
+``--moe-shared-expert-intermediate-size``, which the profile does not know: the header asks for it.
+Layers with different expert settings are refused (one set of flags for every MoE layer).  ``--pipeline-model-parallel-layout`` lists the stages separated by
 ``|``; stage *i* of that flat list runs on pipeline rank ``i % PP`` as virtual stage ``i // PP``,
 which is pipeplan's placement.  Megatron-LM refuses ``--num-virtual-stages-per-pipeline-rank``
 next to a layout (the layout implies it), so the flag is written only when the plan's split is

@@ -4,7 +4,13 @@ Units: the embedding is ``tok_embeddings``, decoder layer *i* is ``layers.i``, t
 ``norm`` and ``lm_head`` (torchtitan 0.3's decoder; 0.2 called the output layer ``output``:
 ``head_fqns``).  ``module_fqns_per_model_part`` lists one part per stage; with
 ``Interleaved1F1B`` torchtitan places part *i* on pipeline rank ``i % pipeline_parallel_degree``
-("loop" style), which is pipeplan's placement.
+("loop" style), which is pipeplan's placement.  A Hugging Face decoder's ``model.embed_tokens``,
+``model.layers.i``, ``model.norm``, ``lm_head`` are these modules; its ``model.rotary_emb``
+(torchtitan keeps rope as a buffer) places nothing and goes with its stage.
+
+Mixture of experts, when the profile is given: ``expert_parallel_degree = 1`` (pipeplan's plans do
+not shard experts yet); the experts and top-k are torchtitan model settings, named in the header.
+Its token-choice MoE is dropless, so a profile routed with a capacity factor is refused.
 
 torchtitan 0.2 reads the fragment from ``--job.config_file``.  torchtitan 0.3 configures a job in
 Python (``config_registry``) and takes overrides on the command line; the header of the file holds
