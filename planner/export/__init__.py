@@ -11,6 +11,7 @@ model when the profile is given; ``use_nearest=True`` exports that plan instead.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from types import ModuleType
 
@@ -44,10 +45,11 @@ def _module(target: str) -> ModuleType:
     return TARGETS[target]
 
 
-def problems(plan: Plan, target: str) -> list[Problem]:
-    """What ``target`` cannot express in ``plan`` (empty when it can express all of it)."""
-    names = PlanInfo.from_plan(plan).layer_names
-    found: list[Problem] = _module(target).problems(Decisions.from_plan(plan), names)
+def problems(plan: Plan, target: str, *, profile: Profile | None = None) -> list[Problem]:
+    """What ``target`` cannot express in ``plan`` (empty when it can express all of it);
+    ``profile`` (the model's) tells of its mixture-of-experts layers."""
+    info = PlanInfo.from_plan(plan, profile=profile)
+    found: list[Problem] = _module(target).problems(Decisions.from_plan(plan), info.layer_names, experts=info.experts)
     return found
 
 
@@ -73,16 +75,32 @@ def export_plan(
             f"made for ({plan.model!r}, {plan.num_layers} layers): its structure fingerprint "
             f"{profile.sha256()[:12]}... differs from the plan's {plan.profile_sha256[:12]}...; give that model's profile"
         )
-    info = PlanInfo.from_plan(plan)
-    check: Callable[[Decisions], list[Problem]] = lambda d: module.problems(d, info.layer_names)  # noqa: E731
+    info = PlanInfo.from_plan(plan, profile=profile)
+    check: Callable[[Decisions], list[Problem]] = lambda d: module.problems(d, info.layer_names, experts=info.experts)  # noqa: E731
     found = check(Decisions.from_plan(plan))
     out = output or module.DEFAULT_FILE
     if not found:
         result: Export = module.render(Decisions.from_plan(plan), info, output=out)
-        return result, None
+        return _unknown_experts_note(result, target, module, profile), None
     near = nearest(plan, check, profile=profile)
     if not use_nearest or near is None:
         raise ExportRefused(target, found, near, plan, replan_base=getattr(module, "REPLAN_SCHEDULES", ""))
-    near_info = PlanInfo.from_plan(near.plan) if near.plan is not None else PlanInfo.from_plan(plan, priced=False)
+    near_info = (
+        PlanInfo.from_plan(near.plan, profile=profile)
+        if near.plan is not None
+        else PlanInfo.from_plan(plan, priced=False, profile=profile)
+    )
     result = module.render(near.decisions, near_info, output=out)
-    return result, near
+    return _unknown_experts_note(result, target, module, profile), near
+
+
+def _unknown_experts_note(result: Export, target: str, module: ModuleType, profile: Profile | None) -> Export:
+    """Without the profile, a target that takes expert settings cannot tell whether the model has
+    mixture-of-experts layers: say so."""
+    if profile is not None or not getattr(module, "EXPERT_SETTINGS", False):
+        return result
+    note = (
+        f"note: no profile given, so this {target} export has no mixture-of-experts settings; if the model has "
+        "experts, export again with --profile PROFILE (the profile the plan was made from)"
+    )
+    return dataclasses.replace(result, notes=(*result.notes, note))

@@ -204,19 +204,50 @@ class Export:
 
 
 @dataclass(frozen=True)
+class ExpertLayer:
+    """A mixture-of-experts layer of the profile (``LayerProfile.moe``), as the targets' MoE
+    flags say it: routed experts, experts per token, shared experts, capacity factor (``None``:
+    balanced routing, no capacity)."""
+
+    name: str
+    experts: int
+    top_k: int
+    shared_experts: int = 0
+    capacity_factor: float | None = None
+
+    def describe(self) -> str:
+        shared = f" + {self.shared_experts} shared" if self.shared_experts else ""
+        cap = f", capacity factor {self.capacity_factor:g}" if self.capacity_factor is not None else ""
+        return f"{self.experts} experts{shared}, top-{self.top_k}{cap}"
+
+
+def expert_layers(profile: Profile) -> tuple[ExpertLayer, ...]:
+    """The profile's mixture-of-experts layers, in order (empty for a dense model)."""
+    return tuple(
+        ExpertLayer(layer.name, layer.moe.experts, layer.moe.top_k, layer.moe.shared_experts, layer.moe.capacity_factor)
+        for layer in profile.layers
+        if layer.moe is not None
+    )
+
+
+@dataclass(frozen=True)
 class PlanInfo:
-    """What an export says about the plan it comes from (model, layer names, prediction)."""
+    """What an export says about the plan it comes from (model, layer names, prediction) and,
+    when the profile is given, about its layers: ``experts`` lists its mixture-of-experts layers
+    (``None``: no profile was given, so the export cannot tell whether it has any)."""
 
     model: str
     layer_names: tuple[str, ...]
     profile_sha256: str
     step_time_ms: float | None
+    experts: tuple[ExpertLayer, ...] | None = None
 
     @classmethod
-    def from_plan(cls, plan: Plan, *, priced: bool = True) -> PlanInfo:
+    def from_plan(cls, plan: Plan, *, priced: bool = True, profile: Profile | None = None) -> PlanInfo:
         names = tuple(n for s in plan.stages for n in s.layer_names)
         step = plan.predicted.step_time_ms if priced else None
-        return cls(plan.model, names, plan.profile_sha256, step)
+        experts = expert_layers(profile) if profile is not None else None
+        return cls(plan.model, names, plan.profile_sha256, step, experts)
 
     def header(self, target: str, decisions: Decisions) -> list[str]:
         step = f"predicted step {self.step_time_ms:.2f} ms" if self.step_time_ms is not None else "not priced"
@@ -314,6 +345,96 @@ def cut_problems(d: Decisions, names: Sequence[str], stack: DecoderStack, why: s
             lambda x: snap_cuts(x, stack.starts_unit, "cuts moved to layer boundaries"),
         )
     ]
+
+
+def empty_stage_problems(d: Decisions, names: Sequence[str], stack: DecoderStack, target: str) -> list[Problem]:
+    """Stages of parameterless layers only (e.g. a Hugging Face ``model.rotary_emb`` alone): the
+    target has no module to place on them."""
+    empty = [s for s, (a, b) in enumerate(d.stages) if not stack.stage_units(a, b)]
+    if not empty:
+        return []
+    s = empty[0]
+    a, b = d.stages[s]
+    return [
+        Problem(
+            f"stage {s} holds only parameterless layers ({', '.join(names[a:b])}): {target} places embeddings, "
+            "decoder layers and heads, and has nothing to place on it",
+            lambda x: absorb_empty_stage(x, stack),
+        )
+    ]
+
+
+def absorb_empty_stage(d: Decisions, stack: DecoderStack) -> list[tuple[str, Decisions]]:
+    """The first stage without a unit that places something takes the last unit of the stage
+    before it, or the first unit of the stage after it."""
+    s = next(i for i, (a, b) in enumerate(d.stages) if not stack.stage_units(a, b))
+    a, b = d.stages[s]
+    starts = [x for x, _ in d.stages]
+    n = d.num_layers
+    out: list[tuple[str, Decisions]] = []
+    placing = [i for i, u in enumerate(stack.units) if u.kind != "parameterless"]
+    before = [i for i in placing if i < a]
+    if s > 0 and before:
+        start = before[-1]
+        while start > 0 and not stack.starts_unit(start):
+            start -= 1
+        if start > starts[s - 1]:
+            moved = [*starts[:s], start, *starts[s + 1 :]]
+            stages = tuple(zip(moved, [*moved[1:], n], strict=True))
+            out.append((f"stage {s} starts at layer {start} instead of {a}", d.replace(stages=stages)))
+    after = [i for i in placing if i >= b]
+    if s + 1 < len(d.stages) and after:
+        stop = after[0] + 1
+        while stop < n and not stack.starts_unit(stop):
+            stop += 1
+        if stop < d.stages[s + 1][1]:
+            moved = [*starts[: s + 1], stop, *starts[s + 2 :]]
+            stages = tuple(zip(moved, [*moved[1:], n], strict=True))
+            out.append((f"stage {s + 1} starts at layer {stop} instead of {b}", d.replace(stages=stages)))
+    return out
+
+
+def expert_problems(
+    names: Sequence[str], stack: DecoderStack, experts: Sequence[ExpertLayer] | None, target: str
+) -> list[Problem]:
+    """Mixture-of-experts layers that one setting of ``target``'s expert flags cannot describe:
+    layers with different experts, top-k, shared experts or capacity, or experts outside the
+    decoder layers.  A property of the model, not of the plan: no fix."""
+    if not experts:
+        return []
+    first = experts[0]
+    other = next((e for e in experts if _expert_setting(e) != _expert_setting(first)), None)
+    if other is not None:
+        return [
+            Problem(
+                f"layer {first.name!r} has {first.describe()} but layer {other.name!r} has {other.describe()}: "
+                f"{target} sets one number of experts and one top-k for every mixture-of-experts layer"
+            )
+        ]
+    position = {n: i for i, n in enumerate(names)}
+    outside = [e.name for e in experts if e.name not in position or stack.units[position[e.name]].kind != "decoder"]
+    if outside:
+        return [
+            Problem(
+                f"layer {outside[0]!r} has experts but is not a decoder layer: {target} places experts only in "
+                f"decoder layers ({stack.container}N)"
+            )
+        ]
+    return []
+
+
+def _expert_setting(e: ExpertLayer) -> tuple[int, int, int, float | None]:
+    return (e.experts, e.top_k, e.shared_experts, e.capacity_factor)
+
+
+def expert_decoders(names: Sequence[str], stack: DecoderStack, experts: Sequence[ExpertLayer]) -> list[bool]:
+    """Per decoder layer, whether it has experts (any of its parts, for a layer cut into parts)."""
+    out = [False] * stack.num_decoder_layers
+    moe = {e.name for e in experts}
+    for name, unit in zip(names, stack.units, strict=True):
+        if unit.kind == "decoder" and name in moe:
+            out[unit.index] = True
+    return out
 
 
 def recompute_problems(d: Decisions, stack: DecoderStack, why: str) -> list[Problem]:

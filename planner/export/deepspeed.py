@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from planner.export.common import (
     CLASSIC_SCHEDULES,
     Decisions,
+    ExpertLayer,
     Export,
     ExportFile,
     PlanInfo,
@@ -42,7 +43,9 @@ EXAMPLE = "examples/deepspeed_pipeline.py"
 REPLAN_SCHEDULES = "--zero 0"
 
 
-def problems(d: Decisions, names: Sequence[str]) -> list[Problem]:
+def problems(d: Decisions, names: Sequence[str], *, experts: Sequence[ExpertLayer] | None = None) -> list[Problem]:
+    """What this target cannot express of decisions ``d`` on layers ``names`` (``experts`` does not
+    matter here: the target places layers, experts and all, and takes no expert settings)."""
     out: list[Problem] = []
     if d.schedule not in CLASSIC_SCHEDULES:
         out.append(

@@ -3,13 +3,18 @@
 pipeplan names each layer after the first module it runs (``profiler/split.py``): ``embed``,
 ``blocks.7``, ``head`` for the zoo GPT and ``pipeplan synth``; ``tok_embeddings``,
 ``layers.7``, ``norm``, ``lm_head`` for a torchtitan model; ``transformer.wte``,
-``transformer.h.7`` ... for Hugging Face GPT-2.  A profile cut with ``--split-points`` inside a
+``transformer.h.7`` ... for Hugging Face GPT-2; ``model.embed_tokens``, ``model.rotary_emb``,
+``model.layers.7``, ``model.norm``, ``lm_head`` for Hugging Face decoders (Llama, Mistral,
+Mixtral, Qwen2/3, Qwen3-MoE, DeepSeek-V3, Gemma 2).  A profile cut with ``--split-points`` inside a
 block has several layers per block (``blocks.3.ln1`` ... ``blocks.3.mlp``); a module called
 twice gets ``name#1``.
 
 Megatron-LM and torchtitan place *decoder stacks*: an embedding, N decoder layers, a head (final
 norm, output layer, loss).  :func:`decoder_stack` reads the names as such a stack, or says which
-name it cannot place.  DeepSpeed places list positions and ``torch.distributed.pipelining``
+name it cannot place.  A layer without parameters that these frameworks keep outside their
+units (Hugging Face's ``rotary_emb``, which computes the rotary cosines and sines once for every
+decoder layer; :data:`PARAMETERLESS_NAMES`) is a unit of its own that places nothing: it travels
+with whichever stage holds it, and a stage may start or stop on either side of it.  DeepSpeed places list positions and ``torch.distributed.pipelining``
 module names, so they need no stack (see :func:`split_point_ok`).
 """
 
@@ -34,10 +39,15 @@ HEAD_NAMES = frozenset({
     "final_layer_norm", "norm_f", "loss", "logits",
 })  # fmt: skip
 
+#: last name components of layers without parameters that a decoder stack's frameworks compute
+#: outside their units (rotary embeddings: torchtitan keeps ``freqs_cis`` as a buffer, Megatron
+#: its ``RotaryEmbedding`` inside the model): they place nothing and may sit anywhere
+PARAMETERLESS_NAMES = frozenset({"rotary_emb", "rotary_pos_emb", "rotary_embedding", "rotary_embeddings", "rope"})
+
 # a decoder layer: a container path, an index, and optionally the part of the block
 _BLOCK = re.compile(r"^(?P<container>(?:[A-Za-z_]\w*\.)+)(?P<index>\d+)(?:\.(?P<part>.+))?$")
 
-UnitKind = Literal["embedding", "decoder", "head"]
+UnitKind = Literal["embedding", "decoder", "head", "parameterless"]
 
 
 class NotAStack(PipeplanError):
@@ -46,13 +56,16 @@ class NotAStack(PipeplanError):
 
 @dataclass(frozen=True)
 class Unit:
-    """What a framework places: the embedding, decoder layer ``index``, or the head."""
+    """What a framework places: the embedding, decoder layer ``index``, or the head; or a
+    parameterless layer (the ``index``-th), which places nothing."""
 
     kind: UnitKind
     index: int = 0
 
     def __str__(self) -> str:
-        return f"decoder layer {self.index}" if self.kind == "decoder" else self.kind
+        if self.kind == "decoder":
+            return f"decoder layer {self.index}"
+        return "a parameterless layer" if self.kind == "parameterless" else self.kind
 
 
 @dataclass(frozen=True)
@@ -68,9 +81,12 @@ class DecoderStack:
         return layer == 0 or layer >= len(self.units) or self.units[layer] != self.units[layer - 1]
 
     def stage_units(self, start: int, stop: int) -> list[Unit]:
-        """The units of layers ``start:stop``, each once, in order."""
+        """The units of layers ``start:stop`` that place something, each once, in order
+        (empty for a stage of parameterless layers only)."""
         out: list[Unit] = []
         for unit in self.units[start:stop]:
+            if unit.kind == "parameterless":
+                continue
             if not out or out[-1] != unit:
                 out.append(unit)
         return out
@@ -89,7 +105,8 @@ def decoder_stack(layer_names: Sequence[str]) -> DecoderStack:
     Decoder layers are the names ``<container>.<index>`` (or ``<container>.<index>.<part>``
     for a block cut into parts) of the container that holds most of them; decoder layer *i* is
     the *i*-th of them in order.  Before them every name must be an embedding
-    (:data:`EMBEDDING_NAMES`), after them a head (:data:`HEAD_NAMES`).
+    (:data:`EMBEDDING_NAMES`), after them a head (:data:`HEAD_NAMES`); a parameterless layer
+    (:data:`PARAMETERLESS_NAMES`) may sit anywhere and is a unit of its own.
     """
     names = list(layer_names)
     twice = [n for n in names if "#" in n]
@@ -98,7 +115,8 @@ def decoder_stack(layer_names: Sequence[str]) -> DecoderStack:
             f"layer {twice[0]!r} is a second call of module {twice[0].split('#')[0]!r}: a decoder "
             "stack calls each module once"
         )
-    matches = [_BLOCK.match(n) for n in names]
+    free = [_last(n) in PARAMETERLESS_NAMES for n in names]
+    matches = [None if f else _BLOCK.match(n) for n, f in zip(names, free, strict=True)]
     distinct: dict[str, set[str]] = {}  # container -> its indices; in order of first appearance
     for m in matches:
         if m:
@@ -115,7 +133,9 @@ def decoder_stack(layer_names: Sequence[str]) -> DecoderStack:
     seen: dict[str, int] = {}
     for i, name in enumerate(names):
         m = matches[i]
-        if first <= i <= last:
+        if free[i]:
+            units.append(Unit("parameterless", sum(free[:i])))
+        elif first <= i <= last:
             if not (m and m.group("container") == container):
                 raise NotAStack(
                     f"layer {name!r} sits between the decoder layers ({container}N) and is not one of "
@@ -124,7 +144,7 @@ def decoder_stack(layer_names: Sequence[str]) -> DecoderStack:
             index = m.group("index")
             if index not in seen:
                 seen[index] = len(seen)
-            elif units[-1] != Unit("decoder", seen[index]):
+            elif _placing(units)[-1:] != [Unit("decoder", seen[index])]:
                 raise NotAStack(
                     f"layer {name!r} returns to {container}{index} after another block: a block's "
                     "parts must be consecutive"
@@ -144,11 +164,15 @@ def decoder_stack(layer_names: Sequence[str]) -> DecoderStack:
                     f"of a head (names ending in {', '.join(sorted(HEAD_NAMES))})"
                 )
             units.append(Unit("head"))
-    if first == 0:
-        raise NotAStack(f"no embedding layer before the first decoder layer {names[0]!r}")
-    if last == len(names) - 1:
-        raise NotAStack(f"no head layer (final norm, output layer) after the last decoder layer {names[-1]!r}")
+    if not any(u.kind == "embedding" for u in units[:first]):
+        raise NotAStack(f"no embedding layer before the first decoder layer {names[first]!r}")
+    if not any(u.kind == "head" for u in units[last + 1 :]):
+        raise NotAStack(f"no head layer (final norm, output layer) after the last decoder layer {names[last]!r}")
     return DecoderStack(tuple(units), container, len(seen))
+
+
+def _placing(units: Sequence[Unit]) -> list[Unit]:
+    return [u for u in units if u.kind != "parameterless"]
 
 
 def split_point_ok(name: str) -> bool:

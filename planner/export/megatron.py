@@ -1,7 +1,16 @@
 """Megatron-LM: the command-line flags that run a plan.
 
 Units: the embedding is ``E``, decoder layer *i* is the *i*-th ``t``, the head (final norm,
-output layer, loss) is ``L``.  ``--pipeline-model-parallel-layout`` lists the stages separated by
+output layer, loss) is ``L`` (a Hugging Face decoder's ``model.embed_tokens``, ``model.layers.i``,
+``model.norm`` + ``lm_head``; its ``model.rotary_emb`` places nothing and goes with its stage).
+``--num-layers`` (a model flag, named in the header) is the number of decoder layers.
+
+Mixture of experts, when the profile is given: ``--num-experts E --moe-router-topk k
+--expert-model-parallel-size 1`` (pipeplan's plans do not shard experts yet), ``--moe-layer-freq``
+when only some decoder layers have experts (DeepSeek-V3's dense first layers), and a profile routed
+with a capacity factor as ``--moe-expert-capacity-factor`` with padding.  Shared experts need
+``--moe-shared-expert-intermediate-size``, which the profile does not know: the header asks for it.
+Layers with different expert settings are refused (one set of flags for every MoE layer).  ``--pipeline-model-parallel-layout`` lists the stages separated by
 ``|``; stage *i* of that flat list runs on pipeline rank ``i % PP`` as virtual stage ``i // PP``,
 which is pipeplan's placement.  Megatron-LM refuses ``--num-virtual-stages-per-pipeline-rank``
 next to a layout (the layout implies it), so the flag is written only when the plan's split is
@@ -43,6 +52,7 @@ from planner.export.common import (
     CLASSIC_SCHEDULES,
     Decisions,
     DecoderCheckpoints,
+    ExpertLayer,
     Export,
     ExportFile,
     PlanInfo,
@@ -50,6 +60,9 @@ from planner.export.common import (
     checkpoint_decoders,
     cut_problems,
     decoder_checkpoints,
+    empty_stage_problems,
+    expert_decoders,
+    expert_problems,
     merge_chunks,
     recompute_problems,
     to_1f1b,
@@ -61,16 +74,22 @@ TARGET = "megatron"
 DEFAULT_FILE = "megatron_args.sh"
 LAYER_CHARS = {"embedding": "E", "decoder": "t", "head": "L"}
 ARRAY = "PIPEPLAN_MEGATRON_ARGS"
+#: the export writes the model's expert settings when it knows them (the profile is given)
+EXPERT_SETTINGS = True
 #: what a new plan needs to stay within Megatron's schedules (added to every replan hint)
 REPLAN_SCHEDULES = "--schedules 1f1b,interleaved-1f1b --zero 0"
 
 
-def problems(d: Decisions, names: Sequence[str]) -> list[Problem]:
+def problems(d: Decisions, names: Sequence[str], *, experts: Sequence[ExpertLayer] | None = None) -> list[Problem]:
+    """What Megatron-LM's flags cannot say of decisions ``d`` on layers ``names`` (``experts``:
+    the profile's mixture-of-experts layers, when it was given)."""
     try:
         stack = decoder_stack(names)
     except NotAStack as err:
         return [Problem(f"Megatron places an embedding (E), decoder layers (t) and a loss head (L): {err}")]
-    out = cut_problems(d, names, stack, "Megatron's layout places whole decoder layers")
+    out = expert_problems(names, stack, experts, "Megatron-LM (--num-experts, --moe-router-topk)")
+    out += cut_problems(d, names, stack, "Megatron's layout places whole decoder layers")
+    out += empty_stage_problems(d, names, stack, "Megatron's layout")
     if d.schedule == "gpipe":
         out.append(
             Problem(
@@ -224,7 +243,7 @@ def is_even_split(stages: Sequence[str], num_decoder_layers: int) -> bool:
     return list(stages) == expect
 
 
-def argv(d: Decisions, names: Sequence[str]) -> list[str]:
+def argv(d: Decisions, names: Sequence[str], *, experts: Sequence[ExpertLayer] | None = None) -> list[str]:
     """The flags, one argv entry each (call only for a plan without :func:`problems`)."""
     stack = decoder_stack(names)
     stages = stage_layout(d, stack)
@@ -239,7 +258,36 @@ def argv(d: Decisions, names: Sequence[str]) -> list[str]:
     args += recompute_args(d, stack)
     if d.zero_stage >= 1:
         args.append("--use-distributed-optimizer")
+    return args + expert_args(names, stack, experts or ())
+
+
+def expert_args(names: Sequence[str], stack: DecoderStack, experts: Sequence[ExpertLayer]) -> list[str]:
+    """``--num-experts E --moe-router-topk k --expert-model-parallel-size 1`` for a model with
+    mixture-of-experts layers (pipeplan's plans do not shard experts yet), ``--moe-layer-freq``
+    when only some decoder layers have experts, and Megatron's capacity with padding for a
+    profile routed with a capacity factor (every expert processes its capacity)."""
+    if not experts:
+        return []
+    e = experts[0]
+    args = ["--num-experts", str(e.experts), "--moe-router-topk", str(e.top_k), "--expert-model-parallel-size", "1"]
+    pattern = [int(x) for x in expert_decoders(names, stack, experts)]
+    if not all(pattern):
+        args += ["--moe-layer-freq", encode_layer_freq(pattern)]
+    if e.capacity_factor is not None:
+        args += ["--moe-expert-capacity-factor", f"{e.capacity_factor:g}", "--moe-pad-expert-input-to-capacity"]
     return args
+
+
+def encode_layer_freq(pattern: Sequence[int]) -> str:
+    """``--moe-layer-freq`` as Megatron-LM evaluates it: runs of 0 (dense) and 1 (experts),
+    e.g. ``([0]*3+[1]*58)`` for DeepSeek-V3."""
+    runs: list[list[int]] = []
+    for x in pattern:
+        if runs and runs[-1][0] == x:
+            runs[-1][1] += 1
+        else:
+            runs.append([x, 1])
+    return "(" + "+".join(f"[{x}]*{n}" for x, n in runs) + ")"
 
 
 def recompute_args(d: Decisions, stack: DecoderStack) -> list[str]:
@@ -258,9 +306,9 @@ def recompute_args(d: Decisions, stack: DecoderStack) -> list[str]:
 
 def render(d: Decisions, info: PlanInfo, *, output: str = DEFAULT_FILE) -> Export:
     stack = decoder_stack(info.layer_names)
-    args = argv(d, info.layer_names)
+    args = argv(d, info.layer_names, experts=info.experts)
     world = d.tensor_parallel * d.pipeline_degree * d.data_parallel
-    lines = [f"# {line}" for line in info.header(TARGET, d)]
+    lines = [f"# {line}" for line in info.header(TARGET, d)] + _expert_comment(info.experts)
     lines += [
         f"# Megatron-LM flags. Launch {world} ranks (TP {d.tensor_parallel} x PP {d.pipeline_degree} x DP "
         f"{d.data_parallel}); your model flags must say --num-layers {stack.num_decoder_layers}.",
@@ -279,3 +327,16 @@ def render(d: Decisions, info: PlanInfo, *, output: str = DEFAULT_FILE) -> Expor
     lines.append(")")
     return Export(TARGET, (ExportFile("\n".join(lines) + "\n"),))
 
+
+
+def _expert_comment(experts: Sequence[ExpertLayer] | None) -> list[str]:
+    if not experts:
+        return []
+    e = experts[0]
+    lines = [f"# The model's {len(experts)} mixture-of-experts layers route each token to {e.top_k} of {e.experts} experts."]
+    if e.shared_experts:
+        lines.append(
+            f"# They have {e.shared_experts} shared expert(s): add --moe-shared-expert-intermediate-size "
+            "(shared experts x their FFN size) to your model flags."
+        )
+    return lines

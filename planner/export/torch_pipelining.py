@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from planner.export.common import (
     SCHEDULE_CSV_SUFFIX,
     Decisions,
+    ExpertLayer,
     Export,
     ExportFile,
     PlanInfo,
@@ -50,7 +51,9 @@ SINGLE_STAGE_CLASSES = ("ScheduleGPipe", "Schedule1F1B")
 RUNTIME_CLASS = "_PipelineScheduleRuntime"
 
 
-def problems(d: Decisions, names: Sequence[str]) -> list[Problem]:
+def problems(d: Decisions, names: Sequence[str], *, experts: Sequence[ExpertLayer] | None = None) -> list[Problem]:
+    """What this target cannot express of decisions ``d`` on layers ``names`` (``experts`` does not
+    matter here: the target places layers, experts and all, and takes no expert settings)."""
     bad = [a for a, _ in d.stages[1:] if not split_point_ok(names[a])]
     if not bad:
         return []

@@ -4,7 +4,13 @@ Units: the embedding is ``tok_embeddings``, decoder layer *i* is ``layers.i``, t
 ``norm`` and ``lm_head`` (torchtitan 0.3's decoder; 0.2 called the output layer ``output``:
 ``head_fqns``).  ``module_fqns_per_model_part`` lists one part per stage; with
 ``Interleaved1F1B`` torchtitan places part *i* on pipeline rank ``i % pipeline_parallel_degree``
-("loop" style), which is pipeplan's placement.
+("loop" style), which is pipeplan's placement.  A Hugging Face decoder's ``model.embed_tokens``,
+``model.layers.i``, ``model.norm``, ``lm_head`` are these modules; its ``model.rotary_emb``
+(torchtitan keeps rope as a buffer) places nothing and goes with its stage.
+
+Mixture of experts, when the profile is given: ``expert_parallel_degree = 1`` (pipeplan's plans do
+not shard experts yet); the experts and top-k are torchtitan model settings, named in the header.
+Its token-choice MoE is dropless, so a profile routed with a capacity factor is refused.
 
 torchtitan 0.2 reads the fragment from ``--job.config_file``.  torchtitan 0.3 configures a job in
 Python (``config_registry``) and takes overrides on the command line; the header of the file holds
@@ -32,6 +38,7 @@ from collections.abc import Sequence
 from planner.export.common import (
     SCHEDULE_CSV_SUFFIX,
     Decisions,
+    ExpertLayer,
     Export,
     ExportFile,
     PlanInfo,
@@ -39,6 +46,8 @@ from planner.export.common import (
     actions_csv,
     cut_problems,
     decoder_checkpoints,
+    empty_stage_problems,
+    expert_problems,
     recompute_problems,
     uniform_recompute,
 )
@@ -59,14 +68,29 @@ SCHEDULES = {
 #: the schedule names torchtitan takes with a per-rank action list read from CSV (by chunks per rank)
 CSV_SCHEDULES = ("PipelineScheduleSingle", "PipelineScheduleMulti")
 HEAD_FQNS = ("norm", "lm_head")
+#: the export writes the model's expert settings when it knows them (the profile is given)
+EXPERT_SETTINGS = True
 
 
-def problems(d: Decisions, names: Sequence[str]) -> list[Problem]:
+def problems(d: Decisions, names: Sequence[str], *, experts: Sequence[ExpertLayer] | None = None) -> list[Problem]:
+    """What torchtitan's settings cannot say of decisions ``d`` on layers ``names`` (``experts``:
+    the profile's mixture-of-experts layers, when it was given)."""
     try:
         stack = decoder_stack(names)
     except NotAStack as err:
         return [Problem(f"torchtitan splits decoder models (tok_embeddings, layers.N, norm, lm_head): {err}")]
-    out = cut_problems(d, names, stack, "module_fqns_per_model_part places whole modules")
+    out = expert_problems(names, stack, experts, "torchtitan's MoE (its router's num_experts and top_k)")
+    capacity = [e for e in experts or () if e.capacity_factor is not None]
+    if capacity:
+        out.append(
+            Problem(
+                f"layer {capacity[0].name!r} routes with capacity factor {capacity[0].capacity_factor:g}: torchtitan's "
+                "token-choice MoE is dropless (every routed token reaches its experts, no capacity): profile the "
+                "model without --capacity-factor (balanced routing) and plan it again"
+            )
+        )
+    out += cut_problems(d, names, stack, "module_fqns_per_model_part places whole modules")
+    out += empty_stage_problems(d, names, stack, "module_fqns_per_model_part")
     on_off = recompute_problems(d, stack, "torchtitan's activation checkpointing applies to every transformer block alike")
     return out + (on_off or partial_problems(d, stack))
 
@@ -103,10 +127,17 @@ def model_parts(d: Decisions, stack: DecoderStack, head_fqns: Sequence[str] = HE
 
 
 def settings(
-    d: Decisions, names: Sequence[str], *, head_fqns: Sequence[str] = HEAD_FQNS, csv_path: str = ""
+    d: Decisions,
+    names: Sequence[str],
+    *,
+    head_fqns: Sequence[str] = HEAD_FQNS,
+    csv_path: str = "",
+    experts: Sequence[ExpertLayer] | None = None,
 ) -> dict[str, dict[str, object]]:
     """The TOML tables as a dict: ``parallelism``, ``training``, ``activation_checkpoint``
-    (``csv_path``: where the plan's action list is written, when it has one)."""
+    (``csv_path``: where the plan's action list is written, when it has one; ``experts``: a
+    model with mixture-of-experts layers gets ``expert_parallel_degree`` 1, as pipeplan's plans
+    do not shard experts yet)."""
     stack = decoder_stack(names)
     runs_list = d.actions is not None or d.schedule not in SCHEDULES
     schedule = CSV_SCHEDULES[d.virtual_stages > 1] if runs_list else SCHEDULES[d.schedule]
@@ -125,6 +156,8 @@ def settings(
         par["fsdp_reshard_after_forward"] = "never"
     if runs_list:
         par["pipeline_parallel_schedule_csv"] = csv_path
+    if experts:
+        par["expert_parallel_degree"] = 1
     return {
         "parallelism": par,
         "training": {
@@ -177,7 +210,9 @@ def to_toml(tables: dict[str, dict[str, object]]) -> str:
 
 
 def render(d: Decisions, info: PlanInfo, *, output: str = DEFAULT_FILE, head_fqns: Sequence[str] = HEAD_FQNS) -> Export:
-    tables = settings(d, info.layer_names, head_fqns=head_fqns, csv_path=output + SCHEDULE_CSV_SUFFIX)
+    tables = settings(
+        d, info.layer_names, head_fqns=head_fqns, csv_path=output + SCHEDULE_CSV_SUFFIX, experts=info.experts
+    )
     files: list[ExportFile] = []
     if d.actions is not None or d.schedule not in SCHEDULES:
         files.append(ExportFile(actions_csv(d.action_lines()), SCHEDULE_CSV_SUFFIX))
@@ -186,6 +221,7 @@ def render(d: Decisions, info: PlanInfo, *, output: str = DEFAULT_FILE, head_fqn
     head += [
         f"# torchtitan <= 0.2: merge these tables into the job's TOML (--job.config_file); launch "
         f"{d.tensor_parallel * d.pipeline_degree * d.data_parallel} ranks.",
+        *_expert_comment(info.experts),
         "# torchtitan 0.3 takes the same settings as command-line overrides:",
         f"#   {overrides}",
         "",
@@ -193,3 +229,15 @@ def render(d: Decisions, info: PlanInfo, *, output: str = DEFAULT_FILE, head_fqn
     text = "\n".join(head) + to_toml(tables)
     return Export(TARGET, (ExportFile(text), *files))
 
+
+
+def _expert_comment(experts: Sequence[ExpertLayer] | None) -> list[str]:
+    """torchtitan sets a model's experts in its model configuration, not in the job's."""
+    if not experts:
+        return []
+    e = experts[0]
+    shared = f" and {e.shared_experts} shared expert(s)" if e.shared_experts else ""
+    return [
+        f"# The model's {len(experts)} mixture-of-experts layers have {e.experts} experts{shared}, top-{e.top_k}: "
+        "set them in the model's configuration (its router's num_experts and top_k)."
+    ]
