@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from planner.errors import InputError
+from profiler import _hf_attention
 from profiler.loading import Entrypoint
 
 #: the class families, by suffix of the config's ``architectures`` entry
@@ -150,6 +151,8 @@ def hf_entrypoint(path: str, *, seq: int, name: str | None = None) -> Entrypoint
         )
     cls = model_class(config)
     kind = family(cls, config)
+    if kind == "causal":  # attention as on a GPU: no mask, K/V not repeated (profiler/_hf_attention.py)
+        _hf_attention.gpu_attention(config)
     try:
         model = cls.from_config(config) if cls.__name__.startswith("AutoModel") else cls(config)
     except InputError:
