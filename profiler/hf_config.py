@@ -17,6 +17,13 @@ encoder-decoder) with the language-model loss against labels: a causal LM predic
 token (logits of positions ``0..s-2`` against the labels of ``1..s-1``), a masked LM and a
 sequence-to-sequence model every position.  The labels are the loss's targets (they reach the
 last stage, not every cut).  ``use_cache`` is off (training).
+
+A causal decoder whose every layer attends causally to the whole sequence (Llama, Mistral and
+Mixtral without a sliding window, Qwen2/3, Qwen3-MoE, DeepSeek-V3) attends as on a GPU
+(:mod:`profiler._hf_attention`: ``scaled_dot_product_attention(is_causal=True,
+enable_gqa=True)``, no mask built or sent across cuts, K/V not repeated to every query head);
+the others (Gemma 2's sliding-window layers, encoders, encoder-decoders) keep transformers'
+attention.  ``metadata.profiler.attention`` says which.
 """
 
 from __future__ import annotations
