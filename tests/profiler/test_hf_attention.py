@@ -162,6 +162,45 @@ def test_output_and_gradients_equal_transformers_attention(theirs: str) -> None:
     assert causal.shape == (1, 6, 2, 4) and not torch.allclose(causal, full)
 
 
+_SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+              vocab_size=100, max_position_embeddings=64, use_cache=False)  # fmt: skip
+_TYPES: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "mistral": {"sliding_window": None},
+    "mixtral": {"sliding_window": None, "num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen2": {},
+    "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "shared_expert_intermediate_size": 32},
+    "qwen3": {"head_dim": 16},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "head_dim": 16},
+    "deepseek_v3": {"num_key_value_heads": 8, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
+                    "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+                    "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2,
+                    "topk_group": 1},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", sorted(_TYPES))
+def test_every_model_type_that_takes_it_computes_what_transformers_sdpa_does(model_type: str) -> None:
+    assert set(_TYPES) == _hf_attention.MODEL_TYPES
+    models = []
+    for attn in ("sdpa", _hf_attention.NAME):
+        cfg = transformers.AutoConfig.for_model(model_type, **{**_SMALL, **_TYPES[model_type]})
+        assert _hf_attention.applies(cfg) is None, _hf_attention.applies(cfg)
+        if attn == _hf_attention.NAME:
+            assert _hf_attention.gpu_attention(cfg)
+        else:
+            cfg._attn_implementation = attn
+        torch.manual_seed(0)
+        models.append(transformers.AutoModelForCausalLM.from_config(cfg).float().eval())
+    ref, mine = models
+    mine.load_state_dict(ref.state_dict())
+    assert mine.config._attn_implementation == _hf_attention.NAME
+    ids = torch.randint(0, 100, (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(mine(input_ids=ids).logits, ref(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+
+
 def test_real_cpu_profile_of_a_config_equals_the_fake_one(tmp_path: Any) -> None:
     """``pipeplan profile --hf-config`` without ``--fake`` runs the same attention, traced on
     real tensors: the same bytes and census as the fake profile."""
