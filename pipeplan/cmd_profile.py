@@ -33,7 +33,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--hf-config",
         metavar="PATH",
         help="a Hugging Face config.json, or a folder holding one (e.g. examples/configs/llama3-70b): the model "
-        "is built from it (nothing downloaded) and trained on input_ids of --seq tokens with its LM loss",
+        "is built from it (nothing downloaded) and trained on input_ids of --seq tokens with its LM loss; "
+        "causal decoders without sliding windows (Llama, Mixtral, Qwen, DeepSeek-V3) attend as on a GPU "
+        "(SDPA is_causal with grouped-query K/V: no mask, K/V not repeated)",
     )
     p.add_argument(
         "--fake",

@@ -41,7 +41,7 @@ from planner.cost.compute import DeviceConstants, default_constants, layer_times
 from planner.errors import InputError
 from planner.presets import DEVICES
 from planner.schema import LayerProfile, MeasuredOn, MoELayer, Operation, Profile
-from profiler import _moe_balanced, _torch_fake
+from profiler import _hf_attention, _moe_balanced, _torch_fake
 from profiler.census import census
 from profiler.loading import Entrypoint, call_model, default_loss
 from profiler.measure import dtype_name, parse_dtype, reference_pass, resize_batch, state_storages
@@ -134,6 +134,7 @@ def fake_profile(
                     "memory_efficiency": consts.memory_efficiency,
                     "loss": "custom" if entry.loss_fn is not None else "output.float().mean()",
                     "capture": split.method,
+                    **_hf_attention.attention_metadata(model),
                     "anchors": split.anchors,
                     "merged": split.warnings,
                     "shared_parameters": [[list(x) for x in g] for g in split.shared_parameters()],

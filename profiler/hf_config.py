@@ -17,6 +17,13 @@ encoder-decoder) with the language-model loss against labels: a causal LM predic
 token (logits of positions ``0..s-2`` against the labels of ``1..s-1``), a masked LM and a
 sequence-to-sequence model every position.  The labels are the loss's targets (they reach the
 last stage, not every cut).  ``use_cache`` is off (training).
+
+A causal decoder whose every layer attends causally to the whole sequence (Llama, Mistral and
+Mixtral without a sliding window, Qwen2/3, Qwen3-MoE, DeepSeek-V3) attends as on a GPU
+(:mod:`profiler._hf_attention`: ``scaled_dot_product_attention(is_causal=True,
+enable_gqa=True)``, no mask built or sent across cuts, K/V not repeated to every query head);
+the others (Gemma 2's sliding-window layers, encoders, encoder-decoders) keep transformers'
+attention.  ``metadata.profiler.attention`` says which.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from planner.errors import InputError
+from profiler import _hf_attention
 from profiler.loading import Entrypoint
 
 #: the class families, by suffix of the config's ``architectures`` entry
@@ -150,6 +158,8 @@ def hf_entrypoint(path: str, *, seq: int, name: str | None = None) -> Entrypoint
         )
     cls = model_class(config)
     kind = family(cls, config)
+    if kind == "causal":  # attention as on a GPU: no mask, K/V not repeated (profiler/_hf_attention.py)
+        _hf_attention.gpu_attention(config)
     try:
         model = cls.from_config(config) if cls.__name__.startswith("AutoModel") else cls(config)
     except InputError:

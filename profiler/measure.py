@@ -66,7 +66,7 @@ from torch import Tensor, nn
 
 from planner.errors import InputError
 from planner.schema import LayerProfile, MeasuredOn, Operation, Profile
-from profiler import _torch_private
+from profiler import _hf_attention, _torch_private
 from profiler._torch_fake import storage_key
 from profiler.census import census
 from profiler.loading import call_model, check_example_inputs, default_loss, model_inputs
@@ -456,6 +456,7 @@ def measure_split(
                 "clock": "cuda-events" if dev.type == "cuda" else clock,
                 "loss": "custom" if loss_fn is not None else "output.float().mean()",
                 "capture": split.method,
+                **_hf_attention.attention_metadata(split.model),
                 "anchors": split.anchors,
                 "merged": split.warnings,
                 "shared_parameters": [[list(x) for x in g] for g in split.shared_parameters()],
