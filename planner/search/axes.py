@@ -454,7 +454,7 @@ def solve(
         phase1(deferred, first_index=1)
     # phase 2: ZeRO 1-3, unless it is free and no family's ZeRO-0 plan is memory-bound (then the
     # gap covers ZeRO 0, and the message says so)
-    if not any(z > 0 for z in zeros) or skip_zero:
+    if (not any(z > 0 for z in zeros) and experts == [1]) or skip_zero:
         skipped_zero.extend(zero_families if skip_zero else [])
         zero_families = []
     for fam in zero_families:
@@ -465,14 +465,18 @@ def solve(
         if exact:
             # a small instance: every (ZeRO stage, D) solved with D fixed, each solve's proven
             # bound covering its plans, so the gap over ZeRO is exact (no relaxation)
-            for z, d in ((z, d) for z in zeros if z > 0 for d in exact):
+            # (with expert parallelism each E too: its all-to-alls priced on the closest members,
+            # pipeline degree 1, so each solve's bound covers its plans at every K)
+            for z, e, d in ((z, e, d) for z in zeros for e in experts for d in exact
+                            if (z > 0 or e > 1) and not (expert_fixed and e == 1)
+                            and (d * fam.context_parallel) % e == 0):
                 if late():
                     bounds.append(work[fam])
                     break
-                plan = run(fam, z, d, optimistic_link=True)
+                plan = run(fam, z, d, optimistic_link=True, expert=e)
                 if plan is not None:
                     bounds.append(_bound_of(plan))
-                    offer(reprice(plan, fam, z))
+                    offer(reprice(plan, fam, z, e))
             continue
         relaxed = run(fam, 0, options.data_parallel, relaxed=True)
         if relaxed is None:
