@@ -18,7 +18,16 @@ from planner.cost.collectives import all_gather_ms, all_to_all_ms, reduce_scatte
 from planner.errors import InfeasibleError, InputError
 from planner.experts import expert_group, expert_layer
 from planner.mesh import Mesh, mesh_problem
-from planner.schema import Cluster, LayerProfile, MeasuredOn, MoELayer, Operation, PlanOptions, Profile, TrainingSetup
+from planner.schema import (
+    Cluster,
+    LayerProfile,
+    MeasuredOn,
+    MoELayer,
+    Operation,
+    PlanOptions,
+    Profile,
+    TrainingSetup,
+)
 from planner.solver import solve
 from tests.planner.helpers import MiB
 
