@@ -11,6 +11,7 @@ decisions the target is closer to expressing.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -60,9 +61,11 @@ class Decisions:
 
     ``tensor_parallel``, ``zero_stage`` and ``sequence_parallel`` are read from the plan when
     its schema carries them (``tensor_parallel_degree``, ``zero_stage``, ``sequence_parallel``)
-    and default to 1, 0, False.  ``actions`` is the plan's own per-rank action list
-    (``"0F3"``, ``"1B2"``, ...) when it carries one that is not its named schedule's template
-    (:func:`own_actions`), else ``None``.
+    and default to 1, 0, False; so are ``context_parallel`` C and ``context_attention``
+    (``context_parallel_degree``, ``context_attention``: 1, "all-gather") and
+    ``expert_parallel`` E (``expert_parallel_degree``: 1).  ``actions`` is the plan's own
+    per-rank action list (``"0F3"``, ``"1B2"``, ...) when it carries one that is not its named
+    schedule's template (:func:`own_actions`), else ``None``.
 
     ``checkpointed_layers[s]``: how many of stage ``s``'s first layers are checkpointed, one by
     one (``StagePlan.checkpointed_layers``: every layer of a recomputing stage unless the plan
@@ -84,6 +87,9 @@ class Decisions:
     actions: tuple[tuple[str, ...], ...] | None = None
     selective_recompute: bool = False
     checkpointed_layers: tuple[int, ...] = ()
+    context_parallel: int = 1
+    context_attention: str = "all-gather"
+    expert_parallel: int = 1
 
     def __post_init__(self) -> None:
         if not self.checkpointed_layers:
@@ -105,6 +111,9 @@ class Decisions:
             actions=own_actions(plan),
             selective_recompute=bool(getattr(plan, "selective_recompute", False)),
             checkpointed_layers=tuple(s.checkpointed_layers for s in plan.stages),
+            context_parallel=int(getattr(plan, "context_parallel_degree", 1) or 1),
+            context_attention=str(getattr(plan, "context_attention", "all-gather") or "all-gather"),
+            expert_parallel=int(getattr(plan, "expert_parallel_degree", 1) or 1),
         )
 
     def replace(self, **changes: object) -> Decisions:
@@ -166,9 +175,18 @@ class Decisions:
     def num_layers(self) -> int:
         return self.stages[-1][1]
 
+    @property
+    def world_size(self) -> int:
+        """Ranks the plan runs on: K x D x T x C (E is drawn from the D x C ranks)."""
+        return self.pipeline_degree * self.data_parallel * self.tensor_parallel * self.context_parallel
+
     def summary(self) -> str:
         v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
         mesh = f" x T={self.tensor_parallel}" if self.tensor_parallel > 1 else ""
+        if self.context_parallel > 1:
+            mesh += f" x C={self.context_parallel} ({self.context_attention} attention)"
+        if self.expert_parallel > 1:
+            mesh += f", E={self.expert_parallel}"
         return (
             f"{self.schedule}, K={self.pipeline_degree}{v} x D={self.data_parallel}{mesh}, "
             f"M={self.num_microbatches} micro-batches of {self.microbatch_size}"
@@ -303,6 +321,46 @@ def _with_schedule(d: Decisions, schedule: Schedule, what: str) -> list[tuple[st
         m = bigger[0]
         change.append(f"M={m} (1F1B needs M >= K={k})")
     return [("; ".join(change), d.replace(schedule=schedule, num_microbatches=m, actions=None))]
+
+
+def context_off(d: Decisions) -> list[tuple[str, Decisions]]:
+    """Context parallelism off (C = 1, all-gather), the same D, T and K: each sequence on one
+    device of its tensor-parallel group.  E must still divide D: where it does not, E becomes
+    the largest degree that divides both."""
+    e = math.gcd(d.expert_parallel, d.data_parallel)
+    also = f" and E={e} (E must divide D={d.data_parallel})" if e != d.expert_parallel else ""
+    return [(f"context parallelism off (C=1 instead of {d.context_parallel}){also}",
+             d.replace(context_parallel=1, context_attention="all-gather", expert_parallel=e))]
+
+
+def experts_off(d: Decisions) -> list[tuple[str, Decisions]]:
+    """Expert parallelism off (E = 1): every rank holds all of a layer's experts."""
+    return [(f"expert parallelism off (E=1 instead of {d.expert_parallel})", d.replace(expert_parallel=1))]
+
+
+def axis_problems(d: Decisions, target: str) -> list[Problem]:
+    """Context (C) and expert (E) parallelism for a target that has neither: each refused with
+    the plan without it as the fix."""
+    out: list[Problem] = []
+    if d.context_parallel > 1:
+        out.append(
+            Problem(
+                f"context parallelism C={d.context_parallel} ({d.context_attention} attention): {target} has no "
+                "context parallelism (every device of a stage runs whole sequences)",
+                context_off,
+                "--context-parallel 1",
+            )
+        )
+    if d.expert_parallel > 1:
+        out.append(
+            Problem(
+                f"expert parallelism E={d.expert_parallel}: {target} has no expert parallelism (every rank of a "
+                "stage holds all of its mixture-of-experts layers' experts)",
+                experts_off,
+                "--expert-parallel 1",
+            )
+        )
+    return out
 
 
 def uniform_recompute(d: Decisions, applies: Sequence[bool]) -> list[tuple[str, Decisions]]:
@@ -566,6 +624,9 @@ def price(plan: Plan, d: Decisions, profile: Profile) -> Plan:
             sequence_parallel=d.sequence_parallel,
             tensor_parallel_across_nodes=d.tensor_parallel > plan.cluster.devices_per_node,
             selective_recompute=d.selective_recompute,
+            context_parallel=d.context_parallel,
+            expert_parallel=d.expert_parallel,
+            context_attention=d.context_attention,
         ),
     )
 

@@ -14,7 +14,9 @@ Units are list positions, so any model whose layers you can list works.  Refused
 nearest plan: interleaving and GPipe (the pipeline engine runs one stage per rank with its 1F1B
 ``TrainSchedule``), ZeRO 2-3 (the pipeline engine allows ZeRO 0-1), an action list, and a stage
 that checkpoints only its first layers (the interval checkpoints every layer of the stage: every
-layer of such stages, or none).  DeepSpeed's ``train_batch_size`` is micro-batch x gradient
+layer of such stages, or none), context parallelism (C > 1) and expert parallelism (E > 1): the
+pipeline engine has neither, so the nearest plan turns them off (C = 1 or E = 1, the same D, T, K,
+priced).  DeepSpeed's ``train_batch_size`` is micro-batch x gradient
 accumulation x data-parallel size, i.e. the plan's global batch with M accumulation steps.
 """
 
@@ -31,6 +33,7 @@ from planner.export.common import (
     ExportFile,
     PlanInfo,
     Problem,
+    axis_problems,
     merge_chunks,
     to_1f1b,
     to_classic,
@@ -46,7 +49,7 @@ REPLAN_SCHEDULES = "--zero 0"
 def problems(d: Decisions, names: Sequence[str], *, experts: Sequence[ExpertLayer] | None = None) -> list[Problem]:
     """What this target cannot express of decisions ``d`` on layers ``names`` (``experts`` does not
     matter here: the target places layers, experts and all, and takes no expert settings)."""
-    out: list[Problem] = []
+    out: list[Problem] = axis_problems(d, "DeepSpeed's pipeline engine")
     if d.schedule not in CLASSIC_SCHEDULES:
         out.append(
             Problem(
@@ -139,7 +142,7 @@ def config(d: Decisions, info: PlanInfo) -> dict[str, object]:
 
 def render(d: Decisions, info: PlanInfo, *, output: str = DEFAULT_FILE) -> Export:
     text = _dump(config(d, info)) + "\n"
-    world = d.pipeline_degree * d.data_parallel * d.tensor_parallel
+    world = d.world_size
     spans = ", ".join(f"{info.layer_names[a]}..{info.layer_names[b - 1]}" for a, b in d.stages[:4])
     notes = (
         *info.header(TARGET, d),

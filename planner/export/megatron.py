@@ -5,12 +5,27 @@ output layer, loss) is ``L`` (a Hugging Face decoder's ``model.embed_tokens``, `
 ``model.norm`` + ``lm_head``; its ``model.rotary_emb`` places nothing and goes with its stage).
 ``--num-layers`` (a model flag, named in the header) is the number of decoder layers.
 
-Mixture of experts, when the profile is given: ``--num-experts E --moe-router-topk k
---expert-model-parallel-size 1`` (pipeplan's plans do not shard experts yet), ``--moe-layer-freq``
+Mixture of experts, when the profile is given: ``--num-experts N --moe-router-topk k
+--expert-model-parallel-size E`` (the plan's expert-parallel degree), ``--moe-layer-freq``
 when only some decoder layers have experts (DeepSeek-V3's dense first layers), and a profile routed
 with a capacity factor as ``--moe-expert-capacity-factor`` with padding.  Shared experts need
 ``--moe-shared-expert-intermediate-size``, which the profile does not know: the header asks for it.
-Layers with different expert settings are refused (one set of flags for every MoE layer).  ``--pipeline-model-parallel-layout`` lists the stages separated by
+Layers with different expert settings are refused (one set of flags for every MoE layer).
+
+Context and expert parallelism: ``--context-parallel-size C`` with ``--cp-comm-type all_gather``
+(K/V all-gathered before attention, the plan's "all-gather") or ``p2p`` (K/V passed around a ring
+overlapped with attention, the plan's "ring"); both need Transformer Engine's attention, and
+Megatron cuts each sequence into 2C chunks (``--seq-length`` a multiple of 2C, as pipeplan's cost
+model assumes).  ``--expert-model-parallel-size E`` shards each MoE layer's experts over E ranks;
+Megatron orders ranks ``tp-cp-ep-dp-pp`` (tensor-parallel ranks innermost) and draws an expert
+group from the CP x DP ranks, context-parallel ranks first, each expert split over the
+tensor-parallel ranks (expert tensor parallelism defaults to TP): pipeplan's group and sharding
+(:mod:`planner.experts`).  Megatron checks that E divides DP x CP (``world_size`` divisible by
+TP x EP x PP) and the expert count, and Megatron-LM asserts ``--sequence-parallel`` for a MoE model
+with TP > 1: plans without it are refused, with the nearest plan.  The launch line counts
+TP x CP x PP x DP ranks.
+
+``--pipeline-model-parallel-layout`` lists the stages separated by
 ``|``; stage *i* of that flat list runs on pipeline rank ``i % PP`` as virtual stage ``i // PP``,
 which is pipeplan's placement.  Megatron-LM refuses ``--num-virtual-stages-per-pipeline-rank``
 next to a layout (the layout implies it), so the flag is written only when the plan's split is
@@ -63,6 +78,7 @@ from planner.export.common import (
     empty_stage_problems,
     expert_decoders,
     expert_problems,
+    experts_off,
     merge_chunks,
     recompute_problems,
     to_1f1b,
@@ -76,6 +92,9 @@ LAYER_CHARS = {"embedding": "E", "decoder": "t", "head": "L"}
 ARRAY = "PIPEPLAN_MEGATRON_ARGS"
 #: the export writes the model's expert settings when it knows them (the profile is given)
 EXPERT_SETTINGS = True
+#: the plan's context attention -> Megatron's --cp-comm-type (megatron-core's TransformerConfig.cp_comm_type,
+#: Transformer Engine's names; Megatron-LM's help text spells the first "allgather", which TE does not take)
+CP_COMM_TYPES = {"all-gather": "all_gather", "ring": "p2p"}
 #: what a new plan needs to stay within Megatron's schedules (added to every replan hint)
 REPLAN_SCHEDULES = "--schedules 1f1b,interleaved-1f1b --zero 0"
 
@@ -88,6 +107,7 @@ def problems(d: Decisions, names: Sequence[str], *, experts: Sequence[ExpertLaye
     except NotAStack as err:
         return [Problem(f"Megatron places an embedding (E), decoder layers (t) and a loss head (L): {err}")]
     out = expert_problems(names, stack, experts, "Megatron-LM (--num-experts, --moe-router-topk)")
+    out += mesh_problems(d, experts)
     out += cut_problems(d, names, stack, "Megatron's layout places whole decoder layers")
     out += empty_stage_problems(d, names, stack, "Megatron's layout")
     if d.schedule == "gpipe":
@@ -131,6 +151,45 @@ def problems(d: Decisions, names: Sequence[str], *, experts: Sequence[ExpertLaye
                 "ZeRO stage 3: --use-distributed-optimizer shards optimizer state and gradients (ZeRO 1-2), "
                 "not parameters",
                 lambda x: [("ZeRO stage 2", x.replace(zero_stage=2))],
+            )
+        )
+    return out
+
+
+def mesh_problems(d: Decisions, experts: Sequence[ExpertLayer] | None) -> list[Problem]:
+    """Expert parallelism Megatron cannot set up: E not dividing DP x CP (its expert rank
+    generator needs ``world_size`` divisible by TP x EP x PP) or the expert count; and a MoE model
+    with TP > 1 without sequence parallelism, which Megatron-LM's argument check refuses."""
+    out: list[Problem] = []
+    e, dc = d.expert_parallel, d.data_parallel * d.context_parallel
+    if e > 1 and dc % e:
+        out.append(
+            Problem(
+                f"expert parallelism E={e} does not divide DP x CP = {d.data_parallel} x {d.context_parallel} = {dc}: "
+                "Megatron draws the expert-parallel ranks from the data- and context-parallel ranks "
+                "(world size divisible by TP x EP x PP)",
+                experts_off,
+                "--expert-parallel 1",
+            )
+        )
+    counts = sorted({x.experts for x in experts or ()})
+    if e > 1 and any(n % e for n in counts):
+        out.append(
+            Problem(
+                f"expert parallelism E={e} does not divide the {counts[0]} experts of a layer: Megatron "
+                "(--expert-model-parallel-size) gives every expert-parallel rank the same number of experts",
+                experts_off,
+                "--expert-parallel 1",
+            )
+        )
+    moe = bool(experts) or e > 1
+    if moe and d.tensor_parallel > 1 and not d.sequence_parallel:
+        out.append(
+            Problem(
+                f"a mixture-of-experts model with tensor parallelism T={d.tensor_parallel} and no sequence parallelism: "
+                "Megatron-LM requires --sequence-parallel with experts and TP > 1",
+                lambda x: [("sequence parallelism on", x.replace(sequence_parallel=True))],
+                "--sequence-parallel",
             )
         )
     return out
@@ -250,6 +309,8 @@ def argv(d: Decisions, names: Sequence[str], *, experts: Sequence[ExpertLayer] |
     args = ["--pipeline-model-parallel-size", str(d.pipeline_degree), "--tensor-model-parallel-size", str(d.tensor_parallel)]
     if d.sequence_parallel and d.tensor_parallel > 1:
         args.append("--sequence-parallel")
+    if d.context_parallel > 1:
+        args += ["--context-parallel-size", str(d.context_parallel), "--cp-comm-type", CP_COMM_TYPES[d.context_attention]]
     if not is_even_split(stages, stack.num_decoder_layers):
         args += ["--pipeline-model-parallel-layout", encode_layout(stages)]
     elif d.virtual_stages > 1:
@@ -258,18 +319,22 @@ def argv(d: Decisions, names: Sequence[str], *, experts: Sequence[ExpertLayer] |
     args += recompute_args(d, stack)
     if d.zero_stage >= 1:
         args.append("--use-distributed-optimizer")
-    return args + expert_args(names, stack, experts or ())
+    return args + expert_args(names, stack, experts or (), expert_parallel=d.expert_parallel)
 
 
-def expert_args(names: Sequence[str], stack: DecoderStack, experts: Sequence[ExpertLayer]) -> list[str]:
-    """``--num-experts E --moe-router-topk k --expert-model-parallel-size 1`` for a model with
-    mixture-of-experts layers (pipeplan's plans do not shard experts yet), ``--moe-layer-freq``
-    when only some decoder layers have experts, and Megatron's capacity with padding for a
-    profile routed with a capacity factor (every expert processes its capacity)."""
+def expert_args(
+    names: Sequence[str], stack: DecoderStack, experts: Sequence[ExpertLayer], *, expert_parallel: int = 1
+) -> list[str]:
+    """``--num-experts N --moe-router-topk k --expert-model-parallel-size E`` for a model with
+    mixture-of-experts layers, ``--moe-layer-freq`` when only some decoder layers have experts,
+    and Megatron's capacity with padding for a profile routed with a capacity factor (every
+    expert processes its capacity).  Without the profile (``experts`` empty) only E > 1 is
+    written: the model flags must then say ``--num-experts``."""
     if not experts:
-        return []
+        return ["--expert-model-parallel-size", str(expert_parallel)] if expert_parallel > 1 else []
     e = experts[0]
-    args = ["--num-experts", str(e.experts), "--moe-router-topk", str(e.top_k), "--expert-model-parallel-size", "1"]
+    args = ["--num-experts", str(e.experts), "--moe-router-topk", str(e.top_k),
+            "--expert-model-parallel-size", str(expert_parallel)]
     pattern = [int(x) for x in expert_decoders(names, stack, experts)]
     if not all(pattern):
         args += ["--moe-layer-freq", encode_layer_freq(pattern)]
@@ -307,10 +372,11 @@ def recompute_args(d: Decisions, stack: DecoderStack) -> list[str]:
 def render(d: Decisions, info: PlanInfo, *, output: str = DEFAULT_FILE) -> Export:
     stack = decoder_stack(info.layer_names)
     args = argv(d, info.layer_names, experts=info.experts)
-    world = d.tensor_parallel * d.pipeline_degree * d.data_parallel
+    cp = f" x CP {d.context_parallel}" if d.context_parallel > 1 else ""
     lines = [f"# {line}" for line in info.header(TARGET, d)] + _expert_comment(info.experts)
+    lines += _mesh_comment(d, info.experts)
     lines += [
-        f"# Megatron-LM flags. Launch {world} ranks (TP {d.tensor_parallel} x PP {d.pipeline_degree} x DP "
+        f"# Megatron-LM flags. Launch {d.world_size} ranks (TP {d.tensor_parallel}{cp} x PP {d.pipeline_degree} x DP "
         f"{d.data_parallel}); your model flags must say --num-layers {stack.num_decoder_layers}.",
         f"# Layout stage i runs on pipeline rank i % {d.pipeline_degree}. Use:",
         f'#   source {output} && torchrun ... pretrain_gpt.py "${{{ARRAY}[@]}}" <model, data and optimizer flags>',
@@ -327,6 +393,31 @@ def render(d: Decisions, info: PlanInfo, *, output: str = DEFAULT_FILE) -> Expor
     lines.append(")")
     return Export(TARGET, (ExportFile("\n".join(lines) + "\n"),))
 
+
+
+def _mesh_comment(d: Decisions, experts: Sequence[ExpertLayer] | None) -> list[str]:
+    """What the context- and expert-parallel flags need from the rest of the command line."""
+    lines: list[str] = []
+    c, e = d.context_parallel, d.expert_parallel
+    if c > 1:
+        lines.append(
+            f"# Context parallelism: each sequence split over {c} ranks, {2 * c} chunks (--seq-length a multiple of "
+            f"{2 * c}); --cp-comm-type {CP_COMM_TYPES[d.context_attention]} needs Transformer Engine "
+            "(--transformer-impl transformer_engine)."
+        )
+        if d.zero_stage >= 1:
+            lines.append(
+                "# Megatron's distributed optimizer shards over DP x CP ranks, pipeplan's ZeRO over DP only: "
+                "Megatron keeps less optimizer state than predicted."
+            )
+    if e > 1:
+        lines.append(
+            f"# Expert parallelism: each MoE layer's experts sharded over {e} of the DP x CP ranks (Megatron's rank "
+            "order tp-cp-ep-dp-pp: context-parallel ranks first), each expert split over the TP ranks."
+        )
+        if not experts:
+            lines.append("# Your model flags must set --num-experts and --moe-router-topk (export with --profile to write them).")
+    return lines
 
 
 def _expert_comment(experts: Sequence[ExpertLayer] | None) -> list[str]:

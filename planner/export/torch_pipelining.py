@@ -11,7 +11,9 @@ Every schedule pipeplan plans exists in torch (``ScheduleGPipe``, ``Schedule1F1B
 first ``RECOMPUTE_LAYERS[s]`` layers, each under its own ``torch.utils.checkpoint``
 (``RECOMPUTE_STAGES``: the stages with any).
 Refused: a stage that starts at a module's second call (``name#1``), which has no name to split
-at; the cut moves to the nearest layer that has one.  A plan with its own action list is written
+at; the cut moves to the nearest layer that has one.  Context parallelism (C > 1) and expert
+parallelism (E > 1) are refused too (the split plan places stages; it has no mesh of its own),
+with the nearest plan without them.  A plan with its own action list is written
 for torch's ``_PipelineScheduleRuntime`` (private API) with the CSV beside it.
 """
 
@@ -29,6 +31,7 @@ from planner.export.common import (
     PlanInfo,
     Problem,
     actions_csv,
+    axis_problems,
     snap_cuts,
 )
 from planner.export.mapping import split_point_ok
@@ -54,15 +57,17 @@ RUNTIME_CLASS = "_PipelineScheduleRuntime"
 def problems(d: Decisions, names: Sequence[str], *, experts: Sequence[ExpertLayer] | None = None) -> list[Problem]:
     """What this target cannot express of decisions ``d`` on layers ``names`` (``experts`` does not
     matter here: the target places layers, experts and all, and takes no expert settings)."""
+    out = axis_problems(d, "torch.distributed.pipelining's split plan")
     bad = [a for a, _ in d.stages[1:] if not split_point_ok(names[a])]
     if not bad:
-        return []
+        return out
     return [
+        *out,
         Problem(
             f"stage boundary at layer {bad[0]} ({names[bad[0]]!r}): a module's second call has no name "
             "to give pipeline() as a split point",
             lambda x: snap_cuts(x, lambda i: i >= len(names) or split_point_ok(names[i]), "cuts moved to named modules"),
-        )
+        ),
     ]
 
 
@@ -80,7 +85,7 @@ def render(d: Decisions, info: PlanInfo, *, output: str = DEFAULT_FILE) -> Expor
     first_arg = "stages[0]" if single else "stages"
     lines = ['"""' + info.header(TARGET, d)[0], info.header(TARGET, d)[1], ""]
     lines += [
-        f"Launch {k * d.data_parallel * d.tensor_parallel} ranks: pipeline rank k = rank % {k}, replica d = rank // {k}.",
+        f"Launch {d.world_size} ranks: pipeline rank k = rank % {k}, replica d = rank // {k}.",
         "",
         "    pipe = pipeline(model, mb_args=(one_microbatch,), split_spec=SPLIT_SPEC)",
         "    stages = [pipe.build_stage(s, device, group=pp_group) for s in STAGES_OF_RANK[pp_rank]]",

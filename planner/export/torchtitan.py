@@ -8,9 +8,26 @@ Units: the embedding is ``tok_embeddings``, decoder layer *i* is ``layers.i``, t
 ``model.layers.i``, ``model.norm``, ``lm_head`` are these modules; its ``model.rotary_emb``
 (torchtitan keeps rope as a buffer) places nothing and goes with its stage.
 
-Mixture of experts, when the profile is given: ``expert_parallel_degree = 1`` (pipeplan's plans do
-not shard experts yet); the experts and top-k are torchtitan model settings, named in the header.
-Its token-choice MoE is dropless, so a profile routed with a capacity factor is refused.
+Mixture of experts, when the profile is given: ``expert_parallel_degree`` is the plan's E; the
+experts and top-k are torchtitan model settings, named in the header.  Its token-choice MoE is
+dropless, so a profile routed with a capacity factor is refused.
+
+Context parallelism: ``context_parallel_degree = C``.  torchtitan attends under context
+parallelism by all-gathering K/V: its SDPA path runs torch's ``context_parallel`` with the default
+rotate method, "allgather" (torchtitan 0.2 names it, ``context_parallel_rotate_method``), and
+its FlexAttention path gathers K/V itself.  That is the plan's "all-gather" attention; a "ring"
+plan (torch's ring pass, 0.2's "alltoall", which 0.3 cannot set) is refused with the same plan
+on all-gather attention as the nearest.  torchtitan's FSDP mesh is data_parallel_shard x context
+parallel, so it shards parameters over the C ranks that pipeplan prices as replicas (less memory
+than predicted); with ZeRO 0 the export sets ``fsdp_reshard_after_forward = "never"`` (whole
+parameters after the first all-gather).  The sequence length must be a multiple of 2 x C x T.
+
+Expert parallelism: torchtitan draws the E ranks from data_parallel_shard x context_parallel x
+tensor_parallel (0.3; 0.2 with its default ``expert_tensor_parallel_degree = 1``), context-parallel
+ranks before data-parallel ones, with whole experts on each rank.  pipeplan's plan splits each
+expert over the T tensor-parallel ranks and draws E from D x C, so E > 1 with T > 1 is refused
+(nearest: E = 1), as is E not dividing data_parallel_shard_degree x C (with ZeRO 0 data
+parallelism replicates and lends no rank: nearest ZeRO 1, or E dividing C).
 
 torchtitan 0.2 reads the fragment from ``--job.config_file``.  torchtitan 0.3 configures a job in
 Python (``config_registry``) and takes overrides on the command line; the header of the file holds
@@ -33,6 +50,7 @@ carries its own action list is written as ``pipeline_parallel_schedule_csv`` plu
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 
 from planner.export.common import (
@@ -48,6 +66,7 @@ from planner.export.common import (
     decoder_checkpoints,
     empty_stage_problems,
     expert_problems,
+    experts_off,
     recompute_problems,
     uniform_recompute,
 )
@@ -89,10 +108,65 @@ def problems(d: Decisions, names: Sequence[str], *, experts: Sequence[ExpertLaye
                 "model without --capacity-factor (balanced routing) and plan it again"
             )
         )
+    out += mesh_problems(d)
     out += cut_problems(d, names, stack, "module_fqns_per_model_part places whole modules")
     out += empty_stage_problems(d, names, stack, "module_fqns_per_model_part")
     on_off = recompute_problems(d, stack, "torchtitan's activation checkpointing applies to every transformer block alike")
     return out + (on_off or partial_problems(d, stack))
+
+
+def mesh_problems(d: Decisions) -> list[Problem]:
+    """Context and expert parallelism torchtitan cannot run as the plan prices it: ring attention,
+    experts split over tensor-parallel ranks, E not dividing its FSDP ranks."""
+    out: list[Problem] = []
+    c, e = d.context_parallel, d.expert_parallel
+    if c > 1 and d.context_attention == "ring":
+        out.append(
+            Problem(
+                f"context parallelism C={c} with ring attention: torchtitan all-gathers K/V (torch's context_parallel "
+                "with its default rotate method; 0.3 has no setting for a ring pass)",
+                lambda x: [("all-gather attention instead of ring", x.replace(context_attention="all-gather"))],
+                "--context-attention all-gather",
+            )
+        )
+    if e > 1 and d.tensor_parallel > 1:
+        out.append(
+            Problem(
+                f"expert parallelism E={e} with tensor parallelism T={d.tensor_parallel}: torchtitan's expert-parallel "
+                "ranks include the tensor-parallel ones (whole experts on each rank), the plan splits every expert "
+                f"over T={d.tensor_parallel} and shards them over E of the D x C ranks",
+                experts_off,
+                "--expert-parallel 1",
+            )
+        )
+    elif e > 1 and (shard := _shard_degree(d) * c) % e:
+        zero = d.zero_stage == 0 and d.data_parallel > 1
+        out.append(
+            Problem(
+                f"expert parallelism E={e} does not divide data_parallel_shard_degree x context_parallel_degree = "
+                f"{_shard_degree(d)} x {c} = {shard}: torchtitan borrows the expert-parallel ranks from its FSDP ranks"
+                + (f" (ZeRO 0 replicates over D={d.data_parallel}: data_parallel_replicate_degree lends none)" if zero else ""),
+                _fsdp_or_fewer_experts,
+                "--expert-parallel 1",
+            )
+        )
+    return out
+
+
+def _shard_degree(d: Decisions) -> int:
+    """torchtitan's data_parallel_shard_degree for decisions ``d``: D under ZeRO 1-3, else 1."""
+    return 1 if d.zero_stage == 0 else d.data_parallel
+
+
+def _fsdp_or_fewer_experts(d: Decisions) -> list[tuple[str, Decisions]]:
+    """ZeRO 1 (FSDP over the D replicas lends them to expert parallelism), or the largest E that
+    divides the context-parallel ranks (1: expert parallelism off)."""
+    out: list[tuple[str, Decisions]] = []
+    if d.zero_stage == 0 and d.data_parallel > 1:
+        out.append(("ZeRO stage 1 (data_parallel_shard_degree = D)", d.replace(zero_stage=1)))
+    fewer = math.gcd(d.expert_parallel, d.context_parallel)
+    out.append((f"E={fewer} instead of {d.expert_parallel}", d.replace(expert_parallel=fewer)))
+    return out
 
 
 def partial_problems(d: Decisions, stack: DecoderStack) -> list[Problem]:
@@ -136,8 +210,8 @@ def settings(
 ) -> dict[str, dict[str, object]]:
     """The TOML tables as a dict: ``parallelism``, ``training``, ``activation_checkpoint``
     (``csv_path``: where the plan's action list is written, when it has one; ``experts``: a
-    model with mixture-of-experts layers gets ``expert_parallel_degree`` 1, as pipeplan's plans
-    do not shard experts yet)."""
+    model with mixture-of-experts layers gets ``expert_parallel_degree``, the plan's E, which is
+    also written for E > 1 without them; C > 1 adds ``context_parallel_degree``)."""
     stack = decoder_stack(names)
     runs_list = d.actions is not None or d.schedule not in SCHEDULES
     schedule = CSV_SCHEDULES[d.virtual_stages > 1] if runs_list else SCHEDULES[d.schedule]
@@ -152,12 +226,14 @@ def settings(
     }
     if d.tensor_parallel > 1:
         par["enable_sequence_parallel"] = d.sequence_parallel
-    if d.zero_stage in (1, 2):
-        par["fsdp_reshard_after_forward"] = "never"
+    if d.zero_stage in (1, 2) or (d.zero_stage == 0 and d.context_parallel > 1):
+        par["fsdp_reshard_after_forward"] = "never"  # ZeRO 0 under C > 1: FSDP over the C ranks, kept whole
     if runs_list:
         par["pipeline_parallel_schedule_csv"] = csv_path
-    if experts:
-        par["expert_parallel_degree"] = 1
+    if d.context_parallel > 1:
+        par["context_parallel_degree"] = d.context_parallel
+    if experts or d.expert_parallel > 1:
+        par["expert_parallel_degree"] = d.expert_parallel
     return {
         "parallelism": par,
         "training": {
@@ -220,8 +296,9 @@ def render(d: Decisions, info: PlanInfo, *, output: str = DEFAULT_FILE, head_fqn
     head = [f"# {line}" for line in info.header(TARGET, d)]
     head += [
         f"# torchtitan <= 0.2: merge these tables into the job's TOML (--job.config_file); launch "
-        f"{d.tensor_parallel * d.pipeline_degree * d.data_parallel} ranks.",
+        f"{d.world_size} ranks.",
         *_expert_comment(info.experts),
+        *_mesh_comment(d),
         "# torchtitan 0.3 takes the same settings as command-line overrides:",
         f"#   {overrides}",
         "",
@@ -229,6 +306,25 @@ def render(d: Decisions, info: PlanInfo, *, output: str = DEFAULT_FILE, head_fqn
     text = "\n".join(head) + to_toml(tables)
     return Export(TARGET, (ExportFile(text), *files))
 
+
+
+def _mesh_comment(d: Decisions) -> list[str]:
+    """What torchtitan does with the plan's context and expert parallelism."""
+    lines: list[str] = []
+    c = d.context_parallel
+    if c > 1:
+        lines += [
+            f"# Context parallelism C={c}: torchtitan all-gathers K/V, as the plan (0.2: context_parallel_rotate_method "
+            f'"allgather", its default); training.seq_len must be a multiple of {2 * c * d.tensor_parallel} (2 x C x T).',
+            "# torchtitan shards parameters over the context-parallel ranks too (FSDP over data_parallel_shard x "
+            "context_parallel): less memory than pipeplan predicts.",
+        ]
+    if d.expert_parallel > 1:
+        lines.append(
+            f"# Expert parallelism E={d.expert_parallel}: experts sharded over {d.expert_parallel} of the "
+            "data_parallel_shard x context_parallel ranks (context-parallel ranks first), as pipeplan prices it."
+        )
+    return lines
 
 
 def _expert_comment(experts: Sequence[ExpertLayer] | None) -> list[str]:
