@@ -12,7 +12,9 @@ mean absolute percentage error (MAPE) per source:
 
 1. with the defaults (no constant passed: the device model's published defaults);
 2. with at most two constants per device type (the device model's GEMM efficiency and memory
-   efficiency) fitted on ONE source, and reported on the others (held out).
+   efficiency) fitted on ONE source, and reported on the others (held out).  The sources are
+   A100 runs; the Llama rows (H100) take the fit's ratio to the A100 defaults, applied to the
+   H100 defaults.
 
 Sources (each CSV's header says more):
 
@@ -23,9 +25,30 @@ Sources (each CSV's header says more):
   layers per rank divide (``benchmarks/megatron.py`` makes the same assumption);
 * ``korthikanti_2022_table5.csv``: Korthikanti et al. 2022, Table 5, seconds per iteration,
   full recompute against sequence parallelism + selective recompute (A100-80GB);
-* ``llama3_405b_table4.csv``: Llama 3 405B on H100.  Not priced yet: grouped-query attention,
-  the SwiGLU MLP and context parallelism are open issues (synth writes neither), so its rows
-  are listed as skipped with the reason.
+* ``llama3_405b_table4.csv``: Dubey et al. (Llama Team), "The Llama 3 Herd of Models", arXiv
+  2407.21783, Table 4: Llama 3 405B pre-training on H100-80GB, BF16 model TFLOP/s per GPU.  Its
+  own table (3.), priced as the others: synth writes the model from
+  ``examples/configs/llama3.1-405b`` (GQA, SwiGLU, RMSNorm; what ``pipeplan synth transformer
+  --hf-config`` writes) and ``estimate`` prices Meta's configuration (§3.3.2 of the paper):
+  T 8 with sequence parallelism, C as given (all-gather K/V), K 16, D as given; assumptions:
+  micro-batch 1 (not in the table), so M = batch_per_dp; interleaved 1F1B with v = 8 chunks of
+  one layer per rank (the paper: "the first model chunk on the first stage has only the
+  embedding, and the last model chunk on the last stage has only output projection and loss",
+  i.e. the 128 layers, embedding + 126 blocks + head, in 16 x 8 chunks of one); ZeRO-1 (Meta's
+  FSDP shards the optimizer state and the gradients over the data-parallel replicas; the cost
+  model's ZeRO-2 prices a gradient reduce-scatter every micro-batch, so ZeRO-1, whose
+  collectives run once per step, is the nearest stage it prices); recompute: none
+  if the plan fits the planner's limit, else the least number r of blocks per rank (each
+  rank's first r chunks) checkpointed that fits.  TFLOP/s predicted = model FLOPs per step /
+  (step x GPUs), model FLOPs = 6·N·tokens (N: every weight a token multiplies, the embedding
+  table excluded) + attention 12·l·s·(a·d) per token (QK^T and AV, forward + backward, all
+  s x s scores: PaLM's MFU convention, and the attention term of Megatron's formula above; a
+  line under the table gives the errors with causal attention's half instead).  The error is
+  on TFLOP/s (measured / predicted step - 1).  With ``--plan-limit S`` > 0 (default 10), the
+  planner (``solve``) plans the same GPUs, batch and sequence, once with every axis free and
+  once with T and C fixed to Meta's, and the table gives its step against the estimate of
+  Meta's configuration and its CPU time (a time-limited search: the plan depends on the
+  machine's speed; the tables above do not).
 
 "Fits" is the predicted peak against the 80 GiB the GPUs have (every row ran, so every row
 must fit); the planner's own limit keeps a 10 % margin below it.  Ranking: for each model with
@@ -40,6 +63,7 @@ import csv
 import math
 import statistics
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,15 +71,27 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.megatron import megatron_ranges
-from planner.cost import Layout, estimate
+from planner.cost import Layout, estimate, plan_fits
 from planner.cost.compute import DeviceConstants, default_constants
-from planner.schema import Cluster, Plan, TrainingSetup
-from profiler.synth import synth_transformer
+from planner.schema import Cluster, Plan, PlanOptions, Profile, TrainingSetup
+from planner.solver import solve
+from profiler.decoder import DecoderSpec
+from profiler.hf_spec import read_config, spec_from_config
+from profiler.synth import synth_decoder, synth_transformer
 
 GiB = 2**30
 VOCAB = 51200
 SEQ = 2048
 DEFAULT_DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "published"
+#: Llama 3.1 405B's Hugging Face config (the same architecture as the Llama 3 405B of Table 4)
+LLAMA_CONFIG = Path(__file__).resolve().parent.parent / "examples" / "configs" / "llama3.1-405b"
+LLAMA_SOURCE = "llama3_405b_table4"
+#: interleaved chunks per pipeline rank: 8 chunks of one layer on 16 ranks (the paper's first
+#: chunk holds only the embedding, its last only the head: Dubey et al. 2024, §3.3.2)
+LLAMA_VIRTUAL = 8
+#: FSDP shards the optimizer state (and gradients) over the data-parallel replicas (§3.3.2):
+#: ZeRO-1 here, the nearest stage whose collectives the cost model runs once per step
+LLAMA_ZERO = 1
 
 
 @dataclass(frozen=True)
@@ -122,9 +158,8 @@ READERS: dict[str, Callable[[Path], list[Case]]] = {
     "megatron_sc21_table1": megatron_cases,
     "korthikanti_2022_table5": korthikanti_cases,
 }
-SKIPPED = {
-    "llama3_405b_table4": "needs grouped-query attention, a SwiGLU MLP (synth) and context parallelism (open issues)",
-}
+#: sources with a table of their own (read in :func:`main`)
+OWN_TABLE = frozenset({LLAMA_SOURCE})
 
 
 def plan_of(case: Case, constants: DeviceConstants | None) -> Plan:
@@ -258,20 +293,257 @@ def summary(results: Sequence[Result], label: str, fitted_on: str | None = None)
         print(f"  {label:<9} ranking {name}: Spearman {rho:+.2f}")
 
 
+# --------------------------------------------------------------------------- Llama 3 405B, Table 4
+
+
+@dataclass(frozen=True)
+class LlamaCase:
+    """One row of Llama 3's Table 4 (Dubey et al. 2024): Meta's mesh and its measured TFLOP/s."""
+
+    source: str
+    gpus: int
+    t: int
+    c: int
+    p: int
+    d: int
+    seq: int
+    #: sequences per data-parallel replica per step (= micro-batches: micro-batch 1 assumed)
+    batch_per_dp: int
+    measured_tflops: float
+    device_type: str = "h100-80g"
+
+    @property
+    def label(self) -> str:
+        return f"T{self.t} C{self.c} P{self.p} D{self.d} s{self.seq // 1024}K M{self.batch_per_dp}"
+
+
+def llama_cases(path: Path) -> list[LlamaCase]:
+    out = []
+    for r in _rows(path):
+        case = LlamaCase(path.stem, int(r["gpus"]), int(r["tensor_parallel"]), int(r["context_parallel"]),
+                         int(r["pipeline_parallel"]), int(r["data_parallel"]), int(r["seq_len"]),
+                         int(r["batch_per_dp"]), float(r["tflops_per_gpu"]))
+        if case.t * case.c * case.p * case.d != case.gpus:
+            raise ValueError(f"{path.name}: T x C x P x D = {case.t * case.c * case.p * case.d} is not the row's "
+                             f"{case.gpus} GPUs: check the CSV")
+        out.append(case)
+    return out
+
+
+def llama_spec(seq: int) -> DecoderSpec:
+    """Llama 3 405B on sequences of ``seq`` tokens (what ``pipeplan synth transformer --hf-config`` reads)."""
+    return spec_from_config(read_config(LLAMA_CONFIG), seq=seq, name="llama3-405b")
+
+
+def llama_profile(case: LlamaCase, constants: DeviceConstants | None) -> Profile:
+    return synth_decoder(llama_spec(case.seq), device_type=case.device_type, dtype="bfloat16",
+                         microbatch_sizes=(1,), constants=constants)
+
+
+def model_flops(profile: Profile, spec: DecoderSpec, tokens: int, *, causal: bool = False) -> float:
+    """Model FLOPs of a step: 6·N per token for the N weights a token multiplies (every layer's
+    but the embedding table's, a lookup; the profile is in bfloat16, 2 bytes a weight), plus
+    attention, 12·l·s·(a·d) per token: QK^T and AV, 2·s·a·d each forward, backward twice the
+    forward, the whole s x s scores counted, as in PaLM's MFU (Chowdhery et al. 2022, appendix
+    B: 6N + 12·L·H·Q·T) and in the attention term of Megatron's formula the other sources use
+    (:func:`paper_flops`).  ``causal``: half the scores (what a causal kernel computes)."""
+    weights = sum(x.param_bytes for x in profile.layers if x.name != "embed") / 2
+    attn_dims = spec.heads * (spec.head_dim or spec.hidden // spec.heads)
+    return tokens * (6 * weights + (6 if causal else 12) * spec.layers * spec.seq * attn_dims)
+
+
+def llama_ranges(layers: int, p: int, v: int) -> list[tuple[int, int]]:
+    """Meta's split of ``layers`` profile layers (embedding, blocks, head) into p·v equal chunks:
+    the first and the last chunk hold one block fewer than the others, plus the embedding / head."""
+    if layers % (p * v):
+        raise ValueError(f"{layers} layers do not split evenly into {p} x {v} chunks: choose another v")
+    per = layers // (p * v)
+    return [(i * per, (i + 1) * per) for i in range(p * v)]
+
+
+def llama_estimate(case: LlamaCase, profile: Profile, blocks: int) -> Plan:
+    """``estimate`` of Meta's configuration with the first ``blocks`` layers of every rank
+    checkpointed (its first chunks in order; 0: no recompute)."""
+    ranges = llama_ranges(profile.num_layers, case.p, LLAMA_VIRTUAL)
+    per = ranges[0][1] - ranges[0][0]
+    counts = [min(per, max(0, blocks - (i // case.p) * per)) for i in range(len(ranges))]
+    cluster = Cluster.model_validate({"devices": case.gpus, "device_type": case.device_type})
+    training = TrainingSetup(global_batch_size=case.d * case.batch_per_dp, optimizer="adam", dtype="bfloat16")
+    return estimate(
+        profile, cluster, training,
+        Layout(
+            ranges,
+            num_microbatches=case.batch_per_dp,
+            schedule="interleaved-1f1b" if LLAMA_VIRTUAL > 1 else "1f1b",
+            recompute=[n > 0 for n in counts],
+            recompute_layers=[n or None for n in counts],
+            data_parallel=case.d,
+            pipeline_degree=case.p,
+            tensor_parallel=case.t,
+            sequence_parallel=case.t > 1,
+            context_parallel=case.c,
+            context_attention="all-gather",
+            zero_stage=LLAMA_ZERO,
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class LlamaResult:
+    case: LlamaCase
+    flops: float
+    #: the same with causal attention's half of the scores
+    flops_causal: float
+    predicted_s: float
+    peak_bytes: int
+    limit_bytes: int
+    #: the peak without recompute
+    peak_none_bytes: int
+    #: blocks per rank checkpointed (0: none): the least that fits the planner's limit
+    recompute_blocks: int
+    #: the planner's plans: (what was fixed, step s, CPU s, one line on the plan)
+    plans: tuple[tuple[str, float, float, str], ...] = ()
+
+    @property
+    def measured_s(self) -> float:
+        return self.flops / (self.case.measured_tflops * 1e12 * self.case.gpus)
+
+    @property
+    def predicted_tflops(self) -> float:
+        return self.flops / (self.predicted_s * self.case.gpus) / 1e12
+
+    @property
+    def error(self) -> float:
+        """Of TFLOP/s per GPU: predicted / measured - 1."""
+        return self.predicted_tflops / self.case.measured_tflops - 1
+
+    @property
+    def error_causal(self) -> float:
+        """The error with causal attention FLOPs (half the scores) in both figures' FLOP count."""
+        return self.flops_causal / (self.predicted_s * self.case.gpus * self.case.measured_tflops * 1e12) - 1
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= 80 * GiB
+
+
+def least_recompute(case: LlamaCase, profile: Profile) -> tuple[int, Plan, Plan]:
+    """The fewest blocks per rank to checkpoint for Meta's configuration to fit the planner's
+    limit (bisection: memory falls as blocks grow), its plan, and the plan without recompute;
+    every block when none fits."""
+    plan = none = llama_estimate(case, profile, 0)
+    if plan_fits(plan):
+        return 0, plan, none
+    lo, hi = 1, profile.num_layers // case.p
+    best = llama_estimate(case, profile, hi)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        candidate = llama_estimate(case, profile, mid)
+        if plan_fits(candidate):
+            best, hi = candidate, mid
+        else:
+            lo = mid + 1
+    return hi, best, none
+
+
+def describe(plan: Plan) -> str:
+    recomputing = sum(s.recompute for s in plan.stages)
+    mesh = f"T{plan.tensor_parallel_degree}{'+SP' if plan.sequence_parallel else ''} C{plan.context_parallel_degree}"
+    return (f"{mesh} P{plan.pipeline_degree} D{plan.data_parallel_degree} M{plan.num_microbatches} "
+            f"{plan.schedule} v{len(plan.stages) // plan.pipeline_degree} ZeRO-{plan.zero_stage} "
+            f"recompute {recomputing}/{len(plan.stages)} stages, peak "
+            f"{max(s.memory_bytes for s in plan.stages) / GiB:.1f} GiB")
+
+
+def llama_plans(case: LlamaCase, profile: Profile, limit_s: float) -> tuple[tuple[str, float, float, str], ...]:
+    """The planner on the row's GPUs, batch and sequence: every axis free, then T and C fixed."""
+    cluster = Cluster.model_validate({"devices": case.gpus, "device_type": case.device_type})
+    training = TrainingSetup(global_batch_size=case.d * case.batch_per_dp, optimizer="adam", dtype="bfloat16")
+    out = []
+    for fixed, extra in (("free", {}), (f"T={case.t} C={case.c}", {"tensor_parallel": case.t,
+                                                                    "context_parallel": case.c})):
+        start = time.process_time()
+        plan = solve(profile, cluster, training, PlanOptions(time_limit_s=limit_s, **extra))
+        out.append((fixed, plan.predicted.step_time_ms / 1e3, time.process_time() - start, describe(plan)))
+    return tuple(out)
+
+
+def llama_run(cases: Sequence[LlamaCase], constants: DeviceConstants | None, plan_limit_s: float) -> list[LlamaResult]:
+    out = []
+    for c in cases:
+        profile = llama_profile(c, constants)
+        blocks, plan, none = least_recompute(c, profile)
+        spec, tokens = llama_spec(c.seq), c.d * c.batch_per_dp * c.seq
+        out.append(LlamaResult(
+            c, model_flops(profile, spec, tokens), model_flops(profile, spec, tokens, causal=True),
+            plan.predicted.step_time_ms / 1e3, max(s.memory_bytes for s in plan.stages),
+            min(s.memory_limit_bytes for s in plan.stages), max(s.memory_bytes for s in none.stages), blocks,
+            llama_plans(c, profile, plan_limit_s) if plan_limit_s > 0 else (),
+        ))
+    return out
+
+
+def llama_table(results: Sequence[LlamaResult], title: str) -> None:
+    print(title)
+    head = (f"{'GPUs':>6} {'config':<27} {'no-rec GiB':>10} {'recompute':>9} {'meas s':>7} {'pred s':>7} "
+            f"{'meas TF':>7} {'pred TF':>7} {'error':>7} {'peak GiB':>8} {'fits':>4}")
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        rec = "none" if r.recompute_blocks == 0 else f"{r.recompute_blocks}/rank"
+        print(f"{r.case.gpus:>6} {r.case.label:<27} {r.peak_none_bytes / GiB:>10.1f} {rec:>9} {r.measured_s:>7.2f} "
+              f"{r.predicted_s:>7.2f} {r.case.measured_tflops:>7.0f} {r.predicted_tflops:>7.1f} {r.error:>+7.1%} "
+              f"{r.peak_bytes / GiB:>8.1f} {'yes' if r.fits else 'NO':>4}")
+    if results:
+        print(f"  error: of TFLOP/s per GPU; no-rec GiB: the peak without recompute; recompute: blocks checkpointed "
+              f"per rank, the least that fits the planner's limit ({results[0].limit_bytes / GiB:.1f} GiB)")
+        print("  with causal attention FLOPs (half the scores) instead, the errors are "
+              + ", ".join(f"{r.error_causal:+.1%}" for r in results))
+
+
+def planner_table(results: Sequence[LlamaResult], limit_s: float) -> None:
+    print(f"\n   the planner on the same GPUs, batch and sequence (solve, time limit {limit_s:g} s), against the "
+          "estimate of Meta's configuration")
+    head = f"{'GPUs':>6} {'seq':>6} {'fixed':<11} {'plan s':>7} {'vs Meta':>7} {'CPU s':>6}  plan"
+    print(head)
+    print("-" * (len(head) + 60))
+    for r in results:
+        for fixed, step, cpu, text in r.plans:
+            print(f"{r.case.gpus:>6} {r.case.seq:>6} {fixed:<11} {step:>7.2f} {step / r.predicted_s:>6.2f}x "
+                  f"{cpu:>6.1f}  {text}")
+
+
+def llama_summary(results: Sequence[LlamaResult], label: str, held_out: bool = False) -> None:
+    if not results:
+        return
+    errors = [abs(r.error) for r in results]
+    misfits = sum(not r.fits for r in results)
+    print(f"  {label:<9} {LLAMA_SOURCE:<24} MAPE {statistics.fmean(errors):6.1%}  worst {max(errors):6.1%}  "
+          f"predicted not to fit: {misfits} of {len(results)}{' (held out)' if held_out else ''}  (TFLOP/s)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA, help="folder of the published CSVs")
     ap.add_argument("--fit", default="megatron_sc21_table1", help="the source the two constants are fitted on")
+    ap.add_argument("--plan-limit", type=float, default=10.0,
+                    help="the planner's time limit per Llama row and search, s (0: no planner comparison)")
     args = ap.parse_args()
+    if args.plan_limit < 0:
+        print(f"error: --plan-limit must be >= 0 seconds, got {args.plan_limit}", file=sys.stderr)
+        return 1
     if not args.data.is_dir():
         print(f"error: no folder {args.data}: give --data DIR with the published CSVs", file=sys.stderr)
         return 1
     cases: list[Case] = []
+    llama_path: Path | None = None
     for path in sorted(args.data.glob("*.csv")):
         if path.stem in READERS:
             cases += READERS[path.stem](path)
+        elif path.stem in OWN_TABLE:
+            llama_path = path
         else:
-            print(f"skipped {path.name}: {SKIPPED.get(path.stem, 'no reader for this source')}")
+            print(f"skipped {path.name}: no reader for this source")
     if args.fit not in {c.source for c in cases}:
         print(f"error: --fit {args.fit!r} is not a source read here: choose one of "
               f"{', '.join(sorted({c.source for c in cases}))}", file=sys.stderr)
@@ -284,9 +556,30 @@ def main() -> int:
     table(fitted, f"\n2. a100-80g constants fitted on {args.fit}: gemm_efficiency {constants.gemm_efficiency:.3f} "
                   f"(default {base.gemm_efficiency:.3f}), memory_efficiency {constants.memory_efficiency:.3f} "
                   f"(default {base.memory_efficiency:.3f})")
+    llama_default: list[LlamaResult] = []
+    llama_fitted: list[LlamaResult] = []
+    if llama_path is not None:
+        llama = llama_cases(llama_path)
+        h100 = default_constants("h100-80g")
+        carried = DeviceConstants(
+            gemm_efficiency=min(1.0, h100.gemm_efficiency * constants.gemm_efficiency / base.gemm_efficiency),
+            memory_efficiency=min(1.0, h100.memory_efficiency * constants.memory_efficiency / base.memory_efficiency),
+        )
+        llama_default = llama_run(llama, None, args.plan_limit)
+        llama_table(llama_default, "\n3. Llama 3 405B, Table 4 (H100-80GB), defaults: Meta's configuration "
+                                   f"(interleaved 1F1B v{LLAMA_VIRTUAL}, ZeRO-{LLAMA_ZERO}, micro-batch 1)")
+        llama_fitted = llama_run(llama, carried, 0)
+        llama_table(llama_fitted, f"\n   h100-80g constants from the fit on {args.fit} (its ratio to the a100 "
+                                  f"defaults): gemm_efficiency {carried.gemm_efficiency:.3f} (default "
+                                  f"{h100.gemm_efficiency:.3f}), memory_efficiency {carried.memory_efficiency:.3f} "
+                                  f"(default {h100.memory_efficiency:.3f})")
+        if args.plan_limit > 0:
+            planner_table(llama_default, args.plan_limit)
     print("\nsummary")
     summary(defaults, "defaults")
+    llama_summary(llama_default, "defaults")
     summary(fitted, "fitted", args.fit)
+    llama_summary(llama_fitted, "fitted", held_out=True)
     return 0
 
 
