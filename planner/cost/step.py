@@ -658,10 +658,11 @@ def mesh_collectives_ms(
     g = mesh.group
     sizes = profile.microbatch_sizes
     tp_f, tp_b = [], []
+    c = mesh.context_parallel  # a context-parallel rank's collectives carry its s/C of the tokens
     for layer in profile.layers:
         f, bw = tp_collectives_ms(layer, t, tp_link(cluster, t))
-        tp_f.append(scaling.at_size(sizes, f, b) if any(f) else 0.0)
-        tp_b.append(scaling.at_size(sizes, bw, b) if any(bw) else 0.0)
+        tp_f.append(scaling.at_size(sizes, f, b) / c if any(f) else 0.0)
+        tp_b.append(scaling.at_size(sizes, bw, b) / c if any(bw) else 0.0)
     link = dp_link(cluster, g, d, k)
     zero = [zero_collectives_ms(p, z, d, training, link) for p in problem.param_bytes]
     tp_rank = [0.0] * k
