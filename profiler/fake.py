@@ -44,8 +44,14 @@ from planner.schema import LayerProfile, MeasuredOn, MoELayer, Operation, Profil
 from profiler import _hf_attention, _moe_balanced, _torch_fake
 from profiler.census import census
 from profiler.loading import Entrypoint, call_model, default_loss
-from profiler.measure import dtype_name, parse_dtype, reference_pass, resize_batch, state_storages
-from profiler.sharding import own_modules, tensor_parallel_fields
+from profiler.measure import (
+    add_tensor_parallel_fields,
+    dtype_name,
+    parse_dtype,
+    reference_pass,
+    resize_batch,
+    state_storages,
+)
 from profiler.split import SplitModel, split_model, tensor_bytes
 
 
@@ -102,10 +108,7 @@ def fake_profile(
             raise
         input_bytes = [tensor_bytes(resize_batch(inputs, b)) for b in sizes]
         param_bytes = split.param_bytes()
-        for i, original in enumerate(own_modules(split)):
-            received = input_bytes if i == 0 else layers[i - 1].get("cut_bytes") or layers[i - 1]["output_bytes"]
-            if original is not None:
-                layers[i].update(tensor_parallel_fields(original, layers[i], received))
+        add_tensor_parallel_fields(split, layers, input_bytes)
         _price(layers, device_type=device_type, constants=consts, first_needs_grad=_needs_grad(inputs))
         _moe_fields(layers, split, experts, capacity_factor=capacity_factor, dtype=torch_dtype)
         profile_dtype = next((t.dtype for t in model.parameters() if t.is_floating_point()), torch_dtype)

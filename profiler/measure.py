@@ -424,13 +424,7 @@ def measure_split(
     )
     input_bytes = [tensor_bytes(resize_batch(inputs, b)) for b in sizes]
     param_bytes = split.param_bytes()
-    # how each unit shards under tensor parallelism (profiler/sharding.py), from the unit's own
-    # module (its captured graph keeps parameters, not module types); a unit that is more than
-    # that module (merged by split points) or shares weights stays replicated
-    for i, original in enumerate(own_modules(split)):
-        received = input_bytes if i == 0 else layers[i - 1].get("cut_bytes") or layers[i - 1]["output_bytes"]
-        if original is not None:
-            layers[i].update(tensor_parallel_fields(original, layers[i], received))
+    add_tensor_parallel_fields(split, layers, input_bytes)
     layer_profiles = [
         LayerProfile(name=split.names[i], param_bytes=param_bytes[i], kind=split.kinds[i], **layers[i])
         for i in range(len(split))
@@ -463,6 +457,17 @@ def measure_split(
             }
         },
     )
+
+
+def add_tensor_parallel_fields(split: SplitModel, layers: list[dict[str, Any]], input_bytes: list[int]) -> None:
+    """How each unit shards under tensor parallelism (profiler/sharding.py), from the unit's own
+    module (its captured graph keeps parameters, not module types), written into ``layers``; a
+    unit that is more than that module (merged by split points) or shares weights stays
+    replicated."""
+    for i, original in enumerate(own_modules(split)):
+        received = input_bytes if i == 0 else layers[i - 1].get("cut_bytes") or layers[i - 1]["output_bytes"]
+        if original is not None:
+            layers[i].update(tensor_parallel_fields(original, layers[i], received))
 
 
 def _parse_device(device: str) -> torch.device:
