@@ -57,11 +57,33 @@ def subcommand_help() -> dict[str, str]:
 
 
 def arguments(parser: argparse.ArgumentParser) -> Iterator[argparse.Action]:
-    """Every argument of a parser but ``-h/--help``."""
+    """Every argument of a parser but ``-h/--help`` and nested subcommands."""
     for action in parser._actions:
-        if isinstance(action, argparse._HelpAction):
+        if isinstance(action, argparse._HelpAction | argparse._SubParsersAction):
             continue
         yield action
+
+
+def nested(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """A subcommand's own subcommands (``pipeplan synth transformer``), if any."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def all_parsers() -> Iterator[tuple[str, argparse.ArgumentParser]]:
+    """``("synth transformer", parser)``: every subcommand, nested ones included."""
+
+    def walk(
+        name: str, parser: argparse.ArgumentParser
+    ) -> Iterator[tuple[str, argparse.ArgumentParser]]:
+        yield name, parser
+        for child, sub in nested(parser).items():
+            yield from walk(f"{name} {child}", sub)
+
+    for name, parser in subcommands().items():
+        yield from walk(name, parser)
 
 
 def expanded_help(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
@@ -88,28 +110,44 @@ def _value(action: argparse.Action) -> str:
 
 
 def _default(action: argparse.Action) -> str:
-    if action.nargs == 0 or action.default in (None, argparse.SUPPRESS) or not action.option_strings:
+    if (
+        action.nargs == 0
+        or action.default in (None, argparse.SUPPRESS)
+        or not action.option_strings
+    ):
         return ""
     return f"`{action.default}`"
 
 
-def cli_page(name: str, parser: argparse.ArgumentParser, summary: str) -> str:
-    lines = [f"# `pipeplan {name}`", ""]
+def _parser_section(
+    name: str, parser: argparse.ArgumentParser, summary: str, level: int
+) -> list[str]:
+    lines = [f"{'#' * level} `pipeplan {name}`", ""]
     if summary:
         lines += [summary[0].upper() + summary[1:] + ("" if summary.endswith(".") else "."), ""]
     if parser.description and parser.description != summary:
         lines += [parser.description, ""]
     usage = parser.format_usage().removeprefix("usage: ").strip()
     lines += ["```", usage, "```", ""]
-    lines += ["| argument | value | default | help |", "| --- | --- | --- | --- |"]
-    for action in arguments(parser):
-        lines.append(
-            f"| {_flag_names(action)} | {_cell(_value(action))} | {_cell(_default(action))} "
-            f"| {_cell(expanded_help(parser, action))} |"
-        )
+    rows = [a for a in arguments(parser) if a.help != argparse.SUPPRESS]  # hidden on purpose
+    if rows:
+        lines += ["| argument | value | default | help |", "| --- | --- | --- | --- |"]
+        for action in rows:
+            lines.append(
+                f"| {_flag_names(action)} | {_cell(_value(action))} | {_cell(_default(action))} "
+                f"| {_cell(expanded_help(parser, action))} |"
+            )
+        lines.append("")
     if parser.epilog:
-        lines += ["", parser.epilog]
-    lines += ["", "*Generated from `pipeplan/cli.py`'s parser by `docs/gen_reference.py`.*", ""]
+        lines += [parser.epilog, ""]
+    for child, sub in nested(parser).items():
+        lines += _parser_section(f"{name} {child}", sub, "", level + 1)
+    return lines
+
+
+def cli_page(name: str, parser: argparse.ArgumentParser, summary: str) -> str:
+    lines = _parser_section(name, parser, summary, 1)
+    lines += ["*Generated from `pipeplan/cli.py`'s parser by `docs/gen_reference.py`.*", ""]
     return "\n".join(lines)
 
 
@@ -169,7 +207,10 @@ def _properties_table(schema: dict[str, Any]) -> list[str]:
     if not props:
         return ["(no fields)", ""]
     required = set(schema.get("required", []))
-    lines = ["| field | type | required | default | description |", "| --- | --- | --- | --- | --- |"]
+    lines = [
+        "| field | type | required | default | description |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for name, prop in props.items():
         default = f"`{json.dumps(prop['default'])}`" if "default" in prop else ""
         lines.append(
@@ -279,10 +320,15 @@ def http_page(doc: dict[str, Any]) -> str:
         body = op.get("requestBody", {}).get("content", {})
         for media, content in body.items():
             ref = content.get("schema", {}).get("$ref", "")
-            lines += [f"Request body: `{media}`" + (f", `{ref.rsplit('/', 1)[-1]}`" if ref else "") + ".", ""]
+            lines += [
+                f"Request body: `{media}`" + (f", `{ref.rsplit('/', 1)[-1]}`" if ref else "") + ".",
+                "",
+            ]
         responses = op.get("responses", {})
         if responses:
-            codes = ", ".join(f"`{code}` {_cell(r.get('description', ''))}" for code, r in responses.items())
+            codes = ", ".join(
+                f"`{code}` {_cell(r.get('description', ''))}" for code, r in responses.items()
+            )
             lines += [f"Responses: {codes}.", ""]
     if info.get("description"):
         lines += ["## About the service", "", info["description"], ""]
