@@ -19,7 +19,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     g = p.add_argument_group("the plan")
     g.add_argument("--stages", required=True, help="[start:stop) layer ranges, e.g. 0:10,10:20,20:30,30:40")
     g.add_argument("--microbatches", type=int, required=True, help="micro-batches per step (M)")
-    g.add_argument("--schedule", choices=cli_args.schedule_choices(), default="1f1b")
+    g.add_argument("--schedule", choices=cli_args.schedule_choices(), default="1f1b",
+                   help="the pipeline schedule to price (default 1f1b; see the docs' Schedules page)")
     g.add_argument("--recompute", help="per stage 0/1, e.g. 0,1,0,0 (or a single 0/1 for all)")
     g.add_argument("--recompute-layers", metavar="N[,N...]",
                    help="per stage, how many of its first layers are checkpointed (a single N for every "

@@ -9,8 +9,8 @@ from planner.schema import DOCUMENTS
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("schema", help="print the JSON Schema of a profile, cluster, training, plan or options document")
-    p.add_argument("kind", choices=sorted(DOCUMENTS))
+    p = sub.add_parser("schema", help="print the JSON Schema of a document: profile, cluster, training, plan, options, sweep or report")
+    p.add_argument("kind", choices=sorted(DOCUMENTS), help="which document's schema to print")
     p.set_defaults(func=run)
 
 

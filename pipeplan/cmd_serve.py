@@ -25,7 +25,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--db", help="SQLite file or sqlite:/// URL for stored plans (default: PIPEPLAN_DB or "
                    "sqlite:///pipeplan-plans.db)")
     p.add_argument("--solver-workers", type=int, help="solves that run at once per server process")
-    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                   help="uvicorn's log level (default info)")
     p.set_defaults(func=run)
 
 

@@ -239,12 +239,13 @@ def test_an_entry_point_with_targets_can_be_profiled(tmp_path: Path) -> None:
 
 
 def test_the_readme_entry_point_example_trains(tmp_path: Path) -> None:
-    """The README's copyable entry point loads, yields (inputs, targets) and trains."""
+    """The docs' copyable entry point (docs/how-to/run-a-plan.md, once the README's) loads, yields
+    (inputs, targets) and trains."""
     from runtime.training import TrainOptions, train_reference
     from tests.conftest import ROOT
 
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = text[text.index("### The entry point: model, inputs, loss, data") :]
+    text = (ROOT / "docs" / "how-to" / "run-a-plan.md").read_text(encoding="utf-8")
+    section = text[text.index("## The entry point: model, inputs, loss, data") :]
     code = section[section.index("```python\n") + len("```python\n") : section.index("```\n", section.index("```python"))]
     (tmp_path / "job.py").write_text(code)
     entry = load_entrypoint(f"{tmp_path / 'job.py'}:job")
