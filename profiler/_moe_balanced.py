@@ -19,7 +19,9 @@ class) a forward that runs the same weights on a fixed, balanced assignment: the
 runs (its GEMM and ``topk`` are in the census), the tokens are dispatched by a static index (a
 gather of ``E·c`` rows), each expert's two GEMMs run batched over the experts (``bmm``: the
 census records them as ``E`` GEMMs of ``c`` tokens, :func:`mark_expert_operations`), and the
-outputs, scaled by their routing weights, are added back (``index_add_``: the combine).
+outputs, scaled by their routing weights, are added back (the combine: a sum over each token's
+slots, which keeps nothing for backward, as transformers' own; ``index_add`` when capacity rounding
+leaves an uneven share).
 """
 
 from __future__ import annotations
@@ -153,6 +155,12 @@ def _balanced_forward(ratio: Fraction) -> Any:
         y = _project(self, h, self.get_parameter("down_proj"), "down_proj")
         weight = top_k_weights.reshape(-1).index_select(0, slots % (tokens * k)).view(e, per_expert, 1)
         y = (y * weight).view(e * per_expert, hidden)
+        if (e * per_expert) % tokens == 0:
+            # slot s holds token s mod tokens: the combine is a sum over the slots of each token,
+            # which (like transformers' own reshape + sum) keeps nothing for backward
+            return y.view(-1, tokens, hidden).sum(dim=0).to(hidden_states.dtype)
+        # capacity rounding left an uneven share: index_add, which keeps its source (one more row
+        # per slot than transformers' combine)
         out = torch.zeros_like(hidden_states)
         return out.index_add(0, token, y.to(out.dtype))  # combine
 

@@ -85,14 +85,11 @@ def test_fake_blocks_keep_and_send_what_synth_says(tmp_path: Any, name: str, seq
             if spec.moe is None:  # dense: exact
                 assert kept == s.activation_bytes[j], (name, i, b)
             else:
-                # synth counts each routed slot's input and output rows; the combine (index_add)
-                # also keeps its source, the weighted and cast output rows: one more row per slot
-                # (synth is short by that, ~5 % of a Mixtral 8x7B block), and the router's top-k
+                # synth counts each routed slot's input and output rows, the expert's inner
+                # tensors and routing weight; the stand-in's combine (a sum over each token's
+                # slots, as transformers' own) keeps nothing; what differs is the router's top-k
                 # indices and weight sums (a few KB)
-                slots = spec.moe.tokens_per_expert(b * seq) * spec.moe.experts
-                combine = slots * h * p
-                assert kept == pytest.approx(s.activation_bytes[j] + combine, rel=0.001), (name, i, b)
-                assert kept == pytest.approx(s.activation_bytes[j], rel=0.15)
+                assert kept == pytest.approx(s.activation_bytes[j], rel=0.02), (name, i, b)
             # the hidden states (and, but for the last block, the cos and sin): no b·s² mask
             assert f.cut_bytes is not None
             assert f.cut_bytes[j] == b * seq * h * p + (rotary if i < len(fake_blocks) - 1 else 0), (name, i, b)
