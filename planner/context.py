@@ -46,12 +46,12 @@ from planner.cost.collectives import (
     reduce_scatter_ms,
 )
 from planner.cost.compute import layer_times
+from planner.cost.layers import DTYPE_BYTES
 from planner.errors import InputError
 from planner.schema import Cluster, LayerProfile, Operation, Profile
 
 #: how attention sees the whole sequence's keys and values under context parallelism
 CONTEXT_ATTENTION = ("all-gather", "ring")
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def sequence_length(profile: Profile) -> int | None:

@@ -88,11 +88,9 @@ def expert_layer(
     experts' bytes one tensor-parallel rank holds (1/T when tensor parallelism shards them)."""
     if e <= 1 or layer.moe is None:
         return layer
-    moe = layer.moe
-    held = moe.expert_param_bytes * expert_tp_share
-    group = expert_group(cluster, e, t=t, c=c, pipeline_degree=pipeline_degree)
-    share = c * (t if sequence_parallel else 1)
-    a2a = [2 * all_to_all_ms(b / share, group, cluster) for b in moe.dispatch_bytes]  # dispatch + combine
+    held = layer.moe.expert_param_bytes * expert_tp_share
+    a2a = _dispatch_combine_ms(layer, e, t=t, c=c, sequence_parallel=sequence_parallel, cluster=cluster,
+                               pipeline_degree=pipeline_degree)
     update: dict[str, object] = {
         "param_bytes": max(0, math.ceil(layer.param_bytes - held * (1 - 1 / e))),
         "forward_ms": [x + a for x, a in zip(layer.forward_ms, a2a, strict=True)],
@@ -110,6 +108,16 @@ def all_to_all_per_microbatch_ms(layer: LayerProfile, e: int, *, t: int, c: int,
     """The layer's all-to-alls of one micro-batch, forward + backward, per profiled size (0 when not MoE)."""
     if e <= 1 or layer.moe is None:
         return [0.0] * len(layer.forward_ms)
+    one_way = _dispatch_combine_ms(layer, e, t=t, c=c, sequence_parallel=sequence_parallel, cluster=cluster,
+                                   pipeline_degree=pipeline_degree)
+    return [2 * x for x in one_way]  # forward and backward
+
+
+def _dispatch_combine_ms(layer: LayerProfile, e: int, *, t: int, c: int, sequence_parallel: bool,
+                         cluster: Cluster, pipeline_degree: int) -> list[float]:
+    """A MoE layer's dispatch and combine all-to-alls of one pass (forward, or backward), per
+    profiled size: its ``dispatch_bytes`` / C (/ T under sequence parallelism), twice."""
+    assert layer.moe is not None
     group = expert_group(cluster, e, t=t, c=c, pipeline_degree=pipeline_degree)
     share = c * (t if sequence_parallel else 1)
-    return [4 * all_to_all_ms(b / share, group, cluster) for b in layer.moe.dispatch_bytes]
+    return [2 * all_to_all_ms(b / share, group, cluster) for b in layer.moe.dispatch_bytes]
