@@ -35,29 +35,75 @@ def with_recompute(
     rcs = [False] * n
     for own in sm.rank_stages:
         choices = [tuple(recompute_options(search.options, s)) for s in own]
-        found = False
         # try no recompute first, then everything the options allow, cheapest first
         combos = sorted(
             itertools.product(*choices),
             key=lambda c: sum(sm.F[ranges[s][1]] - sm.F[ranges[s][0]] for s, x in zip(own, c, strict=True) if x),
         )
-        limit = groups[stage_groups[own[0]]].limit_bytes
-        chunks = [ranges[s] for s in own]
-        for combo in combos[:16]:
-            mem = rank_peak(sm, chunks, combo, sm.owner[own[0]])
-            if math.ceil(mem) > limit and not any(combo) and conservative(sm.cfg, sm.L):
-                # the closed form the search keeps to is an upper bound of the schedule's own
-                # walk: chunks it would recompute may fit without (as estimate walks them)
-                walk = search.exact_points_of(sm.cfg)[sm.owner[own[0]]]
-                mem = rank_memory_from_terms(rank_memory_terms(sm.costs, chunks, sm.training), combo, walk)
-            if math.ceil(mem) <= limit:
-                for s, x in zip(own, combo, strict=True):
-                    rcs[s] = x
-                found = True
-                break
-        if not found:
+        fit = RankFit(search, sm, [ranges[s] for s in own], sm.owner[own[0]], groups[stage_groups[own[0]]].limit_bytes)
+        found = next((combo for combo in combos[:CHEAPEST_COMBOS] if fit.fits(combo)), None)
+        if found is None and len(combos) > CHEAPEST_COMBOS:
+            # many chunks per rank (2^v sets): the cheapest sets recompute too little; add chunks
+            # one at a time, each time the one that lowers the rank's peak most
+            search.work += len(own) ** 2
+            found = fit.greedy(choices)
+        if found is None:
             return None
+        for s, x in zip(own, found, strict=True):
+            rcs[s] = x
     return Split(ranges, tuple(rcs), stage_groups)
+
+
+#: recompute sets of a rank tried cheapest first (by added forward time) before the greedy
+#: fallback of :meth:`RankFit.greedy`
+CHEAPEST_COMBOS = 16
+
+
+class RankFit:
+    """One rank's chunks against its memory limit, as the split searches test recompute sets:
+    the closed form of :func:`rank_peak`, and where that is conservative
+    (:func:`planner.search.model.conservative`) and over the limit, the schedule's own walk, as
+    :func:`planner.cost.estimate` walks it (the closed form counts every warm-up forward at the
+    largest chunk's footprint: with the head's logits in the last chunk it can be several times
+    the walk's peak).  The rank's memory terms are made once."""
+
+    def __init__(
+        self, search: SearchState, sm: StageModel, chunks: Sequence[tuple[int, int]], rank: int, limit_bytes: int
+    ) -> None:
+        self.search, self.sm, self.chunks, self.rank, self.limit = search, sm, list(chunks), rank, limit_bytes
+        self.terms = rank_memory_terms(sm.costs, self.chunks, sm.training)
+        self.conservative = conservative(sm.cfg, sm.L)
+
+    def peak(self, recompute: Sequence[bool]) -> float:
+        """The peak bytes the fit test compares with the limit."""
+        sm = self.sm
+        if sm.cfg.schedule == "planned":
+            return planned_memory(self.terms, recompute[0])
+        mem = rank_memory_from_terms(self.terms, recompute, sm.points[self.rank])
+        if math.ceil(mem) > self.limit and self.conservative:
+            mem = rank_memory_from_terms(self.terms, recompute, self.search.exact_points_of(sm.cfg)[self.rank])
+        return mem
+
+    def fits(self, recompute: Sequence[bool]) -> bool:
+        return math.ceil(self.peak(recompute)) <= self.limit
+
+    def greedy(self, choices: Sequence[tuple[bool, ...]]) -> tuple[bool, ...] | None:
+        """A fitting recompute set grown greedily from the least the options allow (``choices``
+        per chunk, False first when allowed): each step adds the chunk whose recompute lowers
+        the peak most (ties: the one adding the least forward time).  None when recomputing
+        every free chunk does not fit (then no set does: recompute only lowers what a chunk
+        holds); otherwise at most v(v+1)/2 memory walks."""
+        combo = [c[0] for c in choices]
+        free = [j for j, c in enumerate(choices) if len(c) > 1]
+        if not self.fits([x or j in free for j, x in enumerate(combo)]):
+            return None
+        fwd = [self.sm.F[b] - self.sm.F[a] for a, b in self.chunks]
+        peak = self.peak(combo)
+        while math.ceil(peak) > self.limit:
+            trials = [(self.peak([*combo[:j], True, *combo[j + 1:]]), fwd[j], j) for j in free if not combo[j]]
+            peak, _, j = min(trials)
+            combo[j] = True
+        return tuple(combo)
 
 
 def rank_peak(sm: StageModel, chunks: Sequence[tuple[int, int]], recompute: Sequence[bool], rank: int) -> float:
@@ -74,7 +120,7 @@ VARIANT_LIMIT = 256
 
 
 def _minimal_fitting(
-    sm: StageModel, groups: Sequence[Group], ranges: tuple[tuple[int, int], ...], own: list[int],
+    sm: StageModel, ranges: tuple[tuple[int, int], ...], own: list[int],
     choices: list[tuple[bool, ...]], limit_bytes: int, rank: int, *, every: bool = False,
 ) -> list[tuple[bool, ...]]:
     """The inclusion-minimal recompute sets of one rank's chunks that fit, smallest first
@@ -110,7 +156,8 @@ def recompute_variants(
 ) -> list[Split] | None:
     """Every split of these ranges that can be the fastest (see the module doc): one per
     combination of each rank's inclusion-minimal fitting recompute sets.  ``[]`` when some rank
-    cannot fit; None when there are more than ``VARIANT_LIMIT`` (then not exact).
+    cannot fit; None when there are more than ``VARIANT_LIMIT``, or when no set fits a
+    conservative closed form (:class:`RankFit`), which proves nothing (then not exact).
 
     ``every``: every fitting set, not only the minimal ones (for ``planned``, whose order
     depends on memory, so recompute can make it faster).
@@ -128,11 +175,13 @@ def recompute_variants(
             minimal = cache[key]
         else:
             search.work += n
-            minimal = _minimal_fitting(sm, groups, ranges, own, choices, limit, r, every=every)
+            minimal = _minimal_fitting(sm, ranges, own, choices, limit, r, every=every)
             if cache is not None:
                 cache[key] = minimal
         if not minimal:
-            return []
+            # under a conservative closed form, "nothing fits" is not proven: the schedule's own
+            # walk may fit (with_recompute tests it), so the variants are not exact
+            return None if conservative(sm.cfg, sm.L) else []
         count *= len(minimal)
         if count > VARIANT_LIMIT:
             return None

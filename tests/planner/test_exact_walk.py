@@ -105,3 +105,51 @@ def test_a_rank_the_closed_form_would_make_recompute_fits_by_its_walk() -> None:
     assert not any(s.recompute for s in plan.stages)  # without the walk: recompute on every heavy rank
     assert plan_fits(plan)
     assert plan.predicted.step_time_ms == pytest.approx(exact.predicted.step_time_ms)
+
+
+def test_one_layer_chunks_whose_closed_form_fits_no_recompute_set_still_plan() -> None:
+    """Meta's Llama 3 layout in small: one layer per chunk (K = 4 ranks x v = 8 chunks, M = 16),
+    the last chunk's input 16x the others' (the head reads the final hidden state, kept in
+    fp32 here), so the closed form charges every warm-up forward of the last rank that input,
+    even with every chunk recomputing.  The schedule's walk fits once most chunks recompute: the
+    search must find such a set (2^8 per rank: the greedy fallback past the cheapest 16), not
+    report that nothing fits."""
+    n, k, m, v = 32, 4, 16, 8
+    layers = [
+        LayerProfile(
+            name=f"l{i}", param_bytes=MiB, forward_ms=[1.0], backward_ms=[2.0],
+            activation_bytes=[8 * MiB], output_bytes=[(16 if i == n - 2 else 1) * MiB],
+        )
+        for i in range(n)
+    ]
+    profile = Profile(model="head-heavy", measured_on=MeasuredOn(device="cpu"), microbatch_sizes=[1], layers=layers)
+    training = TrainingSetup(global_batch_size=m, optimizer="sgd")
+    ranges = [(i, i + 1) for i in range(n)]
+
+    def cluster(memory: int) -> Cluster:
+        return Cluster.model_validate({"devices": k, "memory": memory, "intra_node": "nvlink4", "devices_per_node": k})
+
+    from planner.search.space import Config
+
+    assert conservative(Config(1, k, m, "interleaved-1f1b", v), profile.num_layers)
+
+    def walked(recompute: bool) -> float:
+        plan = estimate(profile, cluster(2**40), training, Layout(
+            ranges, num_microbatches=m, schedule="interleaved-1f1b", pipeline_degree=k, recompute=[recompute] * n))
+        return max(s.memory_bytes for s in plan.stages)
+
+    costs = layer_costs(profile, 1)
+    closed = closed_form_walks("interleaved-1f1b", k, m, v)
+    assert closed is not None
+    own = rank_stages("loop", k, v)
+    closed_all = max(
+        rank_memory_from_terms(rank_memory_terms(costs, [ranges[s] for s in stages], training), [True] * v, closed[r])
+        for r, stages in enumerate(own)
+    )
+    memory = math.ceil(walked(True) / 0.9) + 1  # usable memory (10 % margin) just above the walk's peak
+    assert closed_all > memory and walked(False) > memory  # the closed form fits nothing; the walk needs recompute
+    options = PlanOptions(schedule="interleaved-1f1b", num_microbatches=m, virtual_stages=v, data_parallel=1,
+                          time_limit_s=2.0)
+    plan = solve(profile, cluster(memory), training, options)
+    assert plan_fits(plan)
+    assert len(plan.stages) == n and any(s.recompute for s in plan.stages)
