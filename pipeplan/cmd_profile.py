@@ -58,6 +58,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "tokens (capacity routing; default: balanced, tokens x top_k / experts each)",
     )
     p.add_argument(
+        "--trace-every-block",
+        action="store_true",
+        help="with --fake: trace every block of the model's stack (default: one block of each kind, its layer "
+        "copied to the others of that kind; the same profile, a fraction of the time: profiler/repeat.py)",
+    )
+    p.add_argument(
         "--microbatch-sizes",
         help="comma-separated, e.g. 1,2,4,8 (default: 1,2,4,... up to --batch-size, else 1,2,4,8)",
     )
@@ -215,6 +221,8 @@ def _check_fake_options(args: argparse.Namespace) -> None:
         raise InputError(
             f"--capacity-factor {args.capacity_factor} applies to fake profiles (balanced routing stand-in): add --fake"
         )
+    if args.trace_every_block:
+        raise InputError("--trace-every-block applies to fake profiles (a measured profile runs every block): add --fake")
 
 
 def _entry(args: argparse.Namespace) -> Any:
@@ -251,6 +259,7 @@ def _fake(args: argparse.Namespace, sizes: list[int], split_points: list[str] | 
         split_points=split_points,
         name=_name(args),
         capacity_factor=args.capacity_factor,
+        repeated_blocks=not args.trace_every_block,
     )
     if not args.quiet:
         print_summary(result)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 import traceback
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,7 +42,7 @@ from planner.cost.compute import DeviceConstants, default_constants, layer_times
 from planner.errors import InputError
 from planner.presets import DEVICES
 from planner.schema import LayerProfile, MeasuredOn, MoELayer, Operation, Profile
-from profiler import _hf_attention, _moe_balanced, _torch_fake
+from profiler import _hf_attention, _moe_balanced, _torch_fake, repeat
 from profiler.census import census
 from profiler.loading import Entrypoint, call_model, default_loss
 from profiler.measure import (
@@ -73,6 +74,7 @@ def fake_profile(
     name: str | None = None,
     capacity_factor: float | None = None,
     constants: DeviceConstants | None = None,
+    repeated_blocks: bool = True,
 ) -> Profile:
     """The profile of the model ``make_entry()`` builds, traced on fake tensors (module doc).
 
@@ -82,7 +84,9 @@ def fake_profile(
     :func:`profiler.hf_config.hf_entrypoint`).  ``device_type``: a device preset of
     :data:`planner.presets.DEVICES` (e.g. ``"h100-80g"``) whose device model prices the census
     (``constants``: its default efficiencies unless given).  ``capacity_factor``: capacity routing
-    for mixture-of-experts layers (default: balanced).
+    for mixture-of-experts layers (default: balanced).  ``repeated_blocks``: trace one block of
+    each kind of the model's stack and copy its layer to the others (:mod:`profiler.repeat`; the
+    same profile, a fraction of the time); False traces every block.
     """
     if device_type not in DEVICES:
         raise InputError(f"unknown device type {device_type!r} for --fake: choose one of {', '.join(sorted(DEVICES))}")
@@ -97,6 +101,38 @@ def fake_profile(
         model.train()
         experts = _moe_balanced.install(model, capacity_factor=capacity_factor)
         inputs = tuple(t.to(dtype=torch_dtype) if t.is_floating_point() else t for t in entry.example_inputs)
+        trace = _Trace(entry, model, inputs, sizes, experts, device_type=device_type, constants=consts,
+                       torch_dtype=torch_dtype, split_points=split_points, name=name,
+                       capacity_factor=capacity_factor)
+        cut = repeat.truncate(model) if repeated_blocks and split_points is None else None
+        if cut is not None:
+            try:
+                return repeat.expand(trace.profile(), cut)
+            except Exception:  # the model's code needs its whole stack: trace it all
+                cut.restore()
+        return trace.profile()
+
+
+@dataclass
+class _Trace:
+    """One fake trace of a built model (:func:`fake_profile`'s work, inside its fake mode)."""
+
+    entry: Entrypoint
+    model: nn.Module
+    inputs: tuple[Tensor, ...]
+    sizes: list[int]
+    experts: list[_moe_balanced.Experts]
+    device_type: str
+    constants: DeviceConstants
+    torch_dtype: torch.dtype
+    split_points: Sequence[str] | None
+    name: str | None
+    capacity_factor: float | None
+
+    def profile(self) -> Profile:
+        entry, model, inputs, sizes, experts = self.entry, self.model, self.inputs, self.sizes, self.experts
+        device_type, consts, torch_dtype = self.device_type, self.constants, self.torch_dtype
+        split_points, name, capacity_factor = self.split_points, self.name, self.capacity_factor
         try:
             loss = entry.output_loss() or default_loss
             split = split_model(model, inputs, split_points=split_points, keywords=entry.keywords)
@@ -145,7 +181,7 @@ def fake_profile(
                 }
             },
         )
-    return profile
+        return profile
 
 
 def _cast(model: nn.Module, dtype: torch.dtype) -> nn.Module:

@@ -207,6 +207,11 @@ class SavedBytes:
         self.unit = 0
         self.size: dict[int, int] = {}
         self.savers: dict[int, list[int]] = {}
+        # every storage counted stays referenced until the pass ends: a storage saved by a branch
+        # the forward then drops (a router's scores where the experts ignore them) is freed, and
+        # a later tensor could take its address -- the key -- and go uncounted (seen on fake
+        # DeepSeek-V3 blocks: identical blocks a few hundred bytes apart, run to run)
+        self.alive: list[Any] = []
 
     def pack(self, t: Tensor) -> Tensor:
         storage = t.untyped_storage()
@@ -216,6 +221,7 @@ class SavedBytes:
         if key not in self.size:
             self.size[key] = storage.nbytes()
             self.bytes += storage.nbytes()
+            self.alive.append(storage)
         units = self.savers.setdefault(key, [])
         if not units or units[-1] != self.unit:
             units.append(self.unit)

@@ -9,6 +9,7 @@ with the module and the line, and nothing is written.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import textwrap
 import warnings
@@ -267,3 +268,33 @@ def test_cli_fake_profile_of_a_builder(tmp_path: object) -> None:
     assert [x.activation_bytes for x in prof.layers] == [x.activation_bytes for x in api.layers]
     assert main(["profile", "--model", "examples.gpt:tiny", "--device-type", "h100-80g", "-q"]) != 0  # needs --fake
     assert main(["profile", "--fake", "--model", "examples.gpt:tiny", "-q"]) != 0  # needs --device-type
+
+
+def test_fake_and_measured_profiles_of_one_model_plan_the_same_split() -> None:
+    """The planner gets the same answer from either profile where bytes decide: two devices whose
+    memory fits exactly one cut of the zoo GPT (fixed schedule, M, no recompute, no T or ZeRO)."""
+    from planner.cost import Layout, estimate
+    from planner.schema import Cluster, PlanOptions, TrainingSetup
+    from planner.solver import solve
+
+    real, fake = _real("examples.gpt:small"), _fake("examples.gpt:small", device_type="cpu")
+    training = TrainingSetup(global_batch_size=2, optimizer="adam")
+    options = PlanOptions(schedule="1f1b", num_microbatches=2, recompute=False, data_parallel=1, tensor_parallel=1,
+                          zero_stage=0, time_limit_s=5.0)
+
+    def cluster(memory: int) -> Cluster:
+        return Cluster.model_validate({"devices": [{"memory_bytes": memory}] * 2, "intra_node": "pcie4"})
+
+    n = real.num_layers
+    peaks = {}
+    for cut in range(1, n):
+        plan = estimate(real, cluster(2**40), training, Layout([(0, cut), (cut, n)], num_microbatches=2,
+                                                               schedule="1f1b", pipeline_degree=2))
+        peaks[cut] = max(s.memory_bytes for s in plan.stages)
+    best = min(peaks, key=peaks.__getitem__)
+    others = sorted(v for c, v in peaks.items() if c != best)
+    memory = math.ceil(peaks[best] / 0.9) + 1  # usable (10 % margin) fits the best cut only
+    assert others[0] > peaks[best] * 1.001 and 0.9 * memory < others[0]
+    plans = [solve(p, cluster(memory), training, options) for p in (real, fake)]
+    assert [[(s.start, s.stop) for s in p.stages] for p in plans] == [[(0, best), (best, n)]] * 2
+    assert [max(s.memory_bytes for s in p.stages) for p in plans] == [peaks[best]] * 2
