@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from planner.cost.collectives import (
     Group,
@@ -115,6 +117,46 @@ def kv_bytes(ops: Sequence[Operation], t: int) -> int:
     return total
 
 
+@dataclass(frozen=True)
+class _ContextScales:
+    """Of one census under context parallelism: the K/V bytes, and (priced on a device) the
+    local / whole time ratios and the local attention's times."""
+
+    kv: int
+    forward: float | None = None
+    backward_input: float = 0.0
+    backward_weight: float = 0.0
+    attention_forward: float = 0.0
+    attention_backward: float = 0.0
+
+
+#: :class:`_ContextScales` by the identities of a census's operations (with them, to check the
+#: identities still name them), C, T, sequence parallelism and the device: synth's identical
+#: blocks share their operation objects, so a stack is priced once
+ContextMemo = dict[tuple[Any, ...], tuple[tuple[Operation, ...], _ContextScales]]
+
+
+def _context_scales(
+    ops: Sequence[Operation], c: int, *, t: int, sequence_parallel: bool, device: str | None
+) -> _ContextScales:
+    kv = kv_bytes(ops, t)
+    if device is None:
+        return _ContextScales(kv)
+    whole = layer_times(ops, device_type=device, tensor_parallel=t, sequence_parallel=sequence_parallel)
+    local_ops = [_shard_tokens(op, c) for op in ops]
+    local = layer_times(local_ops, device_type=device, tensor_parallel=t, sequence_parallel=sequence_parallel)
+    attn = layer_times([o for o in local_ops if o.kind == "attention"], device_type=device,
+                       tensor_parallel=t, sequence_parallel=sequence_parallel)
+
+    def ratio(a: float, b: float) -> float:
+        return a / b if b > 0 else 1 / c
+
+    return _ContextScales(
+        kv, ratio(local.forward, whole.forward), ratio(local.backward_input, whole.backward_input),
+        ratio(local.backward_weight, whole.backward_weight), attn.forward, attn.backward_input,
+    )
+
+
 def context_layer(
     layer: LayerProfile,
     census: LayerProfile,
@@ -125,11 +167,12 @@ def context_layer(
     cluster: Cluster,
     device: str | None,
     mode: str = "all-gather",
+    memo: ContextMemo | None = None,
 ) -> LayerProfile:
     """What one device of a context-parallel group of ``c`` runs and holds of ``layer`` (already
     one tensor-parallel rank's, :mod:`planner.mesh`); ``census`` is the profile's own layer (its
     operations), ``device`` the device preset its census is priced on (None: no census pricing,
-    times / C)."""
+    times / C).  ``memo`` shares the pricing between layers made of the same operation objects."""
     if c <= 1:
         return layer
     n = len(layer.forward_ms)
@@ -140,21 +183,17 @@ def context_layer(
     kv = [0] * n
     if ops_by_size is not None:
         for i, ops in enumerate(ops_by_size):
-            kv[i] = kv_bytes(ops, t)
-            if device is None:
-                continue
-            whole = layer_times(ops, device_type=device, tensor_parallel=t, sequence_parallel=sequence_parallel)
-            local_ops = [_shard_tokens(op, c) for op in ops]
-            local = layer_times(local_ops, device_type=device, tensor_parallel=t, sequence_parallel=sequence_parallel)
-            if whole.forward > 0:
-                fwd_ratio[i] = local.forward / whole.forward
-            if whole.backward_input > 0:
-                bwd_ratio[i] = local.backward_input / whole.backward_input
-            if whole.backward_weight > 0:
-                wgt_ratio[i] = local.backward_weight / whole.backward_weight
-            attn = layer_times([o for o in local_ops if o.kind == "attention"], device_type=device,
-                               tensor_parallel=t, sequence_parallel=sequence_parallel)
-            attn_fwd[i], attn_bwd[i] = attn.forward, attn.backward_input
+            key = (*map(id, ops), c, t, sequence_parallel, device)
+            seen = memo.get(key) if memo is not None else None
+            if seen is None or any(x is not y for x, y in zip(seen[0], ops, strict=True)):
+                seen = (tuple(ops), _context_scales(ops, c, t=t, sequence_parallel=sequence_parallel, device=device))
+                if memo is not None:
+                    memo[key] = seen
+            scales = seen[1]
+            kv[i] = scales.kv
+            if scales.forward is not None:
+                fwd_ratio[i], bwd_ratio[i], wgt_ratio[i] = scales.forward, scales.backward_input, scales.backward_weight
+                attn_fwd[i], attn_bwd[i] = scales.attention_forward, scales.attention_backward
     comm_f = [all_gather_ms(x, group, cluster) for x in kv]
     comm_b = [reduce_scatter_ms(x, group, cluster) for x in kv]
     if mode == "ring":

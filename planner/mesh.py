@@ -61,7 +61,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from planner.context import check_context, context_layer
+from planner.context import ContextMemo, check_context, context_layer
 from planner.cost.collectives import group_on, half_ring_ms, replica_link, ring_link, ring_ms
 from planner.cost.compute import layer_times
 from planner.cost.layers import SHA_KEY
@@ -179,7 +179,10 @@ def virtual_cluster(cluster: Cluster, t: int, *, gathered_bytes: int = 0, margin
     groups = cluster.num_devices // t
     reserve = gathered_bytes / (1 - margin) if margin < 1 else gathered_bytes
     devices: list[Device] = []
-    for g in range(groups):
+    if len(set(map(id, cluster.devices))) == 1:  # one shared device object: one virtual device
+        d = cluster.devices[0]
+        devices = [Device(name=d.name, memory_bytes=max(0, int(d.memory_bytes - reserve)), speed=d.speed)] * groups
+    for g in range(groups if not devices else 0):
         members = cluster.devices[g * t:(g + 1) * t]
         mem = min(d.memory_bytes for d in members)
         speed = min(d.speed for d in members)
@@ -544,9 +547,10 @@ def mesh_problem(
     c, e = mesh.context_parallel, mesh.expert_parallel
     if c > 1:
         check_context(profile, c, mesh.context_attention)
+        context_memo: ContextMemo = {}
         layers = [
             context_layer(x, orig, c, t=t, sequence_parallel=mesh.sequence_parallel, cluster=cluster,
-                          device=census_device(profile), mode=mesh.context_attention)
+                          device=census_device(profile), mode=mesh.context_attention, memo=context_memo)
             for x, orig in zip(layers, profile.layers, strict=True)
         ]
     if e > 1:

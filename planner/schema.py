@@ -682,6 +682,8 @@ class Cluster(_Model):
 
     @property
     def homogeneous(self) -> bool:
+        if len(set(map(id, self.devices))) == 1:  # one shared object (the shorthand's): no comparison
+            return True
         first = self.devices[0]
         return all(d.memory_bytes == first.memory_bytes and d.speed == first.speed for d in self.devices)
 

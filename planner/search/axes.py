@@ -386,7 +386,8 @@ def solve(
                 continue
             offer(plan)
 
-    work = {fam: _work_bound(base, cluster, training, fam) for fam in families}
+    loads = {fam: _family_load(base, cluster, training, fam) for fam in families}
+    work = {fam: load.work for fam, load in loads.items()}
     # no solve starts once the limits given out reach the time limit (late()), nor after the time
     # limit on the clock (a small instance's only after WALL_SAFETY times it: a loaded machine's clock)
     deadline = start + (WALL_SAFETY if small else min(WALL_SAFETY, 1.0)) * options.time_limit_s
@@ -398,7 +399,7 @@ def solve(
             return True
         return False
 
-    order = sorted(families, key=lambda f: (_promise(base, cluster, training, f, work[f]), f.tensor_parallel,
+    order = sorted(families, key=lambda f: (_promise(base, cluster, training, f, loads[f]), f.tensor_parallel,
                                             f.sequence_parallel, f.selective_recompute))
     # phase 1: ZeRO 0 in every family (D free), most promising family first; the selective-
     # recompute families (when the choice is free) only where some plan is memory-bound
@@ -670,25 +671,44 @@ def _plain(profile: Profile, cluster: Cluster, training: TrainingSetup, options:
         raise _with_mesh_fixes(err, profile_in_dtype(profile, training.dtype), cluster, training, options) from None
 
 
-def _promise(profile: Profile, cluster: Cluster, training: TrainingSetup, fam: _Family, work: float) -> float:
+@dataclass(frozen=True)
+class _Load:
+    """A family's work bound (valid: no plan of it is faster) and, for ordering only, the
+    activations of one micro-batch of the smallest profiled size on one device of its group:
+    the largest layer's and the whole model's."""
+
+    work: float
+    largest_activation: int
+    activations: int
+
+
+def _promise(profile: Profile, cluster: Cluster, training: TrainingSetup, fam: _Family, load: _Load) -> float:
     """For ordering only: the family's work bound times the 1F1B bubble of the fewest pipeline
     stages its parameter state needs, 1 + (K - 1) / M (a large model at small T needs a deep,
-    bubbly pipeline)."""
+    bubbly pipeline), a third more where one micro-batch's activations exceed half a device
+    (1F1B's first rank holds about the whole model's: it must recompute), and last (inf) where
+    one layer's alone exceed the device (a long sequence at small T x C: nothing fits)."""
     static = sum(x.param_bytes for x in profile.layers) * (
         1 + training.gradient_bytes_per_param_byte + training.optimizer_state_factor
     )
-    usable = min(d.memory_bytes for d in cluster.devices) * (1 - training.memory_margin) / 2
-    groups = max(1, cluster.num_devices // fam.tensor_parallel)
+    device = min(d.memory_bytes for d in cluster.devices) * (1 - training.memory_margin)
+    if load.largest_activation > device:
+        return math.inf
+    usable = device / 2
+    groups = max(1, cluster.num_devices // fam.group)
     k = min(groups, max(1, math.ceil(static / fam.tensor_parallel / max(usable, 1.0))))
     d = max(1, groups // k)
     m = max(1, training.global_batch_size // d)
-    return work * (1 + (k - 1) / m)
+    recompute = 4 / 3 if load.activations > usable else 1.0
+    return load.work * (1 + (k - 1) / m) * recompute
 
 
-def _work_bound(profile: Profile, cluster: Cluster, training: TrainingSetup, fam: _Family) -> float:
-    """All the family's forward and backward work spread over its groups (no plan is faster)."""
+def _family_load(profile: Profile, cluster: Cluster, training: TrainingSetup, fam: _Family) -> _Load:
+    """:class:`_Load`: all the family's forward and backward work spread over its groups (no
+    plan is faster), and its activations per device."""
     problem = mesh_problem(profile, cluster, _relaxed_training(training), fam.mesh(), data_parallel=1, across_nodes=True)
-    return lower_bound_ms(problem.profile, problem.cluster, problem.training)
+    acts = [x.activation_bytes[0] for x in problem.profile.layers]
+    return _Load(lower_bound_ms(problem.profile, problem.cluster, problem.training), max(acts), sum(acts))
 
 
 def _fits(profile: Profile, cluster: Cluster, training: TrainingSetup, options: PlanOptions, mesh: Mesh, d: int | None) -> bool:

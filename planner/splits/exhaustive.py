@@ -27,7 +27,7 @@ from planner.bounds.split import split_lower_bound
 from planner.search.model import Split, StageModel, recompute_options
 from planner.search.space import Config, Group, device_orders, distinct_orders
 from planner.search.state import SearchState, consider
-from planner.splits.recompute import recompute_variants, with_recompute
+from planner.splits.recompute import recompute_variants, with_prefix_recompute, with_recompute
 
 #: enumerate every split of a configuration when there are at most this many
 ENUMERATE_LIMIT = 400
@@ -162,7 +162,8 @@ def _enumerate_interleaved(
         if variants is None:  # too many to try: the cheapest one, and the bound stays open
             search.open_bounds.append(lb)
             split = with_recompute(search, sm, groups, base.ranges, base.groups)
-            variants = [] if split is None else [split]
+            prefix = with_prefix_recompute(search, sm, groups, base.ranges, base.groups)
+            variants = [x for x in (split, prefix) if x is not None]
         for split in variants:
             fits_any = True
             consider(search, sm, groups, split)

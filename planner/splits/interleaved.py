@@ -33,7 +33,7 @@ from planner.search.model import (
 )
 from planner.search.space import Group
 from planner.search.state import SearchState, consider
-from planner.splits.recompute import with_recompute
+from planner.splits.recompute import with_prefix_recompute, with_recompute
 from planner.splits.vshape import vshape_candidates
 
 
@@ -63,6 +63,11 @@ def interleaved_candidates(
                     continue
                 tried.append(split)
                 best_here = min(best_here, consider(search, sm, groups, split))
+                if any(split.recompute):  # the same chunks, each rank checkpointing its first ones
+                    prefix = with_prefix_recompute(search, sm, groups, split.ranges, split.groups)
+                    if prefix is not None and prefix not in tried:
+                        tried.append(prefix)
+                        best_here = min(best_here, consider(search, sm, groups, prefix))
     return best_here
 
 

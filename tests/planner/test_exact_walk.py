@@ -114,29 +114,16 @@ def test_one_layer_chunks_whose_closed_form_fits_no_recompute_set_still_plan() -
     even with every chunk recomputing.  The schedule's walk fits once most chunks recompute: the
     search must find such a set (2^8 per rank: the greedy fallback past the cheapest 16), not
     report that nothing fits."""
-    n, k, m, v = 32, 4, 16, 8
-    layers = [
-        LayerProfile(
-            name=f"l{i}", param_bytes=MiB, forward_ms=[1.0], backward_ms=[2.0],
-            activation_bytes=[8 * MiB], output_bytes=[(16 if i == n - 2 else 1) * MiB],
-        )
-        for i in range(n)
-    ]
-    profile = Profile(model="head-heavy", measured_on=MeasuredOn(device="cpu"), microbatch_sizes=[1], layers=layers)
-    training = TrainingSetup(global_batch_size=m, optimizer="sgd")
-    ranges = [(i, i + 1) for i in range(n)]
-
-    def cluster(memory: int) -> Cluster:
-        return Cluster.model_validate({"devices": k, "memory": memory, "intra_node": "nvlink4", "devices_per_node": k})
+    n, k, m, v = HEAD_HEAVY
+    profile, training, ranges = _head_heavy()
+    cluster = _cluster
 
     from planner.search.space import Config
 
     assert conservative(Config(1, k, m, "interleaved-1f1b", v), profile.num_layers)
 
     def walked(recompute: bool) -> float:
-        plan = estimate(profile, cluster(2**40), training, Layout(
-            ranges, num_microbatches=m, schedule="interleaved-1f1b", pipeline_degree=k, recompute=[recompute] * n))
-        return max(s.memory_bytes for s in plan.stages)
+        return _walked(profile, training, ranges, [recompute] * n, 2**40)
 
     costs = layer_costs(profile, 1)
     closed = closed_form_walks("interleaved-1f1b", k, m, v)
@@ -153,3 +140,73 @@ def test_one_layer_chunks_whose_closed_form_fits_no_recompute_set_still_plan() -
     plan = solve(profile, cluster(memory), training, options)
     assert plan_fits(plan)
     assert len(plan.stages) == n and any(s.recompute for s in plan.stages)
+
+
+#: layers, ranks, micro-batches, chunks per rank of :func:`_head_heavy`
+HEAD_HEAVY = (32, 4, 16, 8)
+
+
+def _head_heavy() -> tuple[Profile, TrainingSetup, list[tuple[int, int]]]:
+    """One layer per chunk on K = 4 ranks x v = 8, M = 16; the last chunk's input 16x the others'."""
+    n, _, m, _ = HEAD_HEAVY
+    layers = [
+        LayerProfile(
+            name=f"l{i}", param_bytes=MiB, forward_ms=[1.0], backward_ms=[2.0],
+            activation_bytes=[8 * MiB], output_bytes=[(16 if i == n - 2 else 1) * MiB],
+        )
+        for i in range(n)
+    ]
+    profile = Profile(model="head-heavy", measured_on=MeasuredOn(device="cpu"), microbatch_sizes=[1], layers=layers)
+    return profile, TrainingSetup(global_batch_size=m, optimizer="sgd"), [(i, i + 1) for i in range(n)]
+
+
+def _cluster(memory: int) -> Cluster:
+    k = HEAD_HEAVY[1]
+    return Cluster.model_validate({"devices": k, "memory": memory, "intra_node": "nvlink4", "devices_per_node": k})
+
+
+def _walked(profile: Profile, training: TrainingSetup, ranges: list[tuple[int, int]], recompute: list[bool],
+            memory: int) -> float:
+    _, k, m, _ = HEAD_HEAVY
+    plan = estimate(profile, _cluster(memory), training, Layout(
+        ranges, num_microbatches=m, schedule="interleaved-1f1b", pipeline_degree=k, recompute=recompute))
+    return max(s.memory_bytes for s in plan.stages)
+
+
+@pytest.mark.parametrize("share", [0.35, 0.5, 0.8])
+def test_prefix_recompute_checkpoints_each_ranks_fewest_first_chunks_that_fit(share: float) -> None:
+    """Llama 3's choice (each rank checkpoints its first n chunks, the least n that fits), as the
+    interleaved searches offer it beside the set grown by memory."""
+    import time
+
+    from planner.search.space import Config, make_groups
+    from planner.search.state import SearchState
+    from planner.splits.recompute import with_prefix_recompute
+
+    n, k, m, v = HEAD_HEAVY
+    profile, training, ranges = _head_heavy()
+    lo, hi = _walked(profile, training, ranges, [True] * n, 2**40), _walked(profile, training, ranges, [False] * n, 2**40)
+    memory = math.ceil((lo + share * (hi - lo)) / 0.9)
+    cluster = _cluster(memory)
+    search = SearchState(profile, cluster, training, PlanOptions(time_limit_s=2.0), deadline=time.perf_counter() + 60)
+    cfg = Config(1, k, m, "interleaved-1f1b", v)
+    sm = search.stage_model(cfg)
+    groups = make_groups(cluster, training, 1, k)
+    split = with_prefix_recompute(search, sm, groups, tuple(ranges), tuple(sm.owner))
+    assert split is not None
+    limit = groups[0].limit_bytes
+    counts = []
+    for own in sm.rank_stages:
+        flags = [split.recompute[s] for s in own]
+        count = sum(flags)
+        assert flags == [j < count for j in range(v)]  # a prefix of the rank's chunks
+        counts.append(count)
+    assert _walked(profile, training, ranges, list(split.recompute), memory) <= limit
+    for r, own in enumerate(sm.rank_stages):  # one chunk fewer on any rank does not fit
+        if counts[r] == 0:
+            continue
+        fewer = list(split.recompute)
+        fewer[own[counts[r] - 1]] = False
+        plan = estimate(profile, cluster, training, Layout(
+            ranges, num_microbatches=m, schedule="interleaved-1f1b", pipeline_degree=k, recompute=fewer))
+        assert max(plan.stages[s].memory_bytes for s in own) > limit
