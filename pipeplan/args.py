@@ -48,7 +48,7 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cluster", metavar="FILE", help="cluster JSON (instead of the flags below)")
     g.add_argument("--devices", type=int, help="number of devices")
     g.add_argument("--memory", help="memory per device, e.g. 80GiB or 141GB")
-    g.add_argument("--device-type", help="preset: cpu, a100-40g, a100-80g, h100-80g, h200-141g")
+    g.add_argument("--device-type", help="preset: cpu, a100-40g, a100-80g, h100-80g, h200-141g, h800-80g")
     g.add_argument("--devices-per-node", type=int, help="devices per node (default: the preset's, or all)")
     g.add_argument("--interconnect", help="intra-node link preset: pcie4, pcie5, nvlink3, nvlink4, loopback")
     g.add_argument("--inter-node", help="inter-node link preset: ib-hdr, ib-ndr, ...")

@@ -63,6 +63,10 @@ INTERCONNECTS: Mapping[str, InterconnectPreset] = MappingProxyType(
         # NVIDIA H100 datasheet: fourth-generation NVLink, 900 GB/s total (450 GB/s per direction).
         "nvlink4": InterconnectPreset(450e9 * 0.8, 3e-6, "NVIDIA H100 Tensor Core GPU datasheet (2023)"),
         # InfiniBand HDR: 200 Gb/s per port = 25 GB/s (IBTA roadmap; NVIDIA ConnectX-6).
+        # the H800's export-limited NVLink as DeepSeek measured it: "NVLink offers a bandwidth of
+        # 160 GB/s, roughly 3.2 times that of IB (50 GB/s)" (DeepSeek-AI, DeepSeek-V3 Technical
+        # Report, arXiv:2412.19437, 2024, sec. 3.2.2): achieved, so no further derating
+        "nvlink-h800": InterconnectPreset(160e9, 3e-6, "DeepSeek-V3 Technical Report (2024), sec. 3.2.2: 160 GB/s achieved"),
         "ib-hdr": InterconnectPreset(25e9 * 0.9, 5e-6, "InfiniBand Trade Association roadmap, HDR 200 Gb/s"),
         # InfiniBand NDR: 400 Gb/s per port = 50 GB/s (IBTA roadmap; NVIDIA ConnectX-7).
         "ib-ndr": InterconnectPreset(50e9 * 0.9, 5e-6, "InfiniBand Trade Association roadmap, NDR 400 Gb/s"),
@@ -176,6 +180,19 @@ DEVICES: Mapping[str, DevicePreset] = MappingProxyType(
             "NVIDIA H200 Tensor Core GPU datasheet (2024), SXM 141GB, dense",
             nics_per_node=8,  # HGX H200: 8 ConnectX-7 400 Gb/s, as DGX H100
             **_GH100_SHAPES,  # the H100's GH100 chip
+        ),
+        "h800-80g": DevicePreset(
+            80 * GiB,
+            MappingProxyType({"float32": 67e12, "tfloat32": 494.5e12, "bfloat16": 989.5e12, "float16": 989.5e12}),
+            3350e9,
+            8,
+            "nvlink-h800",
+            "ib-ndr",
+            "NVIDIA H800 Tensor Core GPU datasheet (2023), SXM5 80GB, dense (the H100's compute, NVLink cut to "
+            "400 GB/s); links as DeepSeek-V3's cluster (arXiv:2412.19437, sec. 3.1-3.2)",
+            # DeepSeek-V3's nodes: 8 GPUs, one 400 Gb/s InfiniBand NIC each (sec. 3.2.2: IB 50 GB/s)
+            nics_per_node=8,
+            **_GH100_SHAPES,  # the GH100 chip
         ),
     }
 )

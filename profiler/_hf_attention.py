@@ -119,10 +119,17 @@ def causal_sdpa(
             f"{type(module).__name__}: {query.shape[2]} queries over {key.shape[2]} keys -- pipeplan's "
             f"causal attention ({NAME}) profiles training without a cache (use_cache=False)"
         )
+    d_v = value.shape[-1]
+    if d_v < query.shape[-1]:
+        # multi-head latent attention (DeepSeek-V3: query/key 192 wide, value 128): the fused
+        # kernels take one head width, so V is zero-padded to it and the output cut back, as
+        # transformers does for flash_attention_2 (modeling_deepseek_v3.py) -- else the CPU
+        # kernel falls back to the math path, which upcasts to fp32 and materialises s^2 scores
+        value = F.pad(value, [0, query.shape[-1] - d_v])
     out = F.scaled_dot_product_attention(
         query, key, value, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=True
     )
-    return out.transpose(1, 2).contiguous(), None
+    return out[..., :d_v].transpose(1, 2).contiguous(), None
 
 
 def attention_metadata(model: Any) -> dict[str, str]:

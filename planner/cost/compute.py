@@ -136,6 +136,8 @@ _DEFAULT_CONSTANTS: Mapping[str, DeviceConstants] = MappingProxyType({
     # Memory: BabelStream as above.
     "h100-80g": DeviceConstants(gemm_efficiency=0.78, memory_efficiency=0.85),
     "h200-141g": DeviceConstants(gemm_efficiency=0.78, memory_efficiency=0.85),
+    # H800 SXM: the GH100 chip with NVLink cut (NVIDIA H800 datasheet, 2023): the H100's figures
+    "h800-80g": DeviceConstants(gemm_efficiency=0.78, memory_efficiency=0.85),
 })
 
 
@@ -372,13 +374,21 @@ def attention_ms(
 def operation_ms(
     op: Operation, *, device_type: str, constants: DeviceConstants | None = None
 ) -> OpTimes:
-    """Forward, input-gradient and weight-gradient ms of ``op`` (times ``op.count``)."""
+    """Forward, input-gradient and weight-gradient ms of ``op`` (times ``op.count``).
+
+    The experts' GEMMs of a mixture-of-experts layer (``op.expert``: ``count`` products of one
+    shape, one per expert a device holds) run as one grouped GEMM, their tiles sharing the
+    device's waves, as Megatron-LM's ``--moe-grouped-gemm`` and DeepSeek-V3's kernels run them
+    (DeepSeek-V3 Technical Report, arXiv:2412.19437, sec. 3.3); priced one by one, 256 experts'
+    128-token products would each fill a few of the SMs."""
     c = _constants(device_type, constants)
+    grouped = op.kind == "gemm" and op.expert
     if op.kind == "gemm":
         m, n, k = _dim(op.m), _dim(op.n), _dim(op.k)
+        batch = op.batch * op.count if grouped else op.batch
 
         def gemm(rows: int, cols: int, inner: int) -> float:
-            return gemm_ms(rows, cols, inner, batch=op.batch, dtype=op.dtype, device_type=device_type, constants=c)
+            return gemm_ms(rows, cols, inner, batch=batch, dtype=op.dtype, device_type=device_type, constants=c)
 
         times = OpTimes(gemm(m, n, k), gemm(m, k, n), gemm(k, n, m))  # C = A B; dA = dC B^T; dB = A^T dC
     elif op.kind == "attention":
@@ -391,7 +401,7 @@ def operation_ms(
             memory_ms(MEMORY_BACKWARD_FACTOR * nbytes, device_type=device_type, constants=c),
             0.0,
         )
-    return times.scaled(op.count)
+    return times if grouped else times.scaled(op.count)
 
 
 #: the field each ``tp_shard`` divides, and the operation kinds it applies to

@@ -268,8 +268,13 @@ def profile_in_dtype(profile: Profile, dtype: str | None) -> Profile:
                 "kept_inputs": None
                 if layer.kept_inputs is None
                 else [k.model_copy(update={"bytes": [round(x * act) for x in k.bytes]}) for k in layer.kept_inputs],
-                # the tensor-parallel split of those bytes scales with them
+                # the tensor-parallel split of those bytes scales with them, and so do the experts'
+                # share of the parameters and the tokens their all-to-alls move
                 "tp_param_bytes": None if layer.tp_param_bytes is None else round(layer.tp_param_bytes * par),
+                "moe": None if layer.moe is None else layer.moe.model_copy(update={
+                    "expert_param_bytes": round(layer.moe.expert_param_bytes * par),
+                    "dispatch_bytes": [round(x * act) for x in layer.moe.dispatch_bytes],
+                }),
                 **{
                     key: None if getattr(layer, key) is None else [round(x * act) for x in getattr(layer, key)]
                     for key in ("tp_replicated_activation_bytes", "sp_replicated_activation_bytes",

@@ -266,3 +266,36 @@ def test_expert_parallelism_is_what_makes_it_fit() -> None:
         solve(profile, cl, training, PlanOptions(time_limit_s=2.0, expert_parallel=1, zero_stage=0, tensor_parallel=1))
     plan = solve(profile, cl, training, PlanOptions(time_limit_s=2.0, zero_stage=0, tensor_parallel=1))
     assert plan.expert_parallel_degree > 1 and plan_fits(plan)
+
+
+def test_a_float32_profile_run_in_bfloat16_holds_its_experts_share_in_master_bytes() -> None:
+    """The memory-by-dtype hook scales a layer's parameters to float32 master bytes: the experts'
+    share scales with them, so E still removes (1 - 1/E) of the experts (it removed half of that)."""
+    from planner.cost import profile_in_dtype
+
+    fp32 = _profile(0, 2, moe=True).model_copy(update={"measured_on": MeasuredOn(device="cpu", dtype="float32")})
+    bf16 = profile_in_dtype(fp32, "bfloat16")
+    layer, run = fp32.layers[1], bf16.layers[1]
+    assert layer.moe is not None and run.moe is not None
+    assert run.param_bytes == layer.param_bytes and run.moe.expert_param_bytes == layer.moe.expert_param_bytes
+    assert run.moe.dispatch_bytes == [x // 2 for x in layer.moe.dispatch_bytes]  # tokens in bf16
+    half = fp32.model_copy(update={"measured_on": MeasuredOn(device="cpu", dtype="bfloat16")})
+    doubled = profile_in_dtype(half, "bfloat16").layers[1]  # bf16 weights, fp32 masters: x2
+    assert doubled.moe is not None and doubled.param_bytes == 2 * layer.param_bytes
+    assert doubled.moe.expert_param_bytes == 2 * layer.moe.expert_param_bytes
+    out = expert_layer(doubled, 4, t=1, c=1, sequence_parallel=False, cluster=_cluster(8), pipeline_degree=1,
+                       expert_tp_share=1.0)
+    assert out.param_bytes == doubled.param_bytes - math.ceil(doubled.moe.expert_param_bytes * 3 / 4)
+
+
+def test_the_experts_gemms_of_a_layer_run_as_one_grouped_gemm() -> None:
+    """count expert products of one shape: one grouped kernel (their tiles share the waves), not
+    count kernels each filling a few SMs; never slower than one by one, and exactly the batched
+    product's price."""
+    from planner.cost.compute import gemm_ms, operation_ms
+
+    op = Operation(kind="gemm", m=128, n=2048, k=7168, count=256, expert=True)
+    grouped = operation_ms(op, device_type="h100-80g")
+    alone = operation_ms(op.model_copy(update={"expert": False}), device_type="h100-80g")
+    assert grouped.forward == pytest.approx(gemm_ms(128, 2048, 7168, batch=256, dtype="bfloat16", device_type="h100-80g"))
+    assert grouped.forward < 0.5 * alone.forward and grouped.backward <= alone.backward

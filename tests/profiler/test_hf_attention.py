@@ -310,3 +310,18 @@ def test_transformers_registries_are_what_the_gpu_attention_relies_on() -> None:
     source = inspect.getsource(modeling_llama.LlamaAttention.forward)
     assert "ALL_ATTENTION_FUNCTIONS.get_interface" in source and "scaling=self.scaling" in source
     assert "dropout=" in source
+
+
+def test_latent_attention_pads_the_values_to_the_query_width_and_computes_the_same() -> None:
+    """DeepSeek-V3's query/key heads are wider than its value heads: V is zero-padded for the
+    fused kernel and the output cut back (else CPU SDPA's math path: fp32 and s^2 scores)."""
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 4, 16, 24, requires_grad=True), torch.randn(2, 4, 16, 24, requires_grad=True)
+    v = torch.randn(2, 4, 16, 16, requires_grad=True)
+    out, _ = _hf_attention.causal_sdpa(torch.nn.Module(), q, k, v, None, scaling=0.2)
+    scores = (q @ k.transpose(-1, -2) * 0.2).masked_fill(torch.ones(16, 16, dtype=torch.bool).triu(1), float("-inf"))
+    want = (scores.softmax(-1) @ v).transpose(1, 2)
+    assert out.shape == (2, 16, 4, 16)
+    torch.testing.assert_close(out, want)
+    out.sum().backward()
+    assert v.grad is not None and v.grad.shape == v.shape

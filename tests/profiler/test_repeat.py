@@ -60,8 +60,11 @@ def test_tracing_one_block_of_each_kind_gives_the_whole_trace(tmp_path: Any, nam
     _assert_same(repeated, whole)
     if name == "gemma2-9b":  # two kinds; the cuts after block 4 no longer carry the sliding mask
         assert info["traced"] == [0, 1, 2, 4, 5]
-    if name == "deepseek-v3":  # dense block 1, MoE block 2
+    if name == "deepseek-v3":  # dense block 1, MoE block 2; latent attention runs fused (V padded)
         assert info["traced"] == [0, 1, 2, 5]
+        block = next(x for x in whole.layers if x.name == "model.layers.3")
+        assert block.operations is not None
+        assert [op.kind for op in block.operations[0]].count("attention") == 1
 
 
 def test_traced_blocks_keep_the_ends_and_one_inner_block_of_each_kind() -> None:
