@@ -39,10 +39,12 @@ from planner.cost.collectives import (
     reduce_scatter_ms,
     replica_link,
 )
+from planner.cost.compute import census_device
 from planner.cost.layers import (
     LayerCosts,
     _prefix,
     _times_at,
+    extrapolation_note,
     layer_costs,
     profile_in_dtype,
     structure_sha,
@@ -125,11 +127,16 @@ def lower_bound_ms(profile: Profile, cluster: Cluster, training: TrainingSetup) 
     """Total forward + backward work of a step spread perfectly over every device.
 
     Uses the cheapest per-sample cost over the measured sizes, 1 and the global batch (linear
-    pieces have their per-sample extremes at their ends), so no plan can beat it.  A calibrated
-    profile's fixed step overhead is added (every plan pays it).
+    pieces have their per-sample extremes at their ends), so no plan can beat it; and, where the
+    device model scales a census outside the measured sizes (:func:`planner.cost.layers._times_at`:
+    not linear there), every micro-batch size a plan can run there (the divisors of the global
+    batch).  A calibrated profile's fixed step overhead is added (every plan pays it).
     """
     g = training.global_batch_size
-    candidates = sorted({1, g, *(b for b in profile.microbatch_sizes if b <= g)})
+    sizes = profile.microbatch_sizes
+    candidates = sorted({1, g, *(b for b in sizes if b <= g)})
+    if census_device(profile) is not None and any(x.operations for x in profile.layers):
+        candidates = sorted({*candidates, *(b for b in _all_divisors(g) if not min(sizes) <= b <= max(sizes))})
     best = math.inf
     for b in candidates:
         fwd, bwd = _times_at(profile, b)  # (only these of layer_costs)
@@ -484,7 +491,7 @@ def estimate(
         solver=solver or SolverInfo(status="given", gap=0.0),
         cluster=cluster,
         training=training,
-        notes=[n for n in (scaling.extrapolation_note(profile.microbatch_sizes, b), _calibration_note(profile)) if n],
+        notes=[n for n in (extrapolation_note(profile, b), _calibration_note(profile)) if n],
         split_points=list(profile.split_points),
         actions=templates.formatted(*shape) if templates is not None and shape else format_actions(orders),
     )
@@ -873,6 +880,12 @@ def _check_placement(placement: list[list[int]], owner: Sequence[int], d: int, n
                     f"stages {s} and {t} run on the same pipeline rank, so they need the same devices, "
                     f"got {placement[s]} and {placement[t]}"
                 )
+
+
+def _all_divisors(x: int) -> list[int]:
+    """The divisors of ``x`` in O(sqrt x)."""
+    small = [i for i in range(1, math.isqrt(x) + 1) if x % i == 0]
+    return sorted({*small, *(x // i for i in small)})
 
 
 def _divisors(x: int) -> list[int]:
