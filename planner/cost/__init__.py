@@ -17,8 +17,8 @@ from planner.cost.collectives import (
     ring_ms,
     transfer_ms,
 )
+from planner.cost.compute import DTYPE_BYTES
 from planner.cost.layers import (
-    DTYPE_BYTES,
     SHA_KEY,
     LayerCosts,
     interpolate,

@@ -77,9 +77,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from planner.cost.layers import DTYPE_BYTES
 from planner.presets import DEVICES, DevicePreset, unknown_preset
 from planner.schema import Operation, Profile
+
+#: bytes per element of the dtypes a profile or a plan may name
+DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 
 #: backward bytes of a memory-bound kernel / its forward bytes (module docstring)
 MEMORY_BACKWARD_FACTOR = 2.0

@@ -11,13 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING
 
 from planner import scaling
+from planner.cost.compute import DTYPE_BYTES, SizeRatios, census_ratios, scale_measured
 from planner.schema import LayerProfile, Profile
-
-if TYPE_CHECKING:
-    from planner.cost.compute import SizeRatios
 
 #: profile metadata key of the original structure fingerprint (a profile rescaled by
 #: :func:`profile_in_dtype` or transformed for a mesh keeps its model's fingerprint)
@@ -152,8 +149,6 @@ class LayerCosts:
 
 def _census_ratios(profile: Profile, b: int) -> list[SizeRatios | None]:
     """:func:`planner.cost.compute.census_ratios`, one None per layer where it has none."""
-    from planner.cost.compute import census_ratios  # (compute reads this module's dtype table)
-
     return census_ratios(profile, b) or [None] * profile.num_layers
 
 
@@ -164,8 +159,6 @@ def _times_at(
     series, read between the measured sizes; outside them scaled from the nearest measured size
     by the device model's prices of the layer's census (``ratios``, default
     :func:`planner.cost.compute.census_ratios`), or linearly for a layer without one."""
-    from planner.cost.compute import scale_measured
-
     sizes = profile.microbatch_sizes
     rs = _census_ratios(profile, b) if ratios is None else ratios
     fwd, bwd = [], []
@@ -271,8 +264,6 @@ def split_backward(
     """
     if layer.backward_input_ms is None and layer.backward_weight_ms is None:
         return backward / 2, backward / 2
-    from planner.cost.compute import scale_measured
-
     def part(series: Sequence[float], scale: float) -> float:
         if ratio is None:
             return scaling.at_size(sizes, series, b)
@@ -295,9 +286,6 @@ def split_backward(
         i, w = i * scale, w * scale
     return i, w
 
-
-#: bytes per element of the dtypes a profile or a plan may name
-DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def profile_in_dtype(profile: Profile, dtype: str | None) -> Profile:
