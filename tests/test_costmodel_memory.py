@@ -138,3 +138,17 @@ def test_cluster_files_override_the_presets_memory_outside_the_allocator() -> No
            "intra_node": "nvlink3", "inter_node": "ib-hdr"}
     read = parse_document("cluster", old)  # clusters written before these fields
     assert read.devices[0].context_bytes == 0 and read.devices[0].fragmentation == 0.0
+
+
+def test_with_the_default_margin_every_preset_is_bound_by_the_margin() -> None:
+    """The searches compare an allocator peak with the memory less the margin
+    (planner.search.space.usable_bytes); the estimate also leaves room for the context and the
+    fragmentation.  With the default margin the two agree on every preset (the margin is the
+    stricter), so a preset whose context or fragmentation outgrew the margin fails here."""
+    from planner.cost import usable_bytes
+    from planner.presets import DEVICES
+
+    training = TrainingSetup()
+    for name in DEVICES:
+        dev = parse_document("cluster", {"devices": 1, "device_type": name}).devices[0]
+        assert usable_bytes(dev, training) == int(dev.memory_bytes * (1 - training.memory_margin)), name
