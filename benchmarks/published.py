@@ -51,7 +51,9 @@ Sources (each CSV's header says more):
   machine's speed; the tables above do not).
 
 "Fits" is the predicted peak against the 80 GiB the GPUs have (every row ran, so every row
-must fit); the planner's own limit keeps a 10 % margin below it.  Ranking: for each model with
+must fit): what the device holds (``StagePlan.device_bytes``), the allocator's peak plus its
+fragmentation and the CUDA context (the preset's ``cuda_context_bytes`` and
+``allocator_fragmentation``); the planner's own limit keeps a 10 % margin below it.  Ranking: for each model with
 several configurations in one source, whether the predicted order of their step times is the
 measured one (Spearman's rho over them).
 """
@@ -208,7 +210,7 @@ def run(cases: Sequence[Case], constants: DeviceConstants | None) -> list[Result
     out = []
     for c in cases:
         plan = plan_of(c, constants)
-        peak = max(s.memory_bytes for s in plan.stages)
+        peak = max(s.device_bytes for s in plan.stages)
         out.append(Result(c, plan.predicted.step_time_ms / 1e3, peak, min(s.memory_limit_bytes for s in plan.stages)))
     return out
 
@@ -476,7 +478,7 @@ def llama_run(cases: Sequence[LlamaCase], constants: DeviceConstants | None, pla
         spec, tokens = llama_spec(c.seq), c.d * c.batch_per_dp * c.seq
         out.append(LlamaResult(
             c, model_flops(profile, spec, tokens), model_flops(profile, spec, tokens, causal=True),
-            plan.predicted.step_time_ms / 1e3, max(s.memory_bytes for s in plan.stages),
+            plan.predicted.step_time_ms / 1e3, max(s.device_bytes for s in plan.stages),
             min(s.memory_limit_bytes for s in plan.stages), max(s.memory_bytes for s in none.stages), blocks,
             llama_plans(c, profile, plan_limit_s) if plan_limit_s > 0 else (),
         ))

@@ -74,7 +74,12 @@ def memory_table(plan: Plan) -> Table | None:
     if any(s.memory_parts is None for s in plan.stages):
         return None
     table = Table(title="memory per device at its peak", title_justify="left")
-    for col in ("rank", "stages", "parameters", "gradients", "optimizer", "activations", "ZeRO-3 gathered", "peak"):
+    # the device's memory outside the allocator's peak (CUDA presets): its context and the
+    # allocator's fragmentation, and what the device then holds in all
+    outside = any(s.memory_parts.context or s.memory_parts.fragmentation for s in plan.stages if s.memory_parts)
+    extra = ("context", "fragmentation", "device") if outside else ()
+    for col in ("rank", "stages", "parameters", "gradients", "optimizer", "activations", "ZeRO-3 gathered", "peak",
+                *extra):
         table.add_column(col, justify="left" if col == "stages" else "right")
     k, v = plan.pipeline_degree, plan.virtual_stages
     from planner.schedules import stage_rank
@@ -90,6 +95,8 @@ def memory_table(plan: Plan) -> Table | None:
             str(r), ",".join(map(str, ranks[r])), format_bytes(parts.parameters), format_bytes(parts.gradients),
             format_bytes(parts.optimizer), format_bytes(parts.activations), format_bytes(parts.gathered),
             format_bytes(st.memory_bytes),
+            *((format_bytes(parts.context), format_bytes(parts.fragmentation),
+               format_bytes(st.device_bytes)) if outside else ()),
         )
     return table
 

@@ -47,8 +47,7 @@ from planner.cost.collectives import (
     group_on,
     reduce_scatter_ms,
 )
-from planner.cost.compute import layer_times
-from planner.cost.layers import DTYPE_BYTES
+from planner.cost.compute import DTYPE_BYTES, layer_times
 from planner.errors import InputError
 from planner.schema import Cluster, LayerProfile, Operation, Profile
 

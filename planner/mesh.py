@@ -63,11 +63,10 @@ from typing import Any
 
 from planner.context import ContextMemo, check_context, context_layer
 from planner.cost.collectives import group_on, half_ring_ms, replica_link, ring_link, ring_ms
-from planner.cost.compute import layer_times
+from planner.cost.compute import census_device, layer_times
 from planner.cost.layers import SHA_KEY
 from planner.errors import InputError
 from planner.experts import check_experts, expert_layer
-from planner.presets import DEVICES
 from planner.schema import (
     Cluster,
     Device,
@@ -247,24 +246,6 @@ def zero_collectives_ms(
     nbytes = param_bytes * training.gradient_bytes_per_param_byte
     rs = half_ring_ms(nbytes, d, link)
     return rs, (rs if zero == 3 else 0.0)
-
-
-def census_device(profile: Profile) -> str | None:
-    """The device preset whose device model prices ``profile``'s operation census: a synthesized
-    profile's preset, ``cpu`` for a CPU profile, a CUDA profile's GPU by its name; None when
-    unknown (the flat ``tensor_parallel_efficiency`` then scales its layers)."""
-    where = profile.measured_on
-    if where.device.startswith("synthetic:"):
-        name = where.device.removeprefix("synthetic:")
-        return name if name in DEVICES else None
-    if where.device == "cpu":
-        return "cpu"
-    label = where.device_name.upper()
-    for key, preset in (("H200", "h200-141g"), ("H100", "h100-80g"), ("A100-SXM4-40GB", "a100-40g"),
-                        ("A100", "a100-80g")):
-        if key in label:
-            return preset
-    return None
 
 
 @dataclass(frozen=True)

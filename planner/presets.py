@@ -12,6 +12,29 @@ from types import MappingProxyType
 from typing import Any
 
 GiB = 2**30
+MiB = 2**20
+
+#: memory a CUDA training process holds outside PyTorch's caching allocator (A100 and H100 alike),
+#: the sum of two published measurements:
+#: * the CUDA context with lazy module loading (CUDA >= 11.7): "the currently used ~300MB",
+#:   P. Bialecki (NVIDIA), pytorch/pytorch#107667 (2023); 300-700 MB before lazy loading,
+#:   pytorch/pytorch#28113, #20532;
+#: * NCCL's buffers: 544 MB for a 2-GPU and 688 MB for a larger process group on A100 with NVLink,
+#:   measured with PyTorch, NVIDIA/nccl#964 (2023); NCCL's maintainer: memory grows with the
+#:   channels (more for H100's NVLink) and with more communicators unless split with shared
+#:   resources (NVIDIA/nccl#864, #986).  A Megatron rank has tensor-, pipeline- and data-parallel
+#:   communicators, split from one; we count one group's buffers, 700 MB.
+CUDA_CONTEXT_BYTES = 300 * MiB + 700 * MiB
+#: the caching allocator's fragmentation, as a share of its reserved memory.  Published range:
+#: GMLake (Guo et al., ASPLOS 2024, arXiv 2401.08156), stitching PyTorch's fragments on eight LLMs
+#: trained on A100-80GB with recompute, ZeRO and offloading, cuts fragmentation by 15 % on average
+#: (up to 33 %) and saves 9.2 GB on average (up to 25 GB) of the default allocator's reserved
+#: memory; STWeaver (Huang et al. 2025, arXiv 2507.16274): the default allocator wastes up to 43 %
+#: with virtual pipelines and recompute.  Expandable segments (PyTorch >= 2.1, pytorch/pytorch#96995), which the
+#: large-model trainers enable, remove most of it.  5 % is an assumption inside that range, not a
+#: measurement; override it in a cluster file (``"fragmentation"``) where a run measured its own
+#: (``torch.cuda.memory_reserved`` / ``memory_allocated``).
+ALLOCATOR_FRAGMENTATION = 0.05
 
 
 @dataclass(frozen=True)
@@ -50,6 +73,14 @@ class DevicePreset:
     attention_fraction: tuple[float, float] = (1.0, 1.0)
     #: the shortest time one kernel (or one CPU operator) occupies the device, in seconds
     launch_floor_s: float = 0.0
+    # Memory the framework's allocator never hands to tensors (planner/cost/memory.py,
+    # ``usable_bytes``).  0 and 0.0 (a CPU process: its plans are measured truth) switch both off.
+    #: bytes each process holds outside the caching allocator: the CUDA context (driver, loaded
+    #: kernels) and the communication libraries' buffers (NCCL channels, cuBLAS workspaces)
+    cuda_context_bytes: int = 0
+    #: the caching allocator's fragmentation: the share of its reserved memory no tensor uses
+    #: (reserved = allocated / (1 - this))
+    allocator_fragmentation: float = 0.0
 
 
 INTERCONNECTS: Mapping[str, InterconnectPreset] = MappingProxyType(
@@ -96,6 +127,10 @@ _GA100_SHAPES: Mapping[str, Any] = MappingProxyType(
         # per short kernel launched back to back in a stream; rounded up for PyTorch's dispatch
         launch_floor_s=5e-6,
     )
+)
+#: what a CUDA GPU's training process holds outside its tensors (the same on every preset GPU)
+_CUDA_MEMORY: Mapping[str, Any] = MappingProxyType(
+    dict(cuda_context_bytes=CUDA_CONTEXT_BYTES, allocator_fragmentation=ALLOCATOR_FRAGMENTATION)
 )
 #: the same of the GH100 chip (H100 SXM5; the H200 is the same chip with more, faster memory:
 #: NVIDIA H200 datasheet, 2024)
@@ -145,6 +180,7 @@ DEVICES: Mapping[str, DevicePreset] = MappingProxyType(
             "NVIDIA A100 Tensor Core GPU datasheet (2021), SXM4 40GB",
             nics_per_node=8,  # DGX A100: 8 single-port HDR ConnectX-6 for the compute fabric
             **_GA100_SHAPES,
+            **_CUDA_MEMORY,
         ),
         "a100-80g": DevicePreset(
             80 * GiB,
@@ -157,6 +193,7 @@ DEVICES: Mapping[str, DevicePreset] = MappingProxyType(
             # DGX A100 / Selene: 8 HDR InfiniBand per node (Narayanan et al. SC'21, section 5)
             nics_per_node=8,
             **_GA100_SHAPES,  # the same GA100 chip as the 40 GB
+            **_CUDA_MEMORY,
         ),
         "h100-80g": DevicePreset(
             80 * GiB,
@@ -169,6 +206,7 @@ DEVICES: Mapping[str, DevicePreset] = MappingProxyType(
             # DGX H100: 8 ConnectX-7 400 Gb/s for the compute fabric (Llama 3: 400 Gb/s per GPU)
             nics_per_node=8,
             **_GH100_SHAPES,
+            **_CUDA_MEMORY,
         ),
         "h200-141g": DevicePreset(
             141 * 10**9,
@@ -180,6 +218,7 @@ DEVICES: Mapping[str, DevicePreset] = MappingProxyType(
             "NVIDIA H200 Tensor Core GPU datasheet (2024), SXM 141GB, dense",
             nics_per_node=8,  # HGX H200: 8 ConnectX-7 400 Gb/s, as DGX H100
             **_GH100_SHAPES,  # the H100's GH100 chip
+            **_CUDA_MEMORY,
         ),
         "h800-80g": DevicePreset(
             80 * GiB,

@@ -586,6 +586,16 @@ class Device(_Model):
     name: str = ""
     memory_bytes: Annotated[Bytes, Field(le=MAX_MEMORY_BYTES)]
     speed: PosFloat = Field(default=1.0, description="throughput relative to the profiling device")
+    context_bytes: Annotated[Bytes, Field(le=MAX_MEMORY_BYTES)] = Field(
+        default=0,
+        description="bytes each process holds outside the framework's allocator: the CUDA context and "
+        "the communication libraries' buffers (the device_type preset's cuda_context_bytes; 0: none)",
+    )
+    fragmentation: Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)] = Field(
+        default=0.0,
+        description="the allocator's fragmentation: the share of its reserved memory no tensor uses "
+        "(the device_type preset's allocator_fragmentation; 0: none)",
+    )
 
 
 def _interconnect(value: Any, where: str) -> Any:
@@ -643,7 +653,14 @@ class Cluster(_Model):
                 )
             mem = parse_bytes(memory) if memory is not None else preset.memory_bytes  # type: ignore[union-attr]
             # one validated device, shared: N references, not N objects to build and check
-            device = Device.model_validate({"name": device_type or "device", "memory_bytes": mem, "speed": speed})
+            fields: dict[str, Any] = {"name": device_type or "device", "memory_bytes": mem, "speed": speed}
+            if preset is not None:
+                fields["context_bytes"] = preset.cuda_context_bytes
+                fields["fragmentation"] = preset.allocator_fragmentation
+            for key in ("context_bytes", "fragmentation"):  # the shorthand may override the preset's
+                if key in data:
+                    fields[key] = data.pop(key)
+            device = Device.model_validate(fields)
             data["devices"] = [device] * devices
         elif memory is not None or (device_type is not None and not isinstance(devices, list)):
             raise ValueError("give 'devices' as a count or a list of devices")
@@ -851,7 +868,16 @@ class MemoryParts(_Model):
         "logits and loss are the head's activations)"
     )
     gathered: NonNegInt = Field(default=0, description="ZeRO-3's gathered parameters (the running and the prefetched layer)")
-    context: NonNegInt = Field(default=0, description="the CUDA context and the framework's own buffers (device preset)")
+    context: NonNegInt = Field(
+        default=0,
+        description="the CUDA context and the communication buffers, outside the allocator (Device.context_bytes)",
+    )
+    fragmentation: NonNegInt = Field(
+        default=0,
+        description="the allocator's reserved memory no tensor uses at the peak (Device.fragmentation of "
+        "what it reserves).  The allocator's peak (StagePlan.memory_bytes) holds the parts above; the "
+        "device holds that, this and the context",
+    )
 
 
 class StagePlan(_Model):
@@ -881,8 +907,13 @@ class StagePlan(_Model):
     backward_weight_ms: NonNegFloat | None = Field(
         default=None, description="weight-gradient part of the backward (W); default: the rest"
     )
-    memory_bytes: NonNegInt = Field(description="predicted peak of the device running this stage")
-    memory_limit_bytes: NonNegInt = Field(description="device memory less the safety margin")
+    memory_bytes: NonNegInt = Field(
+        description="predicted peak of the allocator of the device running this stage (the tensors it holds)"
+    )
+    memory_limit_bytes: NonNegInt = Field(
+        description="the most memory_bytes may be: device memory less the safety margin, and less the "
+        "context and the allocator's fragmentation (planner.cost.memory.usable_bytes)"
+    )
     send_ms: NonNegFloat = Field(
         default=0.0, description="time to send one micro-batch's output to the next stage (and its gradient back)"
     )
@@ -894,6 +925,13 @@ class StagePlan(_Model):
     memory_parts: MemoryParts | None = Field(
         default=None, description="what memory_bytes is made of on the device running this stage"
     )
+
+    @property
+    def device_bytes(self) -> int:
+        """What the device holds at the peak: the allocator's peak (``memory_bytes``), its
+        fragmentation and the context (``memory_parts``; 0 for older plans)."""
+        p = self.memory_parts
+        return self.memory_bytes + (p.context + p.fragmentation if p is not None else 0)
 
     @property
     def recompute_time_ms(self) -> float:

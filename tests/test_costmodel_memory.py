@@ -66,3 +66,89 @@ def test_plans_count_the_kept_inputs() -> None:
     )  # fmt: skip
     assert more.stages[1].memory_bytes == plain.stages[1].memory_bytes + 2 * 100
     assert more.stages[0].memory_bytes == plain.stages[0].memory_bytes
+
+
+def _big_profile() -> Profile:
+    """Four layers of 1 GiB of parameters and 2 GiB of activations per sample (bytes a GPU feels)."""
+    gib = 2**30
+    return Profile(
+        model="m",
+        measured_on=MeasuredOn(device="cpu"),
+        microbatch_sizes=[1, 2],
+        layers=[
+            LayerProfile(name=f"l{i}", param_bytes=gib, forward_ms=[1, 2], backward_ms=[2, 4],
+                         activation_bytes=[2 * gib, 4 * gib], output_bytes=[10, 20])
+            for i in range(4)
+        ],
+    )
+
+
+def test_usable_bytes_is_the_stricter_of_the_margin_and_the_context_with_fragmentation() -> None:
+    from planner.cost import outside_allocator, usable_bytes
+    from planner.schema import Device
+
+    dev = Device(memory_bytes=1000, context_bytes=100, fragmentation=0.1)
+    # (1000 - 100) x 0.9 = 810 bytes for tensors: 810 / 0.9 = 900 reserved + 100 of context = 1000
+    assert usable_bytes(dev, TrainingSetup(memory_margin=0.0)) == 810
+    assert usable_bytes(dev, TrainingSetup(memory_margin=0.25)) == 750  # the margin is stricter
+    assert outside_allocator(810, dev) == (100, 90)  # 810 x 0.1 / 0.9
+    plain = Device(memory_bytes=1000)
+    assert usable_bytes(plain, TrainingSetup(memory_margin=0.0)) == 1000
+    assert outside_allocator(810, plain) == (0, 0)
+
+
+def test_gpu_presets_show_the_context_and_fragmentation_and_cpu_presets_have_none() -> None:
+    from planner.presets import ALLOCATOR_FRAGMENTATION, CUDA_CONTEXT_BYTES, DEVICES
+
+    training = parse_document("training", {"global_batch_size": 2, "optimizer": "sgd", "memory_margin": 0.0})
+    layout = Layout([(0, 2), (2, 4)], num_microbatches=2, schedule="gpipe")  # micro-batch 1
+    gpu = estimate(_big_profile(), parse_document("cluster", {"devices": 2, "device_type": "h100-80g"}), training, layout)
+    cpu = estimate(_big_profile(), parse_document("cluster", {"devices": 2, "device_type": "cpu"}), training, layout)
+    for plan in (gpu, cpu):
+        st = plan.stages[0]
+        assert st.memory_parts is not None
+        # 2 GiB of parameters and gradients, two micro-batches of 2 layers x 2 GiB held by GPipe
+        assert st.memory_bytes == (2 + 2 + 2 * 2 * 2) * 2**30
+    f = ALLOCATOR_FRAGMENTATION
+    parts = gpu.stages[0].memory_parts
+    assert parts is not None and parts.context == CUDA_CONTEXT_BYTES > 0 and 0 < f < 1
+    assert parts.fragmentation == pytest.approx(12 * 2**30 * f / (1 - f), abs=1)
+    assert gpu.stages[0].device_bytes == gpu.stages[0].memory_bytes + parts.context + parts.fragmentation
+    # margin 0: the limit leaves room for the context and the fragmentation, not the whole device
+    memory = DEVICES["h100-80g"].memory_bytes
+    assert gpu.stages[0].memory_limit_bytes == int((memory - CUDA_CONTEXT_BYTES) * (1 - f))
+    cparts = cpu.stages[0].memory_parts
+    assert cparts is not None and cparts.context == cparts.fragmentation == 0
+    assert cpu.stages[0].device_bytes == cpu.stages[0].memory_bytes
+    assert cpu.stages[0].memory_limit_bytes == DEVICES["cpu"].memory_bytes
+    # the same under a mesh (ZeRO-3: the gathered parameters are the allocator's too)
+    zero = estimate(_big_profile(), parse_document("cluster", {"devices": 4, "device_type": "h100-80g"}), training,
+                    Layout([(0, 2), (2, 4)], num_microbatches=1, schedule="gpipe", data_parallel=2, zero_stage=3))
+    zp = zero.stages[0].memory_parts
+    assert zp is not None and zp.gathered > 0 and zp.context == CUDA_CONTEXT_BYTES
+    assert zp.fragmentation == pytest.approx(zero.stages[0].memory_bytes * f / (1 - f), abs=1)
+    assert zero.stages[0].memory_limit_bytes == int((memory - CUDA_CONTEXT_BYTES) * (1 - f))
+
+
+def test_cluster_files_override_the_presets_memory_outside_the_allocator() -> None:
+    cluster = parse_document("cluster", {"devices": 2, "device_type": "a100-80g", "fragmentation": 0.2,
+                                         "context_bytes": 0})
+    assert cluster.devices[0].fragmentation == 0.2 and cluster.devices[0].context_bytes == 0
+    old = {"devices": [{"name": "x", "memory_bytes": 100}], "devices_per_node": 1,
+           "intra_node": "nvlink3", "inter_node": "ib-hdr"}
+    read = parse_document("cluster", old)  # clusters written before these fields
+    assert read.devices[0].context_bytes == 0 and read.devices[0].fragmentation == 0.0
+
+
+def test_with_the_default_margin_every_preset_is_bound_by_the_margin() -> None:
+    """The searches compare an allocator peak with the memory less the margin
+    (planner.search.space.usable_bytes); the estimate also leaves room for the context and the
+    fragmentation.  With the default margin the two agree on every preset (the margin is the
+    stricter), so a preset whose context or fragmentation outgrew the margin fails here."""
+    from planner.cost import usable_bytes
+    from planner.presets import DEVICES
+
+    training = TrainingSetup()
+    for name in DEVICES:
+        dev = parse_document("cluster", {"devices": 1, "device_type": name}).devices[0]
+        assert usable_bytes(dev, training) == int(dev.memory_bytes * (1 - training.memory_margin)), name

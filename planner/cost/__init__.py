@@ -17,8 +17,8 @@ from planner.cost.collectives import (
     ring_ms,
     transfer_ms,
 )
+from planner.cost.compute import DTYPE_BYTES
 from planner.cost.layers import (
-    DTYPE_BYTES,
     SHA_KEY,
     LayerCosts,
     interpolate,
@@ -31,10 +31,12 @@ from planner.cost.memory import (
     RankTerms,
     held_bytes,
     memory_lower_bound,
+    outside_allocator,
     rank_memory_bytes,
     rank_memory_from_terms,
     rank_memory_terms,
     static_bytes,
+    usable_bytes,
 )
 from planner.cost.step import (
     Layout,
@@ -83,6 +85,7 @@ __all__ = [
     "lower_bound_ms",
     "memory_lower_bound",
     "mesh_collectives_ms",
+    "outside_allocator",
     "pipeline_transfer_ms",
     "plan_fits",
     "plan_orders",
@@ -104,4 +107,5 @@ __all__ = [
     "static_bytes",
     "structure_sha",
     "transfer_ms",
+    "usable_bytes",
 ]

@@ -77,9 +77,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from planner.cost.layers import DTYPE_BYTES
 from planner.presets import DEVICES, DevicePreset, unknown_preset
-from planner.schema import Operation
+from planner.schema import Operation, Profile
+
+#: bytes per element of the dtypes a profile or a plan may name
+DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 
 #: backward bytes of a memory-bound kernel / its forward bytes (module docstring)
 MEMORY_BACKWARD_FACTOR = 2.0
@@ -251,7 +253,7 @@ def gemm_efficiency(
         * tile_quantization(m, tm)
         * tile_quantization(n, tn)
         * wave_quantization(tiles, device.sm_count)
-        * k / (k + device.gemm_k_overhead)
+        * (k / (k + device.gemm_k_overhead))  # (a factor: k / k is exactly 1, (x k) / k may not be)
     )
     intensity = 2 * m * n * k / ((m * k + k * n + m * n) * _element_bytes(dtype))
     roof = intensity * device.memory_bandwidth_bytes_per_s * c.memory_efficiency / peak
@@ -467,3 +469,83 @@ def layer_times(
         local = shard_operation(op, tensor_parallel, sequence_parallel=sequence_parallel)
         total = total + operation_ms(local, device_type=device_type, constants=constants)
     return total
+
+
+# --------------------------------------------------------------------------- measured times at other sizes
+
+
+def census_device(profile: Profile) -> str | None:
+    """The device preset whose device model prices ``profile``'s operation census: a synthesized
+    profile's preset, ``cpu`` for a CPU profile, a CUDA profile's GPU by its name; None when
+    unknown (the flat ``tensor_parallel_efficiency`` then scales its layers, and measured times
+    are read linearly at unmeasured micro-batch sizes)."""
+    where = profile.measured_on
+    if where.device.startswith("synthetic:"):
+        name = where.device.removeprefix("synthetic:")
+        return name if name in DEVICES else None
+    if where.device == "cpu":
+        return "cpu"
+    label = where.device_name.upper()
+    for key, preset in (("H200", "h200-141g"), ("H100", "h100-80g"), ("A100-SXM4-40GB", "a100-40g"),
+                        ("A100", "a100-80g")):
+        if key in label:
+            return preset
+    return None
+
+
+@dataclass(frozen=True)
+class SizeRatios:
+    """A layer's device-model price at a micro-batch size ``b`` over its price at the measured
+    size ``b0`` the census was recorded at: forward, whole backward, input and weight gradient."""
+
+    b0: int
+    forward: float
+    backward: float
+    backward_input: float
+    backward_weight: float
+
+
+def census_ratios(profile: Profile, b: int) -> list[SizeRatios | None] | None:
+    """Per layer, how the device model scales its measured times from the nearest measured
+    micro-batch size ``b0`` to ``b`` (:class:`SizeRatios`), for ``b`` outside the measured sizes:
+    the layer's census at ``b0`` (:func:`resize_operation` by ``b / b0``) priced at both sizes on
+    the profile's device (:func:`census_device`).  None for every layer when ``b`` lies inside the
+    measured sizes (read between measured points) or the profile's device has no device model;
+    None for a layer without a census at ``b0`` (its times scale linearly)."""
+    sizes = list(profile.microbatch_sizes)
+    if min(sizes) <= b <= max(sizes):
+        return None
+    device = census_device(profile)
+    if device is None:
+        return None
+    b0 = max(sizes) if b > max(sizes) else min(sizes)
+    at = sizes.index(b0)
+    memo: dict[tuple[Operation, ...], SizeRatios] = {}  # synth's blocks share one census
+    out: list[SizeRatios | None] = []
+    for layer in profile.layers:
+        ops = layer.operations[at] if layer.operations and at < len(layer.operations) else None
+        if not ops:
+            out.append(None)
+            continue
+        key = tuple(ops)
+        if key not in memo:
+            base = layer_times(ops, device_type=device)
+            there = layer_times([resize_operation(o, b / b0) for o in ops], device_type=device)
+
+            def ratio(x: float, y: float) -> float:
+                return x / y if y > 0 else b / b0
+
+            memo[key] = SizeRatios(
+                b0, ratio(there.forward, base.forward), ratio(there.backward, base.backward),
+                ratio(there.backward_input, base.backward_input), ratio(there.backward_weight, base.backward_weight),
+            )
+        out.append(memo[key])
+    return out
+
+
+def scale_measured(value: float, ratio: float, b: int, b0: int) -> float:
+    """A time measured (fitted) as ``value`` at size ``b0``, read at ``b`` through the device
+    model's ``ratio``, kept where the measured series' physics holds (:mod:`planner.scaling`): a
+    larger micro-batch never costs less, nor more per sample; a smaller one the reverse."""
+    lo, hi = (value, value * b / b0) if b >= b0 else (value * b / b0, value)
+    return min(hi, max(lo, value * ratio))

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from planner import scaling
+from planner.cost.compute import DTYPE_BYTES, SizeRatios, census_ratios, scale_measured
 from planner.schema import LayerProfile, Profile
 
 #: profile metadata key of the original structure fingerprint (a profile rescaled by
@@ -146,19 +147,61 @@ class LayerCosts:
         return table
 
 
-def _times_at(profile: Profile, b: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Every layer's forward and backward time at micro-batch size ``b``."""
+def _census_ratios(profile: Profile, b: int) -> list[SizeRatios | None]:
+    """:func:`planner.cost.compute.census_ratios`, one None per layer where it has none."""
+    return census_ratios(profile, b) or [None] * profile.num_layers
+
+
+def _times_at(
+    profile: Profile, b: int, ratios: Sequence[SizeRatios | None] | None = None
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Every layer's forward and backward time at micro-batch size ``b``: the fitted measured
+    series, read between the measured sizes; outside them scaled from the nearest measured size
+    by the device model's prices of the layer's census (``ratios``, default
+    :func:`planner.cost.compute.census_ratios`), or linearly for a layer without one."""
     sizes = profile.microbatch_sizes
-    fwd = tuple(scaling.at_size(sizes, x.forward_ms, b, spread=x.forward_ms_spread) for x in profile.layers)
-    bwd = tuple(scaling.at_size(sizes, x.backward_ms, b, spread=x.backward_ms_spread) for x in profile.layers)
-    return fwd, bwd
+    rs = _census_ratios(profile, b) if ratios is None else ratios
+    fwd, bwd = [], []
+    for x, r in zip(profile.layers, rs, strict=True):
+        if r is None:
+            fwd.append(scaling.at_size(sizes, x.forward_ms, b, spread=x.forward_ms_spread))
+            bwd.append(scaling.at_size(sizes, x.backward_ms, b, spread=x.backward_ms_spread))
+        else:
+            f0 = scaling.at_size(sizes, x.forward_ms, r.b0, spread=x.forward_ms_spread)
+            b0 = scaling.at_size(sizes, x.backward_ms, r.b0, spread=x.backward_ms_spread)
+            fwd.append(scale_measured(f0, r.forward, b, r.b0))
+            bwd.append(scale_measured(b0, r.backward, b, r.b0))
+    return tuple(fwd), tuple(bwd)
+
+
+def extrapolation_note(profile: Profile, b: int) -> str | None:
+    """A sentence for plans whose micro-batch size ``b`` lies outside the measured sizes, else
+    None: beyond them :func:`planner.scaling.extrapolation_note` (how to measure it instead), which
+    also says when the layer times were read through the device model's census prices (read
+    linearly otherwise: no census, or no device model); below them only when the device model
+    read them (linearly, along the first measured segment, as ever, otherwise)."""
+    sizes = profile.microbatch_sizes
+    if min(sizes) <= b <= max(sizes):
+        return None
+    ratios = _census_ratios(profile, b)
+    priced = sum(r is not None for r in ratios)
+    how = "by the device model's prices of each layer's operation census" + (
+        "" if priced == len(ratios) else f" ({priced} of {len(ratios)} layers; the others linearly)")
+    if b < min(sizes):
+        return f"micro-batch {b} is scaled down from size {min(sizes)} {how}" if priced else None
+    note = scaling.extrapolation_note(sizes, b)
+    if note is None or not priced:
+        return note
+    head, _, tail = note.partition("; ")
+    return f"{head} {how}; {tail}"
 
 
 def layer_costs(profile: Profile, microbatch_size: int) -> LayerCosts:
     """Interpolate every layer of ``profile`` at ``microbatch_size``."""
     sizes = profile.microbatch_sizes
     b = microbatch_size
-    fwd, bwd = _times_at(profile, b)
+    ratios = _census_ratios(profile, b)
+    fwd, bwd = _times_at(profile, b, ratios)
     act = tuple(interpolate(sizes, layer.activation_bytes, b) for layer in profile.layers)
     cut = tuple(interpolate(sizes, layer.transfer_bytes(), b) for layer in profile.layers)
     params = tuple(layer.param_bytes for layer in profile.layers)
@@ -169,7 +212,8 @@ def layer_costs(profile: Profile, microbatch_size: int) -> LayerCosts:
             tuple((k.offset, interpolate(sizes, k.bytes, b, clamp=False)) for k in layer.kept_inputs or ())
             for layer in profile.layers
         )
-    split = [split_backward(sizes, layer, b, total) for layer, total in zip(profile.layers, bwd, strict=True)]
+    split = [split_backward(sizes, layer, b, total, ratio=r)
+             for layer, total, r in zip(profile.layers, bwd, ratios, strict=True)]
     bin_ = tuple(x for x, _ in split)
     bwt = tuple(y for _, y in split)
     wgrad = tuple(
@@ -203,8 +247,13 @@ def layer_costs(profile: Profile, microbatch_size: int) -> LayerCosts:
     )
 
 
-def split_backward(sizes: Sequence[int], layer: LayerProfile, b: int, backward: float) -> tuple[float, float]:
+def split_backward(
+    sizes: Sequence[int], layer: LayerProfile, b: int, backward: float, *, ratio: SizeRatios | None = None
+) -> tuple[float, float]:
     """A layer's (input-gradient, weight-gradient) ms at micro-batch size ``b``.
+
+    With ``ratio`` (``b`` outside the measured sizes, the layer priced by the device model) each
+    measured part is read at the measured size ``ratio.b0`` and scaled by its own ratio.
 
     Profiles that measured the split give it (each part fitted like every series); a profile
     that gives one part gets the other as the rest of ``backward``; older profiles without
@@ -215,15 +264,20 @@ def split_backward(sizes: Sequence[int], layer: LayerProfile, b: int, backward: 
     """
     if layer.backward_input_ms is None and layer.backward_weight_ms is None:
         return backward / 2, backward / 2
+    def part(series: Sequence[float], scale: float) -> float:
+        if ratio is None:
+            return scaling.at_size(sizes, series, b)
+        return scale_measured(scaling.at_size(sizes, series, ratio.b0), scale, b, ratio.b0)
+
     if layer.backward_input_ms is not None and layer.backward_weight_ms is not None:
-        i = scaling.at_size(sizes, layer.backward_input_ms, b)
-        w = scaling.at_size(sizes, layer.backward_weight_ms, b)
+        i = part(layer.backward_input_ms, ratio.backward_input if ratio else 1.0)
+        w = part(layer.backward_weight_ms, ratio.backward_weight if ratio else 1.0)
     elif layer.backward_input_ms is not None:
-        i = min(backward, scaling.at_size(sizes, layer.backward_input_ms, b))
+        i = min(backward, part(layer.backward_input_ms, ratio.backward_input if ratio else 1.0))
         w = backward - i
     else:
         assert layer.backward_weight_ms is not None
-        w = min(backward, scaling.at_size(sizes, layer.backward_weight_ms, b))
+        w = min(backward, part(layer.backward_weight_ms, ratio.backward_weight if ratio else 1.0))
         i = backward - w
     if i + w < backward:
         if i + w <= 0:
@@ -232,9 +286,6 @@ def split_backward(sizes: Sequence[int], layer: LayerProfile, b: int, backward: 
         i, w = i * scale, w * scale
     return i, w
 
-
-#: bytes per element of the dtypes a profile or a plan may name
-DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def profile_in_dtype(profile: Profile, dtype: str | None) -> Profile:

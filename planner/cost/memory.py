@@ -12,16 +12,42 @@ DeepSpeed run it: a checkpointed layer keeps only its input
 layer, whose activations are live only then (:meth:`~planner.cost.layers.LayerCosts.max_activation`:
 the largest layer of the chunk, one at a time).  A chunk may checkpoint only its first layers
 (Megatron's ``--recompute-method block``): the others keep their activations.
+
+What the allocator cannot hand to tensors (:func:`usable_bytes`, :func:`outside_allocator`): each
+process holds its CUDA context and communication buffers outside the allocator
+(``Device.context_bytes``), and the caching allocator reserves more than the tensors it holds
+(``Device.fragmentation`` of what it reserves is free but unusable).  A device of ``M`` bytes
+therefore holds an allocator peak ``A`` when ``A / (1 - f) + context <= M``; the plan's limit is
+the stricter of that and the user's ``memory_margin``.  Defaults and sources:
+:mod:`planner.presets` (``CUDA_CONTEXT_BYTES``, ``ALLOCATOR_FRAGMENTATION``); a CPU device has
+neither.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from planner.cost.layers import LayerCosts
 from planner.schedules import MemoryPoint, peak_bytes
-from planner.schema import TrainingSetup
+from planner.schema import Device, TrainingSetup
+
+
+def usable_bytes(device: Device, training: TrainingSetup) -> int:
+    """The allocator peak ``device`` may reach: its memory less ``training.memory_margin``, and
+    at most ``(memory - context_bytes) x (1 - fragmentation)`` (the reserved memory around that
+    peak and the context must fit the device)."""
+    margin = int(device.memory_bytes * (1 - training.memory_margin))
+    reserved = int((device.memory_bytes - device.context_bytes) * (1 - device.fragmentation))
+    return max(0, min(margin, reserved))
+
+
+def outside_allocator(peak_bytes: float, device: Device) -> tuple[int, int]:
+    """What ``device`` holds beside an allocator peak of ``peak_bytes``: (its context bytes, the
+    fragmentation: ``peak x f / (1 - f)``, the reserved memory no tensor uses)."""
+    f = device.fragmentation
+    return device.context_bytes, math.ceil(max(0.0, peak_bytes) * f / (1 - f))
 
 
 def static_bytes(param_bytes: float, training: TrainingSetup) -> float:

@@ -39,15 +39,24 @@ from planner.cost.collectives import (
     reduce_scatter_ms,
     replica_link,
 )
+from planner.cost.compute import census_device
 from planner.cost.layers import (
     LayerCosts,
     _prefix,
     _times_at,
+    extrapolation_note,
     layer_costs,
     profile_in_dtype,
     structure_sha,
 )
-from planner.cost.memory import RankTerms, held_bytes, rank_memory_from_terms, rank_memory_terms
+from planner.cost.memory import (
+    RankTerms,
+    held_bytes,
+    outside_allocator,
+    rank_memory_from_terms,
+    rank_memory_terms,
+    usable_bytes,
+)
 from planner.errors import InputError
 from planner.experts import all_to_all_per_microbatch_ms
 from planner.mesh import (
@@ -79,6 +88,7 @@ from planner.schedules import (
 from planner.schema import (
     SCHEDULE_CHUNKS,
     Cluster,
+    Device,
     MemoryParts,
     Placement,
     Plan,
@@ -117,11 +127,16 @@ def lower_bound_ms(profile: Profile, cluster: Cluster, training: TrainingSetup) 
     """Total forward + backward work of a step spread perfectly over every device.
 
     Uses the cheapest per-sample cost over the measured sizes, 1 and the global batch (linear
-    pieces have their per-sample extremes at their ends), so no plan can beat it.  A calibrated
-    profile's fixed step overhead is added (every plan pays it).
+    pieces have their per-sample extremes at their ends), so no plan can beat it; and, where the
+    device model scales a census outside the measured sizes (:func:`planner.cost.layers._times_at`:
+    not linear there), every micro-batch size a plan can run there (the divisors of the global
+    batch).  A calibrated profile's fixed step overhead is added (every plan pays it).
     """
     g = training.global_batch_size
-    candidates = sorted({1, g, *(b for b in profile.microbatch_sizes if b <= g)})
+    sizes = profile.microbatch_sizes
+    candidates = sorted({1, g, *(b for b in sizes if b <= g)})
+    if census_device(profile) is not None and any(x.operations for x in profile.layers):
+        candidates = sorted({*candidates, *(b for b in _all_divisors(g) if not min(sizes) <= b <= max(sizes))})
     best = math.inf
     for b in candidates:
         fwd, bwd = _times_at(profile, b)  # (only these of layer_costs)
@@ -376,10 +391,7 @@ def estimate(
         rank_memory_terms(costs, [ranges[s] for s in own], training, checkpointed=[ckpt[s] for s in own])
         for own in own_stages
     ]
-    limit_rank = [
-        int(min(cluster.devices[d].memory_bytes for s in own for d in devs[s]) * (1 - training.memory_margin))
-        for own in own_stages
-    ]
+    limit_rank = [min(usable_bytes(cluster.devices[d], training) for s in own for d in devs[s]) for own in own_stages]
     shape = None
     if actions is not None:
         try:
@@ -418,7 +430,7 @@ def estimate(
         mem_rank.append(rank_memory_from_terms(terms[r], [rc[s] for s in own], points[r]))
         parts_rank.append(memory_parts(
             sum(costs.prefix_param[ranges[s][1]] - costs.prefix_param[ranges[s][0]] for s in own),
-            mem_rank[-1], training,
+            mem_rank[-1], training, device=_largest_overhead(cluster, [d for s in own for d in devs[s]]),
         ))
         grad = sum(costs.prefix_param[ranges[s][1]] - costs.prefix_param[ranges[s][0]] for s in own)
         grad_bytes = grad * training.gradient_bytes_per_param_byte
@@ -479,7 +491,7 @@ def estimate(
         solver=solver or SolverInfo(status="given", gap=0.0),
         cluster=cluster,
         training=training,
-        notes=[n for n in (scaling.extrapolation_note(profile.microbatch_sizes, b), _calibration_note(profile)) if n],
+        notes=[n for n in (extrapolation_note(profile, b), _calibration_note(profile)) if n],
         split_points=list(profile.split_points),
         actions=templates.formatted(*shape) if templates is not None and shape else format_actions(orders),
     )
@@ -547,18 +559,17 @@ def _mesh_estimate(
         solver=solver, templates=templates,
     )
     pre = _prefix(problem.param_bytes)
-    margin = training.memory_margin
     rank_of = [stage_rank(inner.placement, x.index, inner.pipeline_degree, inner.virtual_stages) for x in inner.stages]
     stage_plans = []
     for st in inner.stages:
         phys = [d * g for d in st.devices]
-        limit = min(
-            int(cluster.devices[x].memory_bytes * (1 - margin)) for d in phys for x in range(d, d + g)
-        )
+        members = [x for d in phys for x in range(d, d + g)]
+        limit = min(usable_bytes(cluster.devices[x], training) for x in members)
         own = [x for x in inner.stages if rank_of[x.index] == rank_of[st.index]]
         parts = memory_parts(
             sum(pre[x.stop] - pre[x.start] for x in own), st.memory_bytes, training,
             zero=mesh.zero_stage, data_parallel=data_parallel, gathered=problem.gathered_bytes,
+            device=_largest_overhead(cluster, members),
         )
         stage_plans.append(st.model_copy(update={
             "devices": phys,
@@ -612,23 +623,34 @@ def memory_parts(
     zero: int = 0,
     data_parallel: int = 1,
     gathered: int = 0,
+    device: Device | None = None,
 ) -> MemoryParts:
     """What a device's predicted peak ``peak_bytes`` (without ZeRO-3's ``gathered`` bytes) is made
     of: its ``param_bytes`` (one tensor-parallel rank's, before ZeRO) as parameters, gradients and
     optimizer state, each sharded over the ``data_parallel`` replicas from ZeRO stage 3, 2 and 1
-    on; the rest of the peak is activations."""
+    on; the rest of the peak is activations.  Beside that allocator peak, ``device`` holds its
+    context and the allocator's fragmentation (:func:`planner.cost.memory.outside_allocator`)."""
     d = data_parallel if data_parallel > 1 else 1
     params = param_bytes / (d if zero >= 3 else 1)
     grads = param_bytes * training.gradient_bytes_per_param_byte / (d if zero >= 2 else 1)
     opt = param_bytes * training.optimizer_state_factor / (d if zero >= 1 else 1)
     static = math.ceil(params) + math.ceil(grads) + math.ceil(opt)
+    context, fragmentation = outside_allocator(peak_bytes + gathered, device) if device is not None else (0, 0)
     return MemoryParts(
         parameters=math.ceil(params),
         gradients=math.ceil(grads),
         optimizer=math.ceil(opt),
         activations=max(0, math.ceil(peak_bytes) - static),
         gathered=gathered,
+        context=context,
+        fragmentation=fragmentation,
     )
+
+
+def _largest_overhead(cluster: Cluster, devices: Sequence[int]) -> Device:
+    """The device of ``devices`` that holds the most outside its allocator (a plan's devices are
+    of one preset, so in practice any of them)."""
+    return max((cluster.devices[d] for d in devices), key=lambda x: (x.context_bytes, x.fragmentation))
 
 
 def pipeline_transfer_ms(transfer: Sequence[float], owner: Sequence[int], num_microbatches: int) -> float:
@@ -858,6 +880,12 @@ def _check_placement(placement: list[list[int]], owner: Sequence[int], d: int, n
                     f"stages {s} and {t} run on the same pipeline rank, so they need the same devices, "
                     f"got {placement[s]} and {placement[t]}"
                 )
+
+
+def _all_divisors(x: int) -> list[int]:
+    """The divisors of ``x`` in O(sqrt x)."""
+    small = [i for i in range(1, math.isqrt(x) + 1) if x % i == 0]
+    return sorted({*small, *(x // i for i in small)})
 
 
 def _divisors(x: int) -> list[int]:

@@ -352,3 +352,29 @@ def test_gradient_overlap_hides_its_share_of_the_collective() -> None:
     assert plans[0].predicted.step_time_ms - plans[1].predicted.step_time_ms == pytest.approx(ar / 2)
     with pytest.raises(Exception, match="less than 1"):
         _training(gradient_overlap=1.0)
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_zero_collectives_on_a_ring_across_two_nodes_by_hand(zero: int) -> None:
+    """D = 4 replicas on two nodes of two devices (NVLink 100 GB/s inside, two 10 GB/s NICs per
+    node, no latency): one ring through both nodes, each node's two NICs carrying it: bus
+    bandwidth min(100, 2 x 10) = 20 GB/s.  By hand, per micro-batch (M = 2 here) and layer of P
+    parameter bytes (embed 400, block 1000): a reduce-scatter or an all-gather moves 3/4 x P /
+    20e9 s.  ZeRO-1 reduces once per step (as an all-reduce, 2 x 3/4 x 1400 / 20e9); ZeRO-2 adds a
+    reduce-scatter per micro-batch and keeps the after-step all-gather; ZeRO-3 gathers before the
+    forward and again before the backward (FSDP2 reshard_after_forward, DeepSpeed stage 3), and
+    nothing after the step."""
+    fast, nic = {"bandwidth_bytes_per_s": 100e9}, {"bandwidth_bytes_per_s": 10e9}
+    cluster = parse_document("cluster", {"devices": 4, "memory": "1GiB", "devices_per_node": 2, "nics_per_node": 2,
+                                         "intra_node": fast, "inter_node": nic})
+    plan = estimate(_profile(), cluster, _training(batch=8, zero_overlap=0.0),
+                    Layout([(0, 2)], num_microbatches=2, schedule="gpipe", data_parallel=4, zero_stage=zero))
+    half = 3 / 4 / 20e9 * 1e3  # ms per byte of one reduce-scatter or all-gather
+    per_microbatch = {1: 0.0, 2: 1400 * half, 3: 3 * 1400 * half}[zero]
+    assert plan.predicted.zero_ms == pytest.approx(2 * per_microbatch)
+    after = {1: 2 * 1400 * half, 2: 1400 * half, 3: 0.0}[zero]
+    assert plan.predicted.allreduce_ms == pytest.approx(after)
+    # nothing hides them (zero_overlap 0, the all-reduce after the last backward): the step is
+    # the compute (M = 2 micro-batches of 33 ms, micro-batch 1) plus all of them
+    compute = 2 * (1 + 2 + 10 + 20)
+    assert plan.predicted.step_time_ms == pytest.approx(compute + 2 * per_microbatch + after)
