@@ -232,6 +232,7 @@ DEVICES: Mapping[str, DevicePreset] = MappingProxyType(
             # DeepSeek-V3's nodes: 8 GPUs, one 400 Gb/s InfiniBand NIC each (sec. 3.2.2: IB 50 GB/s)
             nics_per_node=8,
             **_GH100_SHAPES,  # the GH100 chip
+            **_CUDA_MEMORY,
         ),
     }
 )

@@ -480,13 +480,13 @@ def census_device(profile: Profile) -> str | None:
     unknown (the flat ``tensor_parallel_efficiency`` then scales its layers, and measured times
     are read linearly at unmeasured micro-batch sizes)."""
     where = profile.measured_on
-    if where.device.startswith("synthetic:"):
-        name = where.device.removeprefix("synthetic:")
+    if where.device.startswith(("synthetic:", "fake:")):
+        name = where.device.partition(":")[2]
         return name if name in DEVICES else None
     if where.device == "cpu":
         return "cpu"
     label = where.device_name.upper()
-    for key, preset in (("H200", "h200-141g"), ("H100", "h100-80g"), ("A100-SXM4-40GB", "a100-40g"),
+    for key, preset in (("H200", "h200-141g"), ("H100", "h100-80g"), ("H800", "h800-80g"), ("A100-SXM4-40GB", "a100-40g"),
                         ("A100", "a100-80g")):
         if key in label:
             return preset

@@ -29,7 +29,7 @@ from planner.cost.compute import (
 from planner.presets import DEVICES
 from planner.schema import Operation
 
-GPUS = ("a100-40g", "a100-80g", "h100-80g", "h200-141g")
+GPUS = ("a100-40g", "a100-80g", "h100-80g", "h200-141g", "h800-80g")
 BF16 = "bfloat16"
 REL = 1e-9  # float round-off between two ways of computing the same product
 
