@@ -70,8 +70,8 @@ def local_sequence(t: Any, seq: int, rank: int, degree: int) -> Any:
 def check_sequence(seq: int, degree: int) -> None:
     if seq % (2 * degree):
         raise InputError(f"context parallelism C={degree}: the sequence length {seq} is not divisible by 2C = "
-                         f"{2 * degree} (each rank holds two chunks, for causal balance); replan with a C such that "
-                         "2C divides it")  # fmt: skip
+                         f"{2 * degree} (each rank holds two chunks, for causal balance): replan with a "
+                         "--context-parallel C such that 2C divides it")  # fmt: skip
 
 
 class GatherSequence(torch.autograd.Function):
