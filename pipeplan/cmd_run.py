@@ -85,7 +85,9 @@ def run(args: argparse.Namespace) -> int:
     if nproc * args.nnodes != world:
         raise InputError(
             f"the plan needs {world} processes (K={plan.pipeline_degree} x D={plan.data_parallel_degree} x "
-            f"T={plan.tensor_parallel_degree}) "
+            f"T={plan.tensor_parallel_degree}"
+            + (f" x C={plan.context_parallel_degree}" if plan.context_parallel_degree > 1 else "")
+            + ") "
             f"but {args.nnodes} host(s) x {nproc} per host = {nproc * args.nnodes}: choose --nnodes and "
             f"--nproc-per-node whose product is {world}"
         )

@@ -587,7 +587,9 @@ def _train(
     # ---- data: only the ranks that use it read it (first stage: inputs; last: targets)
     source = DataSource.of(entry, global_batch_size=plan.global_batch_size, steps=args.steps, seed=args.seed)
     reads = loads_data(source.kind, has_first=has_first, has_last=has_last, takes_target=entry.takes_target)
-    reader = source.open(*axes.data_shard(replica, d_deg)) if reads else None
+    # the samples this rank reads: its replica's (the context-parallel ranks of one replica read the same)
+    data_replica, data_replicas = axes.data_shard(replica, d_deg)
+    reader = source.open(data_replica, data_replicas) if reads else None
     if reader is not None and source.kind in ("iterable", "per-replica"):
         for s in range(first_step):  # resumed: skip the batches the checkpointed steps trained on
             reader.next(s)
@@ -626,13 +628,13 @@ def _train(
             if reader is not None:
                 shard, _ = reader.next(step)
         else:
-            report = DataReport(rank, replica, None)
+            report = DataReport(rank, data_replica, None)
             if reader is not None:
                 try:
                     shard, fingerprint = reader.next(step)
-                    report = DataReport(rank, replica, fingerprint)
+                    report = DataReport(rank, data_replica, fingerprint)
                 except InputError as err:
-                    report = DataReport(rank, replica, None, str(err))
+                    report = DataReport(rank, data_replica, None, str(err))
             reports: list[Any] = [None] * world
             dist.all_gather_object(reports, report)
             error, warning = judge(reports, step=step, per_replica=source.kind == "per-replica")
@@ -756,7 +758,7 @@ def _train(
         "rss": (peak_rss_bytes(), rss_first_step, rss_before_model, peak_in_training),
         "rank": rank,
         # the data-parallel replica d (the mesh's data axis folds context parallelism in: d * C + c)
-        "replica": axes.data_shard(replica, d_deg)[0],
+        "replica": data_replica,
         "cp_rank": replica % plan.context_parallel_degree,
         "stages": my_stages,
         "step_ms": step_ms,
@@ -951,7 +953,8 @@ def _finish(
         ranks=[
             RankRecord(
                 # T > 1: tensor-parallel rank 0 of each (stage, replica), numbered k * D + d (see the note)
-                rank=g["rank"] // t_deg,
+                # C > 1: context-parallel rank 0 of each, numbered the same way ((k * D + d) * C * T is its rank)
+                rank=g["rank"] // t_deg // plan.context_parallel_degree,
                 pipeline_rank=g["pipeline_rank"],
                 replica=g["replica"],
                 host=g["host"],
