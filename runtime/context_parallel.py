@@ -1,10 +1,12 @@
 """Context parallelism (the plan's C): each rank holds 1/C of every sequence, attention
 all-gathers K and V over the context-parallel group (Llama 3's scheme; needs torch).
 
-``torch.distributed.tensor.experimental.context_parallel`` does not run here: it swaps
-``F.scaled_dot_product_attention`` for its ring/all-gather kernels on SDPA's flash and
-efficient CUDA backends (torch 2.13 on CPU/gloo has neither), and it patches the module-level
-function, which the splitter's aten graphs no longer call.  So the runtime rewrites the graphs:
+``torch.distributed.tensor.experimental.context_parallel`` does not run here: tried on 2 gloo
+ranks with torch 2.13.0 (CPU), its SDPA under the context manager raises ``NotImplementedError:
+Operator aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding
+strategy registered`` (it shards SDPA's flash and efficient CUDA kernels only); and it patches
+``F.scaled_dot_product_attention``, which the splitter's aten graphs no longer call.  So the
+runtime rewrites the graphs:
 
 * **Sequence split, causal load balancing** (as Megatron-LM and torch do): the sequence is cut
   into 2C chunks and context-parallel rank c holds chunks c and 2C-1-c, so every rank has the

@@ -4,7 +4,7 @@ positions are global, and ``pipeplan run --check`` matches the unsplit model on 
 (its own softmax(q @ k^T) @ v attention, learned positions) and on Hugging Face Llama (SDPA,
 rotary positions); attention that forgets the gather fails the check; refusals name the axis.
 
-The Llama plan comes from the command line (``profile --fake``, ``plan --context-parallel 2``).
+The Llama plan is made as a user makes it (the fake-tensor profile, ``plan --context-parallel 2``).
 The zoo GPT's census has its attention as two batched GEMMs, which the planner does not take for
 attention (it needs an attention operation for the sequence length): its fixture profile
 replaces them with the attention operation a census of SDPA records, then plans from the CLI.
@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from planner.errors import InputError
-from tests.runtime.helpers import run_cli
+from tests.runtime.helpers import fake_profile_file, run_cli
 
 GPT, LLAMA = "examples.gpt:tiny", "examples.hf:llama"
 needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
@@ -83,12 +83,7 @@ def test_a_sequence_2c_does_not_divide_is_refused() -> None:
 def _gpt_profile_with_attention(path: Path) -> Path:
     """The zoo GPT's fake profile with each block's q @ k^T and probs @ v GEMMs recorded as one
     causal attention operation (what a census of SDPA holds)."""
-    from profiler.fake import fake_profile
-    from profiler.loading import load_entrypoint
-
-    prof = fake_profile(lambda: load_entrypoint(GPT), device_type="cpu", microbatch_sizes=(1, 2, 4, 8),
-                        dtype="float32", name=GPT)  # fmt: skip
-    data: dict[str, Any] = json.loads(prof.model_dump_json())
+    data: dict[str, Any] = json.loads(fake_profile_file(GPT, path).read_text())
     for layer in data["layers"]:
         for ops in layer.get("operations") or []:
             batched = [o for o in ops if o["kind"] == "gemm" and o.get("batch", 1) > 1]
@@ -142,10 +137,7 @@ def test_attention_without_the_kv_gather_fails_the_check(gpt_plan: Path) -> None
 @pytest.mark.slow
 @needs_transformers
 def test_llama_sdpa_and_rotary_positions_under_context_parallelism(tmp_path: Path) -> None:
-    profile = tmp_path / "profile.json"
-    proc, _ = run_cli(["profile", "--model", LLAMA, "--fake", "--dtype", "float32", "--device-type", "cpu",
-                       "--microbatch-sizes", "1,2,4,8", "-o", str(profile)])  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
+    profile = fake_profile_file(LLAMA, tmp_path / "profile.json")
     code, out = _run(LLAMA, _cp_plan(profile, tmp_path))
     assert code == 0 and "check PASSED" in out, out
 
@@ -156,3 +148,16 @@ def test_context_with_expert_parallelism_is_refused_naming_both_axes() -> None:
     problems = expert_problems([], [], _plan_fields(expert_parallel_degree=2, data_parallel_degree=2))
     assert any("expert parallelism (E=2) with context parallelism (C=2)" in p and "--context-parallel 1" in p
                for p in problems)  # fmt: skip
+
+
+def test_pipeplan_run_refuses_before_any_rank_starts(gpt_plan: Path, tmp_path: Path) -> None:
+    """The zoo GPT's C = 2 plan, hand-edited to E = 2: no rank starts, each problem is named."""
+    data = json.loads(gpt_plan.read_text())
+    data["expert_parallel_degree"] = 2
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(data))
+    proc, _ = run_cli(["run", "--plan", str(plan), "--model", GPT, "--steps", "1"])
+    assert proc.returncode != 0
+    assert "expert parallelism (E=2) with context parallelism (C=2)" in proc.stderr
+    assert "expert parallelism (E=2): no layer of this model is a mixture-of-experts layer" in proc.stderr
+    assert "[rank" not in proc.stderr  # refused by the launcher, not by a rank

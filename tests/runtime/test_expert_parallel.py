@@ -3,8 +3,8 @@ models (Mixtral; Qwen2-MoE with a shared expert) train under ``pipeplan run --ch
 experts sharded over E = 2 data-parallel ranks exactly like the unsplit model, a wrong routing
 fails the check, and what the runtime does not execute is refused before training.
 
-The plans come from the command line as a user makes them: ``pipeplan profile --fake`` (the
-profile marks the MoE layers) then ``pipeplan plan --data-parallel 2 --expert-parallel 2``.
+The plans are made as a user makes them: the fake-tensor profile (``pipeplan profile --fake``, in
+this process: it marks the MoE layers) then ``pipeplan plan --data-parallel 2 --expert-parallel 2``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from planner.errors import InputError
-from tests.runtime.helpers import run_cli
+from tests.runtime.helpers import fake_profile_file, run_cli
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
 
@@ -85,10 +85,7 @@ def ep_plans(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _ep_plan(spec: str, tmp_path: Path) -> Path:
-    prof, plan = tmp_path / "profile.json", tmp_path / "plan.json"
-    proc, _ = run_cli(["profile", "--model", spec, "--fake", "--dtype", "float32", "--device-type", "cpu",
-                       "--microbatch-sizes", "1,2,4", "-o", str(prof)])  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
+    prof, plan = fake_profile_file(spec, tmp_path / "profile.json"), tmp_path / "plan.json"
     proc, _ = run_cli(["plan", str(prof), "--devices", "2", "--device-type", "cpu", "--batch-size", "8",
                        "--data-parallel", "2", "--expert-parallel", "2", "--zero", "0", "--optimizer", "sgd",
                        "-o", str(plan)])  # fmt: skip
