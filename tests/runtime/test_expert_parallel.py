@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from planner.errors import InputError
-from tests.runtime.helpers import fake_profile_file, run_cli
+from tests.runtime.helpers import ROOT, fake_profile_file, run_cli
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
 
@@ -124,3 +128,13 @@ def test_refused_before_any_rank_starts() -> None:
     dense = _split("examples.gpt:tiny")
     with pytest.raises(InputError, match=r"expert parallelism \(E=2\): no layer of this model"):
         refuse_new_axes(dense, _plan_fields())
+
+
+def test_dispatch_and_combine_equal_the_local_product_even_without_tokens() -> None:
+    """2 gloo ranks, 4 experts: balanced, all on one expert, none on a rank's experts, none at all."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(ROOT / "tests/runtime/ep_dispatch_job.py")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})  # fmt: skip
+    verdicts = re.findall(r"rank \d \[[\d, ]+\]: (ok|WRONG)", proc.stdout)  # the two ranks' lines may interleave
+    assert proc.returncode == 0 and len(verdicts) == 10, proc.stdout + proc.stderr
+    assert set(verdicts) == {"ok"}, proc.stdout
