@@ -202,12 +202,14 @@ def _stage_of(plan: Any) -> dict[int, str]:
     spec = MeshSpec.of(plan)
     per_rank = rank_stages(plan.placement, plan.pipeline_degree, plan.virtual_stages)
     out = {}
+    c_deg = plan.context_parallel_degree  # folded into the mesh's data axis: d * C + c
     for r in range(spec.world_size):
         k, d, t = spec.coords(r)
         out[r] = (
             f"stage{'s' if len(per_rank[k]) > 1 else ''} "
             + ",".join(map(str, per_rank[k]))
-            + (f", replica {d}" if plan.data_parallel_degree > 1 else "")
+            + (f", replica {d // c_deg}" if plan.data_parallel_degree > 1 else "")
+            + (f", cp rank {d % c_deg}" if c_deg > 1 else "")
             + (f", tp rank {t}" if plan.tensor_parallel_degree > 1 else "")
         )
     return out
