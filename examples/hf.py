@@ -7,7 +7,8 @@ with its default dropout and called as a user would, with keyword arguments:
 
 * decoders: ``gpt2`` (learned positions, tied LM head, dropout 0.1), ``llama`` (rotary
   embeddings, grouped-query attention, untied head), ``qwen2`` (Llama-style, tied head,
-  attention biases), ``mixtral`` (mixture of experts: a router and 4 experts per block);
+  attention biases), ``mixtral`` (mixture of experts: a router and 4 experts per block),
+  ``qwen2_moe`` (Qwen-MoE: a router, 4 routed experts and a gated shared expert per block);
 * encoder: ``bert`` (masked LM, head tied to the word embeddings, dropout 0.1);
 * encoder-decoder: ``t5`` (relative position bias, one embedding shared by encoder, decoder
   and head, dropout 0.1; inputs ``input_ids`` and ``decoder_input_ids``);
@@ -98,6 +99,18 @@ def mixtral() -> Entry:
     return _lm(lambda: MixtralForCausalLM(cfg), 4)
 
 
+def qwen2_moe() -> Entry:
+    """Qwen2-MoE: top-2 of 4 routed experts plus a shared expert (gated by a sigmoid) in every block."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    cfg = Qwen2MoeConfig(num_hidden_layers=LAYERS, hidden_size=HIDDEN, intermediate_size=64, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=SEQ, use_cache=False,
+                         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                         shared_expert_intermediate_size=64, decoder_sparse_step=1, norm_topk_prob=True,
+                         tie_word_embeddings=False, **_TOKENS)  # fmt: skip
+    return _lm(lambda: Qwen2MoeForCausalLM(cfg), 8)
+
+
 def bert() -> Entry:
     """BERT masked LM: 4 encoder layers, dropout 0.1, head tied to the word embeddings."""
     from transformers import BertConfig, BertForMaskedLM
@@ -135,4 +148,4 @@ def vit() -> Entry:
     return model, inputs, class0_loss
 
 
-ENTRIES = ("gpt2", "llama", "qwen2", "mixtral", "bert", "t5", "vit")
+ENTRIES = ("gpt2", "llama", "qwen2", "mixtral", "qwen2_moe", "bert", "t5", "vit")

@@ -59,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
     from planner.errors import InputError
     from profiler.loading import load_entrypoint
     from profiler.split import split_model
+    from runtime.axes import local_examples, refuse_new_axes
     from runtime.launch import Rendezvous, launch
     from runtime.mesh import MeshSpec, split_sharding
     from runtime.plan_check import check_optimizer_supported, check_plan_matches
@@ -76,14 +77,6 @@ def run(args: argparse.Namespace) -> int:
             f"{args.plan} uses selective recompute, which pipeplan run does not execute yet (it recomputes "
             "whole stages): replan with --no-selective-recompute, or export it to Megatron-LM or torchtitan"
         )
-    for axis, degree, layer_kind in (("context parallelism", plan.context_parallel_degree, "attention"),
-                                     ("expert parallelism", plan.expert_parallel_degree, "mixture-of-experts")):
-        if degree > 1:
-            raise InputError(
-                f"{args.plan} uses {axis} (degree {degree}), which pipeplan run does not execute yet on its "
-                f"{layer_kind} layers: replan without it (--{axis.split()[0]}-parallel 1), or export the plan to "
-                "Megatron-LM or torchtitan"
-            )
     optimizer = args.optimizer or plan.training.optimizer
     check_optimizer_supported(optimizer)
     opts = train_options(args, plan, optimizer)
@@ -92,7 +85,9 @@ def run(args: argparse.Namespace) -> int:
     if nproc * args.nnodes != world:
         raise InputError(
             f"the plan needs {world} processes (K={plan.pipeline_degree} x D={plan.data_parallel_degree} x "
-            f"T={plan.tensor_parallel_degree}) "
+            f"T={plan.tensor_parallel_degree}"
+            + (f" x C={plan.context_parallel_degree}" if plan.context_parallel_degree > 1 else "")
+            + ") "
             f"but {args.nnodes} host(s) x {nproc} per host = {nproc * args.nnodes}: choose --nnodes and "
             f"--nproc-per-node whose product is {world}"
         )
@@ -121,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
     # refuse an axis the runtime cannot execute (e.g. tensor parallelism on a layer without a
     # sharding rule), naming the layer, on this process's own split
     split_sharding(split, MeshSpec.of(plan))
+    refuse_new_axes(split, plan)  # context and expert parallelism (runtime/axes.py)
+    local_examples(entry.example_inputs, plan, 0)  # C > 1: refuses a sequence 2C does not divide
     _check_data(entry, plan, args.steps)
     sha256 = split.sha256()
     del entry, split
@@ -205,12 +202,14 @@ def _stage_of(plan: Any) -> dict[int, str]:
     spec = MeshSpec.of(plan)
     per_rank = rank_stages(plan.placement, plan.pipeline_degree, plan.virtual_stages)
     out = {}
+    c_deg = plan.context_parallel_degree  # folded into the mesh's data axis: d * C + c
     for r in range(spec.world_size):
         k, d, t = spec.coords(r)
         out[r] = (
             f"stage{'s' if len(per_rank[k]) > 1 else ''} "
             + ",".join(map(str, per_rank[k]))
-            + (f", replica {d}" if plan.data_parallel_degree > 1 else "")
+            + (f", replica {d // c_deg}" if plan.data_parallel_degree > 1 else "")
+            + (f", cp rank {d % c_deg}" if c_deg > 1 else "")
             + (f", tp rank {t}" if plan.tensor_parallel_degree > 1 else "")
         )
     return out

@@ -83,9 +83,12 @@ class MeshSpec:
 
     @staticmethod
     def of(plan: Any) -> MeshSpec:
+        """The plan's mesh; context parallelism (C > 1, :mod:`runtime.context_parallel`) is
+        folded into the data axis: ``D x C`` ranks, ``d * C + c``, whose gradients are averaged
+        together as Megatron-LM averages over its data- and context-parallel ranks."""
         return MeshSpec(
             pipeline_degree=plan.pipeline_degree,
-            data_parallel_degree=plan.data_parallel_degree,
+            data_parallel_degree=plan.data_parallel_degree * getattr(plan, "context_parallel_degree", 1),
             tensor_parallel_degree=getattr(plan, "tensor_parallel_degree", 1),
             zero_stage=getattr(plan, "zero_stage", 0),
             sequence_parallel=getattr(plan, "sequence_parallel", False),

@@ -80,6 +80,7 @@ def plan_mismatches(
             f"the plan needs pipeline degree {plan.pipeline_degree} x data-parallel degree "
             f"{plan.data_parallel_degree}"
             + (f" x tensor-parallel degree {plan.tensor_parallel_degree}" if plan.tensor_parallel_degree > 1 else "")
+            + (f" x context-parallel degree {plan.context_parallel_degree}" if plan.context_parallel_degree > 1 else "")
             + f" = {plan.world_size} processes but the job has "
             f"{world_size}: launch {plan.world_size} processes (torchrun --nproc-per-node "
             f"{plan.world_size}, or pipeplan run which launches them for you)"

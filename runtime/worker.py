@@ -186,8 +186,10 @@ def tolerance(args: argparse.Namespace, dtype: str) -> float:
 #: --inject-fault modes (test-only): raise, exit and hang stop the rank mid-step (the launcher's
 #: diagnosis); drop-grad zeroes the gradient of the rank's first parameter at that step, before
 #: any reduction (a lost gradient); skip-layer skips, from that step on, the rank's first layer
-#: whose outputs are shaped like its inputs (a wrong split): --check must fail on both
-FAULT_MODES = ("raise", "exit", "hang", "drop-grad", "skip-layer")
+#: whose outputs are shaped like its inputs (a wrong split); wrong-expert (E > 1) sends, from that
+#: step on, the rank's tokens to the next rank's experts (runtime/experts.py); no-kv-gather (C > 1)
+#: attends to the rank's own keys and values only (runtime/context_parallel.py): --check must fail
+FAULT_MODES = ("raise", "exit", "hang", "drop-grad", "skip-layer", "wrong-expert", "no-kv-gather")
 
 
 @dataclass(frozen=True)
@@ -300,6 +302,7 @@ def _run(args: argparse.Namespace, rank: int, status: RankStatus, progress: Prog
     opts = train_options(args, plan, optimizer)
     fault = Fault.parse(args.inject_fault) if args.inject_fault else None
 
+    from runtime.axes import local_examples, refuse_new_axes
     from runtime.mesh import MeshSpec, split_sharding
 
     k_deg, v = plan.pipeline_degree, plan.virtual_stages
@@ -328,9 +331,10 @@ def _run(args: argparse.Namespace, rank: int, status: RankStatus, progress: Prog
     torch.manual_seed(args.seed)
     entry = load_entrypoint(args.model)
     entry.model.to(device)  # before the split: every unit shares the model's tensors on the device
+    # under context parallelism the units are split on this rank's tokens (runtime/axes.py)
     split = split_model(
         entry.model,
-        tuple(t.to(device) for t in entry.example_inputs),
+        tuple(t.to(device) for t in local_examples(entry.example_inputs, plan, replica)),
         split_points=plan.split_points or None,
         keywords=entry.keywords,
     )
@@ -345,6 +349,7 @@ def _run(args: argparse.Namespace, rank: int, status: RankStatus, progress: Prog
     )
     # refuse an axis the runtime cannot execute (naming the layer) before joining the group
     shardings = split_sharding(split, spec)
+    refuse_new_axes(split, plan)
     status.phase = "joining the process group"
     write_status(args.run_dir, status)
     timeout = datetime.timedelta(seconds=args.timeout)
@@ -403,6 +408,7 @@ def _train(
     )
     from runtime._dtensor_timing import CollectiveClock, timed_redistributions
     from runtime._torch_schedule import build_schedule
+    from runtime.axes import local_examples, new_axes
     from runtime.data import DataReport, DataSource, judge, loads_data
     from runtime.mesh import (
         all_reduce_grad,
@@ -437,7 +443,8 @@ def _train(
         for name in ("torch.distributed.pipelining", "torch.distributed.pipelining.schedules"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
-    k_deg, d_deg, t_deg = plan.pipeline_degree, plan.data_parallel_degree, spec.tensor_parallel_degree
+    # d_deg: the mesh's data axis, D x C (context parallelism folds into it, runtime/mesh.py)
+    k_deg, d_deg, t_deg = plan.pipeline_degree, spec.data_parallel_degree, spec.tensor_parallel_degree
     num_stages = len(plan.stages)
     m = plan.num_microbatches
     # the DeviceMesh ("pp", "dp_replicate", "dp_shard", "tp"); its "pp" group links the stages of
@@ -474,9 +481,14 @@ def _train(
     streams = RngStreams(seed=args.seed, replica=replica)
     stages: list[Any] = []
     modules = []
-    examples = stage_examples(split, entry.example_inputs, plan.microbatch_size, device, dtype=opts.dtype)
+    examples = stage_examples(
+        split, local_examples(entry.example_inputs, plan, replica), plan.microbatch_size, device, dtype=opts.dtype
+    )
     my_fault = fault if fault is not None and fault.rank == rank else None
     skipped_unit = _layer_to_skip(plan, my_stages, examples, my_fault) if my_fault is not None else None
+    # context and expert parallelism (runtime/axes.py): built on every rank (their meshes are collectives)
+    axes = new_axes(plan, replica=replica, example_inputs=entry.example_inputs, device_type=device.type,
+                    step_box=step_box, fault=my_fault)  # fmt: skip
     for s in my_stages:
         sp = plan.stages[s]
         mod: Any = split.stage_module(sp.start, sp.stop, pipeline=True)
@@ -487,6 +499,7 @@ def _train(
             i = skipped_unit - sp.start
             mod.units[i] = SkipFrom(mod.units[i], step_box, my_fault.step)
         modules.append(mod)
+        axes.apply(mod)
         # tensor parallelism, recompute, autocast (and the split-backward view guard), then FSDP2
         # outermost (ZeRO 2/3), so that PipelineStage sees the FSDP module; tied weights stay whole
         mod = apply_mesh(
@@ -574,7 +587,9 @@ def _train(
     # ---- data: only the ranks that use it read it (first stage: inputs; last: targets)
     source = DataSource.of(entry, global_batch_size=plan.global_batch_size, steps=args.steps, seed=args.seed)
     reads = loads_data(source.kind, has_first=has_first, has_last=has_last, takes_target=entry.takes_target)
-    reader = source.open(replica, d_deg) if reads else None
+    # the samples this rank reads: its replica's (the context-parallel ranks of one replica read the same)
+    data_replica, data_replicas = axes.data_shard(replica, d_deg)
+    reader = source.open(data_replica, data_replicas) if reads else None
     if reader is not None and source.kind in ("iterable", "per-replica"):
         for s in range(first_step):  # resumed: skip the batches the checkpointed steps trained on
             reader.next(s)
@@ -613,13 +628,13 @@ def _train(
             if reader is not None:
                 shard, _ = reader.next(step)
         else:
-            report = DataReport(rank, replica, None)
+            report = DataReport(rank, data_replica, None)
             if reader is not None:
                 try:
                     shard, fingerprint = reader.next(step)
-                    report = DataReport(rank, replica, fingerprint)
+                    report = DataReport(rank, data_replica, fingerprint)
                 except InputError as err:
-                    report = DataReport(rank, replica, None, str(err))
+                    report = DataReport(rank, data_replica, None, str(err))
             reports: list[Any] = [None] * world
             dist.all_gather_object(reports, report)
             error, warning = judge(reports, step=step, per_replica=source.kind == "per-replica")
@@ -627,11 +642,11 @@ def _train(
                 raise InputError(error)
             if warning and not warnings:
                 warnings.append(warning)
-        inputs = [t.to(device) for t in shard.inputs] if has_first and shard is not None else []
+        inputs = [axes.local(t.to(device)) for t in shard.inputs] if has_first and shard is not None else []
         target = None
         if has_last:
             targets = shard.targets if entry.takes_target and shard is not None else None
-            target = targets.to(device) if targets is not None else dummy_target
+            target = axes.local(targets.to(device)) if targets is not None else dummy_target
         status.phase = "training"
         write_status(args.run_dir, status)
         progress.beat = time.monotonic()
@@ -658,11 +673,14 @@ def _train(
         if my_fault is not None and my_fault.mode == "drop-grad" and step == my_fault.step:
             _drop_gradient(params)
         if dp_group is not None:  # FSDP2 (ZeRO 2/3) averaged the gradients of what it shards itself
-            mine_to_reduce = [p for p in params if p.grad is not None and not reduces_data_gradients(spec, p)]
+            mine_to_reduce = [
+                p for p in params if p.grad is not None and not reduces_data_gradients(spec, p) and not axes.owns(p)
+            ]
             _allreduce_mean([p.grad for p in mine_to_reduce if not _is_dtensor(p.grad)], dp_group, d_deg)
             for p in mine_to_reduce:
                 if _is_dtensor(p.grad):  # tensor-parallel shards: one all-reduce of the local shard each
                     all_reduce_grad(p, dp_group, divide=d_deg)
+        axes.reduce_gradients()
         _sync(device)
         t_allreduce = time.perf_counter()
         for pg, p in tied:
@@ -739,7 +757,9 @@ def _train(
     mine: dict[str, Any] = {
         "rss": (peak_rss_bytes(), rss_first_step, rss_before_model, peak_in_training),
         "rank": rank,
-        "replica": replica,
+        # the data-parallel replica d (the mesh's data axis folds context parallelism in: d * C + c)
+        "replica": data_replica,
+        "cp_rank": replica % plan.context_parallel_degree,
         "stages": my_stages,
         "step_ms": step_ms,
         "losses": local_losses,
@@ -753,6 +773,7 @@ def _train(
             # layers FSDP2 gathers one by one (runtime.mesh.apply_data_sharding)
             "fsdp_layers": sum(1 for m in modules for u in m.units if _is_fsdp(u)),
             "optimizer": type(opt).__name__ if opt is not None else None,
+            **axes.report(),  # context- and expert-parallel layers (runtime/axes.py)
         },
         "pipeline_rank": pp_rank,
         "comm": comm,
@@ -932,7 +953,8 @@ def _finish(
         ranks=[
             RankRecord(
                 # T > 1: tensor-parallel rank 0 of each (stage, replica), numbered k * D + d (see the note)
-                rank=g["rank"] // t_deg,
+                # C > 1: context-parallel rank 0 of each, numbered the same way ((k * D + d) * C * T is its rank)
+                rank=g["rank"] // t_deg // plan.context_parallel_degree,
                 pipeline_rank=g["pipeline_rank"],
                 replica=g["replica"],
                 host=g["host"],
@@ -942,7 +964,7 @@ def _finish(
                 events={s: g["timings"][s]["events"] for s in g["stages"]},
             )
             for g in gathered
-            if g["tp_rank"] == 0
+            if g["tp_rank"] == 0 and g["cp_rank"] == 0  # context-parallel ranks: in step with rank c = 0
         ],
         collectives=collectives,
     )
@@ -1090,6 +1112,9 @@ def _mesh_note(plan: Any, split: Any, gathered: list[Any]) -> str:
             parts.append(
                 f"ZeRO 1: optimizer state sharded over the {spec.data_parallel_degree} replicas ({', '.join(kinds)})"
             )
+    from runtime.axes import axes_note
+
+    parts += axes_note(plan, [g["mesh"] for g in gathered if g["replica"] == 0 and g["tp_rank"] == 0 and g["cp_rank"] == 0])
     return "mesh: " + "; ".join(parts) if parts else ""
 
 

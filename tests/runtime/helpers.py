@@ -70,6 +70,18 @@ def make_plan(
     )
 
 
+def fake_profile_file(spec: str, path: Path, *, microbatch_sizes: Sequence[int] = (1, 2, 4, 8)) -> Path:
+    """``pipeplan profile --model SPEC --fake --dtype float32 --device-type cpu -o PATH``, in this
+    process (the fake-tensor profile marks mixture-of-experts layers and attention operations)."""
+    from profiler.fake import fake_profile
+    from profiler.loading import load_entrypoint
+
+    prof = fake_profile(lambda: load_entrypoint(spec), device_type="cpu", microbatch_sizes=microbatch_sizes,
+                        dtype="float32", name=spec)  # fmt: skip
+    path.write_text(prof.model_dump_json(), encoding="utf-8")
+    return path
+
+
 def write_plan(plan: Plan, path: Path) -> Path:
     path.write_text(plan.model_dump_json(indent=2), encoding="utf-8")
     return path
