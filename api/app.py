@@ -18,7 +18,7 @@ from api.models import EstimateRequest, PlanRequest, SweepRequest
 from api.routers import estimate, health, plans, presets, sweeps
 from api.settings import ApiSettings
 from api.solving import SolverPool
-from api.store import PlanStore
+from api.store import PlanStore, open_store
 from api.version import service_version
 
 DESCRIPTION = """\
@@ -41,7 +41,7 @@ def create_app(
     """Build the service.  Settings default to the ``PIPEPLAN_*`` environment; the store's
     schema is created or migrated here; the solver pool starts on the first solve."""
     settings = settings if settings is not None else ApiSettings()
-    store = store if store is not None else PlanStore(settings.db)
+    store = store if store is not None else open_store(settings.db)
     store.migrate()
     solver = (
         solver
