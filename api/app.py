@@ -15,7 +15,7 @@ from api.deps import require_token
 from api.intake import Limits, RequestReader
 from api.middleware import AccessLogMiddleware, BodyLimitMiddleware
 from api.models import EstimateRequest, PlanRequest, SweepRequest
-from api.routers import estimate, health, plans, presets, sweeps
+from api.routers import estimate, health, pages, plans, presets, sweeps
 from api.settings import ApiSettings
 from api.solving import SolverPool
 from api.store import PlanStore, open_store
@@ -84,9 +84,10 @@ def create_app(
     app.state.reader = reader
     app.state.inflight = {}
     app.state.raw_index = plans.RawIndex()
+    app.state.templates = pages.templates()
 
     errors.install(app)
-    for module in (plans, sweeps, estimate, presets, health):
+    for module in (plans, sweeps, estimate, presets, health, pages):
         app.include_router(module.router)
 
     docs_deps: list[Any] = [] if settings.public_docs else [Depends(require_token)]

@@ -13,12 +13,11 @@ from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
+from api.charts import chart_svg
 from api.deps import SolverDep, StoreDep, require_token
 from api.intake import RequestReader
 from api.models import ErrorBody, PlanRequest, PlanResponse
 from api.store import PlanStore, StoredPlan
-from planner.errors import InputError
-from planner.schema import Plan
 
 router = APIRouter(prefix="/v1", tags=["plans"], dependencies=[Depends(require_token)])
 
@@ -205,22 +204,6 @@ async def get_plan_request(plan_id: str, store: StoreDep) -> Response:
     return _json(stored.request_json, 200)
 
 
-def _svg(kind: str, plan_json: str) -> str:
-    plan = Plan.model_validate_json(plan_json)
-    try:
-        from planner import charts
-    except ImportError as err:
-        raise HTTPException(
-            status_code=501, detail=f"charts are not available in this build ({err}): install pipeplan[viz]"
-        ) from None
-    render = charts.gantt_svg if kind == "gantt" else charts.memory_svg
-    try:
-        text: str = render(plan)
-    except InputError as err:  # e.g. matplotlib missing on the server
-        raise HTTPException(status_code=501, detail=f"cannot draw the chart: {err}") from None
-    return text
-
-
 _SVG: dict[int | str, dict[str, Any]] = {200: {"content": {"image/svg+xml": {}}, "description": "an SVG image"}}
 
 
@@ -247,5 +230,5 @@ async def get_memory(plan_id: str, store: StoreDep) -> Response:
 async def _chart(store: PlanStore, plan_id: str, kind: Literal["gantt", "memory"]) -> Response:
     """A stored plan's chart, drawn off the event loop."""
     stored = await _stored_or_404(store, plan_id)
-    svg = await run_in_threadpool(_svg, kind, stored.plan_json)
+    svg = await run_in_threadpool(chart_svg, kind, stored.plan_json)
     return Response(content=svg, media_type="image/svg+xml")
