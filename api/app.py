@@ -11,6 +11,7 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
 
 from api import errors
+from api.charts import ChartRenderer
 from api.deps import require_token
 from api.intake import Limits, RequestReader
 from api.middleware import AccessLogMiddleware, BodyLimitMiddleware
@@ -85,6 +86,7 @@ def create_app(
     app.state.inflight = {}
     app.state.raw_index = plans.RawIndex()
     app.state.templates = pages.templates()
+    app.state.charts = ChartRenderer()
 
     errors.install(app)
     for module in (plans, sweeps, estimate, presets, health, pages):

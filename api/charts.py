@@ -6,10 +6,17 @@ The Gantt chart's compute boxes carry ids: each pipeline rank's boxes are one SV
 gradient, recompute) of that rank, so a page, a browser test or a script can find and count
 them.  The groups are found by geometry (the boxes of a rank's row are exactly the spans of
 its timeline), not by colour or drawing order.
+
+:class:`ChartRenderer` (one per app) draws one chart at a time (matplotlib's first import
+and its font cache are not thread-safe: two first requests at once broke the import) and
+keeps the latest charts, up to a byte budget: a stored plan never changes, so neither do its
+charts.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
@@ -85,3 +92,37 @@ def chart_svg(kind: ChartKind, plan_json: str) -> str:
     except (InputError, ImportError) as err:  # e.g. matplotlib missing on the server
         raise HTTPException(status_code=501, detail=f"cannot draw the chart: {err}: install pipeplan[viz]") from None
     return text
+
+
+class ChartRenderer:
+    """Draws charts one at a time and keeps the most recent ones (``max_bytes`` of SVG text)."""
+
+    def __init__(self, *, max_bytes: int = 32 * 2**20) -> None:
+        self.max_bytes = max_bytes
+        self._draw = threading.Lock()
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._bytes = 0
+
+    def svg(self, kind: ChartKind, plan_id: str, plan_json: str) -> str:
+        """The chart of the stored plan ``plan_id`` (whose text is ``plan_json``)."""
+        key = (plan_id, kind)
+        with self._lock:
+            cached = self._cache.get(key)
+            if cached is not None:
+                self._cache.move_to_end(key)
+                return cached
+        with self._draw:
+            with self._lock:  # drawn by another thread while this one waited
+                cached = self._cache.get(key)
+            if cached is not None:
+                return cached
+            text = chart_svg(kind, plan_json)
+        with self._lock:
+            if key not in self._cache and len(text) <= self.max_bytes:
+                self._cache[key] = text
+                self._bytes += len(text)
+                while self._bytes > self.max_bytes:
+                    _, dropped = self._cache.popitem(last=False)
+                    self._bytes -= len(dropped)
+        return text

@@ -28,7 +28,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, PackageLoader, StrictUndefined
 from starlette.concurrency import run_in_threadpool
 
-from api.charts import ChartKind, chart_svg
+from api.charts import ChartKind, ChartRenderer
 from api.deps import SettingsDep, StoreDep
 from api.settings import ApiSettings
 from api.store import PlanStore, StoredPlan
@@ -42,7 +42,7 @@ SESSION_TTL_S = 12 * 3600
 LIST_LIMIT = 200
 GIB = float(1 << 30)
 CSP = (
-    "default-src 'none'; style-src 'unsafe-inline'; img-src 'self' data:; object-src 'self'; "
+    "default-src 'none'; style-src 'unsafe-inline'; img-src 'self' data:; object-src 'self'; frame-src 'self'; "
     "form-action 'self'; frame-ancestors 'self'; base-uri 'none'"
 )
 
@@ -308,7 +308,8 @@ async def _chart_page(request: Request, plan_id: str, kind: ChartKind, settings:
     stored = await run_in_threadpool(store.get, plan_id)
     if stored is None:
         raise HTTPException(status_code=404, detail=f"no plan with id {plan_id!r} on this server: see /plans")
-    svg = await run_in_threadpool(chart_svg, kind, stored.plan_json)
+    charts: ChartRenderer = request.app.state.charts
+    svg = await run_in_threadpool(charts.svg, kind, stored.id, stored.plan_json)
     return Response(svg, media_type="image/svg+xml", headers={"Content-Security-Policy": CSP})
 
 
