@@ -39,7 +39,7 @@ router = APIRouter(include_in_schema=False)
 SESSION_COOKIE = "pipeplan_session"
 SESSION_TTL_S = 12 * 3600
 #: plans listed on /plans
-LIST_LIMIT = 200
+LIST_LIMIT = 100
 GIB = float(1 << 30)
 CSP = (
     "default-src 'none'; style-src 'unsafe-inline'; img-src 'self' data:; object-src 'self'; frame-src 'self'; "
