@@ -48,6 +48,8 @@ def log_config(level: str) -> dict[str, Any]:
             "uvicorn": {"handlers": ["stderr"], "level": level.upper(), "propagate": False},
             "pipeplan.api": {"handlers": ["stderr"], "level": level.upper(), "propagate": False},
             "pipeplan.access": {"handlers": ["access"], "level": level.upper(), "propagate": False},
+            # the PostgreSQL pool says why a connection failed (the 503s say that it did)
+            "psycopg.pool": {"handlers": ["stderr"], "level": "WARNING", "propagate": False},
         },
     }
 
@@ -117,7 +119,9 @@ def _check_database(url: str) -> None:
             store.migrate()
         finally:
             store.close()
-    except (sqlite3.Error, OSError, RuntimeError, ValueError, StoreUnavailableError) as err:
+    except StoreUnavailableError as err:  # its message names the database (password hidden) and the fix
+        raise InputError(f"cannot open the plan database: {err}") from None
+    except (sqlite3.Error, OSError, RuntimeError, ValueError) as err:
         detail = str(err).splitlines()[0]
         if postgres:
             from api.store_postgres import hide_password
