@@ -173,10 +173,14 @@ def test_sigkill_of_a_replica_mid_write_loses_no_acknowledged_plan(
     threads = [threading.Thread(target=writer, args=(w,)) for w in range(4)]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + 120  # a guard against a hang, not a performance check
     while True:  # kill once some plans are in and writes are in flight
         with lock:
             if len(acknowledged) >= 8:
                 break
+        if time.monotonic() > deadline:
+            stop.set()
+            pytest.fail(f"only {len(acknowledged)} plans acknowledged in 120 s:\n{a.log.read_text()[-2000:]}")
         time.sleep(0.01)
     assert a.proc is not None
     a.proc.send_signal(signal.SIGKILL)
