@@ -11,14 +11,15 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
 
 from api import errors
+from api.charts import ChartRenderer
 from api.deps import require_token
 from api.intake import Limits, RequestReader
 from api.middleware import AccessLogMiddleware, BodyLimitMiddleware
 from api.models import EstimateRequest, PlanRequest, SweepRequest
-from api.routers import estimate, health, plans, presets, sweeps
+from api.routers import estimate, health, pages, plans, presets, sweeps
 from api.settings import ApiSettings
 from api.solving import SolverPool
-from api.store import PlanStore
+from api.store import PlanStore, open_store
 from api.version import service_version
 
 DESCRIPTION = """\
@@ -41,7 +42,7 @@ def create_app(
     """Build the service.  Settings default to the ``PIPEPLAN_*`` environment; the store's
     schema is created or migrated here; the solver pool starts on the first solve."""
     settings = settings if settings is not None else ApiSettings()
-    store = store if store is not None else PlanStore(settings.db)
+    store = store if store is not None else open_store(settings.db)
     store.migrate()
     solver = (
         solver
@@ -84,9 +85,11 @@ def create_app(
     app.state.reader = reader
     app.state.inflight = {}
     app.state.raw_index = plans.RawIndex()
+    app.state.templates = pages.templates()
+    app.state.charts = ChartRenderer()
 
     errors.install(app)
-    for module in (plans, sweeps, estimate, presets, health):
+    for module in (plans, sweeps, estimate, presets, health, pages):
         app.include_router(module.router)
 
     docs_deps: list[Any] = [] if settings.public_docs else [Depends(require_token)]

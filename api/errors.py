@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException
 
 from api.intake import invalid_request, json_safe, safe_entries, safe_text, validation_entries
 from api.solving import SolverBusyError, SolverFailedError, SolverTimeoutError
+from api.store import StoreUnavailableError
 from api.workers import WorkerDiedError, WorkerTimeoutError
 from planner.errors import InfeasibleError, InputError, PipeplanError
 
@@ -82,6 +83,11 @@ def install(app: FastAPI) -> None:
     async def _read_died(_request: Request, exc: WorkerDiedError) -> JSONResponse:
         logger.error("a reading worker died: %s", exc)
         return error_response(503, "busy", f"the request could not be read ({exc}): retry later", headers={"Retry-After": "5"})
+
+    @app.exception_handler(StoreUnavailableError)
+    async def _store_down(_request: Request, exc: StoreUnavailableError) -> JSONResponse:
+        logger.error("plan database unavailable: %s", exc)
+        return error_response(503, "busy", str(exc), headers={"Retry-After": "5"})
 
     @app.exception_handler(SolverFailedError)
     async def _failed(_request: Request, exc: SolverFailedError) -> JSONResponse:

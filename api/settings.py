@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from api.store import parse_database_url
+from api.store import check_database_url
 from planner.limits import (
     MAX_DEVICES,
     MAX_GLOBAL_BATCH,
@@ -25,14 +25,15 @@ DEFAULT_DB = "sqlite:///pipeplan-plans.db"
 
 
 def database_url(value: str) -> str:
-    """A SQLite URL from a URL or a plain file path (``plans.db`` -> ``sqlite:///plans.db``).
+    """A database URL from a URL (``sqlite:///plans.db``, ``postgresql://user@host/db``) or a
+    plain SQLite file path (``plans.db`` -> ``sqlite:///plans.db``).
 
     Raises ``ValueError`` (naming the value and the accepted forms) for other databases."""
     value = value.strip()
     if not value:
         raise ValueError("the database is empty: give a path such as plans.db or a URL such as sqlite:///plans.db")
     if "://" in value:
-        parse_database_url(value)
+        check_database_url(value)
         return value
     if value == ":memory:":
         return "sqlite://"
@@ -51,8 +52,9 @@ class ApiSettings(BaseSettings):
     )
     db: str = Field(
         default=DEFAULT_DB,
-        description="SQLite file path or URL (sqlite:///plans.db, sqlite:// for memory) where plans and their "
-        "requests are stored",
+        description="SQLite file path or URL (sqlite:///plans.db, sqlite:// for memory), or a PostgreSQL URL "
+        "(postgresql://user@host/db, for several replicas; pip install -e '.[postgres]') where plans and "
+        "their requests are stored",
     )
     max_time_limit_s: float = Field(
         default=60.0, gt=0, le=MAX_TIME_LIMIT_S, description="cap on the solver time limit a request may ask for"

@@ -12,6 +12,11 @@ ports only, and measures:
 * ``durability``: clients keep posting distinct plans while the server is SIGKILLed, three
   times; after each restart every plan that got a 201 must still be served, identical, and
   the database must pass ``PRAGMA integrity_check`` (goal: 0 plans lost);
+* ``backends``: the load above (50 clients x 10 distinct plans, each solved) on SQLite, on
+  PostgreSQL (a throw-away server started here on loopback, as the tests start it), and on
+  two replicas sharing that PostgreSQL (clients alternate between them): plans/s and p99;
+* ``pages``: ``GET /plans/{id}`` (the HTML page) for a 1,024-layer plan on 8 stages (goal:
+  < 300 ms), the list, and the page's charts (first draw, then kept), timed on loopback;
 * ``hostile``: rejection latency of hostile bodies (a 10^9-device cluster, NaN, a global
   batch of 10^18, a 16 MiB body of 75,000 layers, 100,000-deep nesting) and ``/healthz``
   latency, probed from another process, while they are handled, against an idle server.
@@ -21,6 +26,7 @@ Run from the repository root::
     python benchmarks/service.py                     # all of it, a few minutes on 2 cores
     python benchmarks/service.py --quick             # fewer samples
     python benchmarks/service.py --only load,hostile # some sections
+    python benchmarks/service.py --only backends,pages --quick
 """
 
 from __future__ import annotations
@@ -115,14 +121,15 @@ def throughput(url: str, payload: bytes, clients: int, per_client: int) -> tuple
 class Server:
     """``pipeplan serve`` on a free loopback port, on ``db``; :meth:`kill` is a SIGKILL."""
 
-    def __init__(self, db: Path, log: Path, **env: str) -> None:
+    def __init__(self, db: Path | str, log: Path, **env: str) -> None:
         self.db, self.log, self.env = db, log, env
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Server:
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **self.env)
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+        env.update(self.env)
         env.pop("PIPEPLAN_API_TOKEN", None)
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
@@ -430,10 +437,122 @@ def hostile_section(args: argparse.Namespace, tmp: Path) -> None:
     print(f"\nhealth p99 under attack vs idle: {percentile(busy, 0.99) / percentile(idle, 0.99):.2f}x (goal: max < 100 ms)\n")
 
 
+# --------------------------------------------------------------------------- backends
+
+
+def _load_run(urls: list[str], clients: int, per_client: int, limit: float, tag: str) -> tuple[list[float], list[str], float]:
+    """``clients`` threads post ``per_client`` distinct plans each, client c to ``urls[c % len]``."""
+    for url in urls:
+        _client_run(url, [f"{tag}-warm-up-{url}"], limit, None)  # the workers import OR-Tools
+    barrier = threading.Barrier(clients + 1)
+    results: list[tuple[list[float], list[str]]] = []
+    lock = threading.Lock()
+
+    def run(c: int) -> None:
+        out = _client_run(urls[c % len(urls)], [f"{tag}-c{c}-{i}" for i in range(per_client)], limit, barrier)
+        with lock:
+            results.append(out)
+
+    threads = [threading.Thread(target=run, args=(c,)) for c in range(clients)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    start = time.perf_counter()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - start
+    return [x for lat, _ in results for x in lat], [e for _, errs in results for e in errs], elapsed
+
+
+def _postgres(tmp: Path) -> Any:
+    """A throw-away PostgreSQL on loopback (tests/api/pg_testlib.py), or None and why not."""
+    sys.path.insert(0, str(ROOT / "tests" / "api"))
+    from pg_testlib import PostgresServer, find_postgres
+
+    bindir, why = find_postgres()
+    if bindir is None:
+        print(f"   (no PostgreSQL column: {why})")
+        return None
+    server = PostgresServer(bindir)
+    server.init()
+    server.start()
+    return server
+
+
+def backends_section(args: argparse.Namespace, tmp: Path) -> None:
+    clients, per_client = (20, 5) if args.quick else (50, 10)
+    limit = 0.5
+    rows: list[tuple[str, int, list[float], list[str], float]] = []
+    with Server(tmp / "backends.db", tmp / "backends-sqlite.log") as server:
+        rows.append(("SQLite", 1, *_load_run([server.url], clients, per_client, limit, "sqlite")))
+    pg = _postgres(tmp)
+    if pg is not None:
+        try:
+            url = pg.new_database()
+            with Server(url, tmp / "backends-pg.log") as server:
+                rows.append(("PostgreSQL", 1, *_load_run([server.url], clients, per_client, limit, "pg1")))
+            url = pg.new_database()
+            with Server(url, tmp / "backends-pg-a.log") as a, Server(url, tmp / "backends-pg-b.log") as b:
+                rows.append(("PostgreSQL", 2, *_load_run([a.url, b.url], clients, per_client, limit, "pg2")))
+        finally:
+            pg.remove()
+    print(f"== backends: {clients} concurrent clients x {per_client} distinct plans each (8-layer profile, 4 devices, "
+          f"solved each, time limit {limit:g} s, 2 solver workers per server), {os.cpu_count()} CPUs\n")
+    print(f"{'database':<12} {'servers':>7} {'n':>5} {'errors':>7} {'p50 ms':>9} {'p99 ms':>9} {'plans/s':>8}")
+    for name, servers, latencies, errors, elapsed in rows:
+        print(f"{name:<12} {servers:>7} {len(latencies):>5} {len(errors):>7} {percentile(latencies, 0.5):>9.0f} "
+              f"{percentile(latencies, 0.99):>9.0f} {len(latencies) / elapsed:>8.1f}")
+        for e in errors[:3]:
+            print("  error:", e)
+    print("\n(replicas on one machine share its CPUs: on 2 cores two replicas add database round trips, not solvers)\n")
+
+
+# --------------------------------------------------------------------------- pages
+
+
+def pages_section(args: argparse.Namespace, tmp: Path) -> None:
+    n = 10 if args.quick else 30
+    profile = synth_transformer(layers=1022, hidden=1024, heads=16, seq=1024, vocab=32000, device_type="h100-80g")
+    request = {
+        "profile": profile.model_dump(mode="json"),
+        "cluster": {"devices": 8, "device_type": "h100-80g"},
+        "training": {"global_batch_size": 64},
+        "options": {"time_limit_s": 5.0, "stages": 8, "num_microbatches": 64, "schedule": "1f1b"},
+    }
+    rows = []
+    # the tests' stand-in solver (an even split priced by the real cost model): a real 1,024-layer
+    # plan in a second, where the search would take minutes on a busy 2-core machine
+    fake = {"PIPEPLAN_SOLVER": "api_fake_solver:solve",
+            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "api")])}
+    with Server(tmp / "pages.db", tmp / "pages.log", **fake) as server, httpx.Client(base_url=server.url, timeout=300) as c:
+        r = c.post("/v1/plans", json=request)
+        _expect(r, 201)
+        plan = r.json()["plan"]
+        plan_id = r.json()["id"]
+        for i in range(20):  # a list of 21 plans
+            _expect(c.post("/v1/plans", json=tiny_body(f"pages-{i}", 0.5)), 201)
+        first = {kind: timed(lambda k=kind: _expect(c.get(f"/plans/{plan_id}/{k}.svg"), 200)) for kind in ("gantt", "memory")}
+        for name, path in (("/plans/{id} (page)", f"/plans/{plan_id}"), ("/plans (list, 21 plans)", "/plans"),
+                           ("/plans/{id}/gantt.svg (kept)", f"/plans/{plan_id}/gantt.svg")):
+            _expect(c.get(path), 200)
+            samples = [timed(lambda p=path: _expect(c.get(p), 200)) for _ in range(n)]
+            rows.append((name, samples))
+    print(f"== pages: a {plan['num_layers']}-layer plan on {len(plan['stages'])} stages "
+          f"(P={plan['pipeline_degree']}, M={plan['num_microbatches']}), loopback round trips, {os.cpu_count()} CPUs\n")
+    print(f"{'request':<32} {'n':>4} {'p50 ms':>9} {'p99 ms':>9} {'max ms':>9}")
+    for name, samples in rows:
+        print(f"{name:<32} {len(samples):>4} {percentile(samples, 0.5):>9.1f} {percentile(samples, 0.99):>9.1f} {max(samples):>9.1f}")
+    print(f"first draw: gantt.svg {first['gantt']:.0f} ms, memory.svg {first['memory']:.0f} ms "
+          "(the page embeds both as objects: the browser loads them after the page)")
+    print(f"goal: /plans/{{id}} < 300 ms; got p99 {percentile(rows[0][1], 0.99):.1f} ms\n")
+
+
 SECTIONS = {
     "latency": latency_section,
     "load": load_section,
     "durability": durability_section,
+    "backends": backends_section,
+    "pages": pages_section,
     "hostile": hostile_section,
 }
 

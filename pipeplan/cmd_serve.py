@@ -22,8 +22,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--workers", type=int, default=1, help="uvicorn worker processes (default 1)")
-    p.add_argument("--db", help="SQLite file or sqlite:/// URL for stored plans (default: PIPEPLAN_DB or "
-                   "sqlite:///pipeplan-plans.db)")
+    p.add_argument("--db", help="where plans are stored: a SQLite file or sqlite:/// URL, or a PostgreSQL URL "
+                   "postgresql://user@host/db that several replicas share (pip install -e '.[postgres]'); "
+                   "default: PIPEPLAN_DB or sqlite:///pipeplan-plans.db")
     p.add_argument("--solver-workers", type=int, help="solves that run at once per server process")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level (default info)")
@@ -47,6 +48,8 @@ def log_config(level: str) -> dict[str, Any]:
             "uvicorn": {"handlers": ["stderr"], "level": level.upper(), "propagate": False},
             "pipeplan.api": {"handlers": ["stderr"], "level": level.upper(), "propagate": False},
             "pipeplan.access": {"handlers": ["access"], "level": level.upper(), "propagate": False},
+            # the PostgreSQL pool says why a connection failed (the 503s say that it did)
+            "psycopg.pool": {"handlers": ["stderr"], "level": "WARNING", "propagate": False},
         },
     }
 
@@ -78,8 +81,8 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     print(
-        f"pipeplan planning service on http://{args.host}:{args.port} (docs at /docs), plans in "
-        f"{settings.db}, auth {'on' if settings.api_token else 'off'}",
+        f"pipeplan planning service on http://{args.host}:{args.port} (docs at /docs, plan pages at "
+        f"/plans), plans in {_shown(settings.db)}, auth {'on' if settings.api_token else 'off'}",
         file=sys.stderr,
     )
     uvicorn.run(
@@ -95,21 +98,38 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shown(url: str) -> str:
+    from api.store_postgres import hide_password
+
+    return hide_password(url)
+
+
 def _check_database(url: str) -> None:
-    """Open (and create or migrate) the store once here, so a bad path is a clear error."""
+    """Open (and create or migrate) the store once here, so a bad path, an unreachable
+    PostgreSQL or a missing driver is a clear error before uvicorn starts."""
     import sqlite3
 
-    from api.store import PlanStore
+    from api.store import StoreUnavailableError, open_store, url_scheme
     from planner.errors import InputError
 
+    postgres = url_scheme(url).startswith("postgres")
     try:
-        store = PlanStore(url)
+        store = open_store(url)
         try:
             store.migrate()
         finally:
             store.close()
+    except StoreUnavailableError as err:  # its message names the database (password hidden) and the fix
+        raise InputError(f"cannot open the plan database: {err}") from None
     except (sqlite3.Error, OSError, RuntimeError, ValueError) as err:
         detail = str(err).splitlines()[0]
+        if postgres:
+            from api.store_postgres import hide_password
+
+            raise InputError(
+                f"cannot open the plan database {hide_password(url)}: {detail}: check the URL, that "
+                "PostgreSQL runs and the user may create tables, or choose another with --db URL"
+            ) from None
         raise InputError(
             f"cannot open the plan database {url}: {detail}: check that its folder exists and is "
             "writable, or choose another with --db PATH"

@@ -7,18 +7,17 @@ import hashlib
 import json
 import time
 from collections import OrderedDict
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
+from api.charts import ChartKind, ChartRenderer
 from api.deps import SolverDep, StoreDep, require_token
 from api.intake import RequestReader
 from api.models import ErrorBody, PlanRequest, PlanResponse
 from api.store import PlanStore, StoredPlan
-from planner.errors import InputError
-from planner.schema import Plan
 
 router = APIRouter(prefix="/v1", tags=["plans"], dependencies=[Depends(require_token)])
 
@@ -205,22 +204,6 @@ async def get_plan_request(plan_id: str, store: StoreDep) -> Response:
     return _json(stored.request_json, 200)
 
 
-def _svg(kind: str, plan_json: str) -> str:
-    plan = Plan.model_validate_json(plan_json)
-    try:
-        from planner import charts
-    except ImportError as err:
-        raise HTTPException(
-            status_code=501, detail=f"charts are not available in this build ({err}): install pipeplan[viz]"
-        ) from None
-    render = charts.gantt_svg if kind == "gantt" else charts.memory_svg
-    try:
-        text: str = render(plan)
-    except InputError as err:  # e.g. matplotlib missing on the server
-        raise HTTPException(status_code=501, detail=f"cannot draw the chart: {err}") from None
-    return text
-
-
 _SVG: dict[int | str, dict[str, Any]] = {200: {"content": {"image/svg+xml": {}}, "description": "an SVG image"}}
 
 
@@ -230,8 +213,8 @@ _SVG: dict[int | str, dict[str, Any]] = {200: {"content": {"image/svg+xml": {}},
     responses={**_SVG, 404: {"model": ErrorBody, "description": "unknown id"}, 401: _ERRORS[401]},
     summary="the plan's schedule as a Gantt chart",
 )
-async def get_gantt(plan_id: str, store: StoreDep) -> Response:
-    return await _chart(store, plan_id, "gantt")
+async def get_gantt(request: Request, plan_id: str, store: StoreDep) -> Response:
+    return await _chart(request, store, plan_id, "gantt")
 
 
 @router.get(
@@ -240,12 +223,13 @@ async def get_gantt(plan_id: str, store: StoreDep) -> Response:
     responses={**_SVG, 404: {"model": ErrorBody, "description": "unknown id"}, 401: _ERRORS[401]},
     summary="each stage's predicted memory against its limit",
 )
-async def get_memory(plan_id: str, store: StoreDep) -> Response:
-    return await _chart(store, plan_id, "memory")
+async def get_memory(request: Request, plan_id: str, store: StoreDep) -> Response:
+    return await _chart(request, store, plan_id, "memory")
 
 
-async def _chart(store: PlanStore, plan_id: str, kind: Literal["gantt", "memory"]) -> Response:
-    """A stored plan's chart, drawn off the event loop."""
+async def _chart(request: Request, store: PlanStore, plan_id: str, kind: ChartKind) -> Response:
+    """A stored plan's chart, drawn off the event loop (or the one drawn before)."""
     stored = await _stored_or_404(store, plan_id)
-    svg = await run_in_threadpool(_svg, kind, stored.plan_json)
+    charts: ChartRenderer = request.app.state.charts
+    svg = await run_in_threadpool(charts.svg, kind, stored.id, stored.plan_json)
     return Response(content=svg, media_type="image/svg+xml")

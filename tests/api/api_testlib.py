@@ -49,7 +49,7 @@ def free_port() -> int:
 class LiveServer:
     """``python -m pipeplan serve`` in a subprocess on a free loopback port."""
 
-    def __init__(self, db: Path, log: Path, *args: str, **env: str) -> None:
+    def __init__(self, db: Path | str, log: Path, *args: str, **env: str) -> None:
         self.args = args
         self.db = db
         self.log = log

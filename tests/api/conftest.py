@@ -1,4 +1,5 @@
-"""Fixtures for the service tests: apps on a temporary database, live uvicorn servers."""
+"""Fixtures for the service tests: apps on a temporary database, live uvicorn servers, a
+PostgreSQL server of their own."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from api_testlib import LiveServer
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from pg_testlib import PostgresServer, find_postgres
 
 from api.app import create_app
 from api.settings import ApiSettings
@@ -83,3 +85,33 @@ def live_server_factory(tmp_path: Path) -> Iterator[Callable[..., LiveServer]]:
 @pytest.fixture()
 def live_server(live_server_factory: Callable[..., LiveServer]) -> LiveServer:
     return live_server_factory()
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    """A PostgreSQL server on loopback for this test process (skips where none is installed)."""
+    bindir, why = find_postgres()
+    if bindir is None:
+        pytest.skip(why)
+    server = PostgresServer(bindir)
+    try:
+        server.init()
+        server.start()
+        yield server
+    finally:
+        server.remove()
+
+
+@pytest.fixture()
+def postgres_url(postgres_server: PostgresServer) -> str:
+    """The URL of a new, empty database on :func:`postgres_server`."""
+    return postgres_server.new_database()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh database of each backend: the store tests run against both."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'plans.db'}"
+    url: str = request.getfixturevalue("postgres_url")
+    return url
