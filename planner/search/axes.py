@@ -498,9 +498,14 @@ def solve(
             # other replica count is a candidate too, after the promising ones (late() bounds it)
             ds += [d for d in range(2, groups + 1) if groups % d == 0]
         ds = [d for d in dict.fromkeys(ds) if (d > 1 or 0 not in zeros) and d <= groups and training.global_batch_size % d == 0]
-        pairs = [(z, e) for z in zeros for e in experts if (z > 0 or e > 1) and not (expert_fixed and e == 1)]
+        # (the largest E first: it holds the fewest experts, so it needs the fewest stages)
+        pairs = [(z, e) for e in sorted(experts, reverse=True) for z in zeros
+                 if (z > 0 or e > 1) and not (expert_fixed and e == 1)]
         for z, e in pairs:
-            for d in ds:
+            # (with experts sharded the model needs fewer stages, so more replicas: the D of the
+            # fewest stages its parameter state then fits is tried first)
+            own = _expert_replicas(base, cluster, training, fam, e, zero=z) if e > 1 else []
+            for d in [*own, *(d for d in ds if d not in own)]:
                 if (best is not None and lower >= best.predicted.step_time_ms * (1 - 1e-9)) or late():
                     break
                 if d not in promising and 0 in zeros and best is not None and not expert_fixed:
@@ -669,6 +674,34 @@ def _plain(profile: Profile, cluster: Cluster, training: TrainingSetup, options:
         return solve_mesh_family(profile, cluster, training, options)
     except InfeasibleError as err:
         raise _with_mesh_fixes(err, profile_in_dtype(profile, training.dtype), cluster, training, options) from None
+
+
+def _expert_replicas(
+    profile: Profile, cluster: Cluster, training: TrainingSetup, fam: _Family, e: int, *, zero: int
+) -> list[int]:
+    """For expert parallelism ``e`` (and ZeRO ``zero``): the replica count of the fewest pipeline
+    stages whose parameter state fits half a device with the experts sharded over E (and the
+    optimizer state over D at ZeRO >= 1, the gradients at >= 2), the largest D of them that E
+    divides (with C) and the batch allows -- what a DeepSeek-style layout takes, a candidate the
+    replica counts of the plans without experts sharded do not reach.  [] when none."""
+    experts = sum(x.moe.expert_param_bytes for x in profile.layers if x.moe is not None)
+    total = sum(x.param_bytes for x in profile.layers)
+    groups = max(1, cluster.num_devices // fam.group)
+    usable = min(d.memory_bytes for d in cluster.devices) * (1 - training.memory_margin) / 2
+    grad, opt = training.gradient_bytes_per_param_byte, training.optimizer_state_factor
+    for k in range(1, groups + 1):
+        if groups % k:
+            continue
+        d = groups // k
+        share = ((total - experts) + experts / e) / fam.tensor_parallel / k
+        state = share * (1 + (grad / d if zero >= 2 else grad) + (opt / d if zero >= 1 else opt))
+        if state > usable:
+            continue
+        for dd in range(d, 0, -1):
+            if (dd * fam.context_parallel) % e == 0 and training.global_batch_size % dd == 0 and groups % dd == 0:
+                return [dd]
+        return []
+    return []
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from planner.context import context_layer
 from planner.cost import profile_in_dtype
 from planner.mesh import Mesh, mesh_problem, virtual_cluster
@@ -64,3 +66,35 @@ def test_the_virtual_cluster_of_one_shared_device_is_the_per_device_one() -> Non
     mixed = distinct.model_copy(update={"devices": [*distinct.devices[:-1], distinct.devices[0].model_copy(
         update={"memory_bytes": GiB})]})
     assert not mixed.homogeneous
+
+
+@pytest.mark.parametrize("e,zero", [(2, 0), (4, 1), (8, 0), (8, 2)])
+def test_expert_replicas_are_the_fewest_stages_whose_state_fits_with_experts_sharded(e: int, zero: int) -> None:
+    """The mesh search's first D for expert parallelism E: its stages hold the dense weights and
+    1/E of the experts (ZeRO shards the optimizer state, then the gradients, over D); one stage
+    fewer does not fit half a device; E divides D."""
+    from planner.schema import LayerProfile, MeasuredOn, MoELayer, Profile
+    from planner.search.axes import _expert_replicas
+
+    layers = [LayerProfile(name=f"l{i}", param_bytes=2 * GiB, forward_ms=[1.0], backward_ms=[2.0],
+                           activation_bytes=[2**20], output_bytes=[2**20], moe=MoELayer(experts=8, top_k=2, expert_param_bytes=GiB * 3 // 2,
+                                                                   dispatch_bytes=[2**20]))
+              for i in range(8)]
+    profile = Profile(model="moe", measured_on=MeasuredOn(device="synthetic:h100-80g", dtype="bfloat16"),
+                      microbatch_sizes=[1], layers=layers)
+    cluster = Cluster.model_validate({"devices": 64, "memory": 16 * GiB, "intra_node": "nvlink4"})
+    training = TrainingSetup(global_batch_size=64, optimizer="adam")
+    fam = _Family(1, False)
+    (d,) = _expert_replicas(profile, cluster, training, fam, e, zero=zero)
+    assert d % e == 0 and 64 % d == 0
+    usable = 16 * GiB * (1 - training.memory_margin) / 2
+
+    def state(k: int, d: int) -> float:
+        share = (8 * 2 * GiB - 8 * (3 * GiB // 2) + 8 * (3 * GiB // 2) / e) / k  # dense + experts / E
+        grad, opt = training.gradient_bytes_per_param_byte, training.optimizer_state_factor
+        return share * (1 + (grad / d if zero >= 2 else grad) + (opt / d if zero >= 1 else opt))
+
+    k = 64 // d
+    assert state(k, d) <= usable
+    fewer = [j for j in range(1, k) if 64 % j == 0]
+    assert all(state(j, 64 // j) > usable for j in fewer)
