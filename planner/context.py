@@ -55,14 +55,33 @@ from planner.schema import Cluster, LayerProfile, Operation, Profile
 CONTEXT_ATTENTION = ("all-gather", "ring")
 
 
+def materialised_attention(ops: Sequence[Operation]) -> list[tuple[Operation, Operation]]:
+    """Attention a census records as what it runs (``softmax(q @ k^T) @ v``: the zoo GPT, Hugging
+    Face's eager attention): the pairs of batched GEMMs ``q @ k^T`` (``batch`` = b·heads,
+    ``m`` = ``n`` = the sequence, ``k`` = the head width) and ``scores @ v`` (the same batch and
+    ``m``, ``k`` = the sequence, ``n`` = the head width) that follow it."""
+    out = []
+    for i, a in enumerate(ops):
+        if a.kind != "gemm" or a.expert or (a.batch or 1) < 2 or not a.m or a.m != a.n:
+            continue
+        b = next((x for x in ops[i + 1:] if x.kind == "gemm" and x.batch == a.batch and x.m == a.m
+                  and x.k == a.n and x.n == a.k), None)
+        if b is not None:
+            out.append((a, b))
+    return out
+
+
 def sequence_length(profile: Profile) -> int | None:
-    """The profile's sequence length: its attention operations' query length (the longest), else
-    synth's metadata; None when neither says."""
+    """The profile's sequence length: its attention operations' query length (the longest, fused
+    or :func:`materialised_attention`), else synth's metadata; None when none says."""
     best = 0
     for layer in profile.layers:
-        for op in (layer.operations or [[]])[0]:
+        ops = (layer.operations or [[]])[0]
+        for op in ops:
             if op.kind == "attention" and op.query_len:
                 best = max(best, op.query_len)
+        for scores, _ in materialised_attention(ops):
+            best = max(best, scores.m or 0)
     if best:
         return best
     seq = profile.metadata.get("synth", {}).get("seq") if isinstance(profile.metadata.get("synth"), dict) else None
@@ -104,7 +123,8 @@ def _shard_tokens(op: Operation, c: int) -> Operation:
 
 def kv_bytes(ops: Sequence[Operation], t: int) -> int:
     """Bytes of the keys and values of the whole sequence one device of a tensor-parallel group
-    of ``t`` needs for its attention operations (2·b·s·g·d·p each)."""
+    of ``t`` needs for its attention operations (2·b·s·g·d·p each; materialised attention's
+    keys and values whole: its GEMMs do not say which heads a group divides)."""
     total = 0
     for op in ops:
         if op.kind != "attention":
@@ -113,6 +133,8 @@ def kv_bytes(ops: Sequence[Operation], t: int) -> int:
         if op.tp_shard == "heads" and t > 1:
             heads = math.ceil(heads / t)
         total += 2 * op.batch * (op.key_len or 0) * heads * (op.head_dim or 0) * DTYPE_BYTES.get(op.dtype, 2) * op.count
+    for scores, _ in materialised_attention(ops):  # (every head's, as its batch: T not divided)
+        total += 2 * (scores.batch or 1) * (scores.n or 0) * (scores.k or 0) * DTYPE_BYTES.get(scores.dtype, 2) * scores.count
     return total
 
 

@@ -299,3 +299,22 @@ def test_the_experts_gemms_of_a_layer_run_as_one_grouped_gemm() -> None:
     alone = operation_ms(op.model_copy(update={"expert": False}), device_type="h100-80g")
     assert grouped.forward == pytest.approx(gemm_ms(128, 2048, 7168, batch=256, dtype="bfloat16", device_type="h100-80g"))
     assert grouped.forward < 0.5 * alone.forward and grouped.backward <= alone.backward
+
+
+def test_materialised_attention_counts_for_context_parallelism() -> None:
+    """softmax(q @ k^T) @ v recorded as two batched GEMMs (the zoo GPT, eager attention): the
+    sequence length and the K/V bytes come from them; a lone batched GEMM is no attention."""
+    from planner.context import materialised_attention, sequence_length
+
+    b, h, s, d = 2, 4, 64, 16
+    scores = Operation(kind="gemm", m=s, n=s, k=d, batch=b * h, dtype="float32")
+    probs_v = Operation(kind="gemm", m=s, n=d, k=s, batch=b * h, dtype="float32")
+    ops = [Operation(kind="gemm", m=b * s, n=3 * h * d, k=h * d), scores, Operation(kind="memory", bytes=4 * b * h * s * s),
+           probs_v, Operation(kind="gemm", m=b * s, n=h * d, k=h * d)]
+    assert materialised_attention(ops) == [(scores, probs_v)]
+    assert kv_bytes(ops, 1) == 2 * b * h * s * d * 4
+    assert materialised_attention([scores]) == [] and kv_bytes([scores], 1) == 0
+    layer = LayerProfile(name="block", param_bytes=MiB, forward_ms=[1.0], backward_ms=[2.0], activation_bytes=[MiB],
+                         output_bytes=[MiB], operations=[ops])
+    profile = Profile(model="eager", measured_on=MeasuredOn(device="cpu"), microbatch_sizes=[b], layers=[layer])
+    assert sequence_length(profile) == s

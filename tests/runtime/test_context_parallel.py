@@ -4,10 +4,9 @@ positions are global, and ``pipeplan run --check`` matches the unsplit model on 
 (its own softmax(q @ k^T) @ v attention, learned positions) and on Hugging Face Llama (SDPA,
 rotary positions); attention that forgets the gather fails the check; refusals name the axis.
 
-The Llama plan is made as a user makes it (the fake-tensor profile, ``plan --context-parallel 2``).
-The zoo GPT's census has its attention as two batched GEMMs, which the planner does not take for
-attention (it needs an attention operation for the sequence length): its fixture profile
-replaces them with the attention operation a census of SDPA records, then plans from the CLI.
+Both plans are made as a user makes them (the fake-tensor profile, ``plan --context-parallel 2``):
+the zoo GPT's census holds its attention as two batched GEMMs, which the planner takes for
+materialised attention (``planner.context.materialised_attention``).
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ import importlib.util
 import json
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 import torch
@@ -80,25 +78,6 @@ def test_a_sequence_2c_does_not_divide_is_refused() -> None:
         local_examples((torch.zeros(2),), _plan_fields(), 0)
 
 
-def _gpt_profile_with_attention(path: Path) -> Path:
-    """The zoo GPT's fake profile with each block's q @ k^T and probs @ v GEMMs recorded as one
-    causal attention operation (what a census of SDPA holds)."""
-    data: dict[str, Any] = json.loads(fake_profile_file(GPT, path).read_text())
-    for layer in data["layers"]:
-        for ops in layer.get("operations") or []:
-            batched = [o for o in ops if o["kind"] == "gemm" and o.get("batch", 1) > 1]
-            if len(batched) != 2:
-                continue
-            scores = batched[0]
-            attention = {"kind": "attention", "count": 1, "dtype": scores["dtype"], "batch": scores["batch"] // 4,
-                         "heads": 4, "query_len": scores["m"], "key_len": scores["n"], "head_dim": scores["k"],
-                         "causal": True, "fused": False}  # fmt: skip
-            ops[ops.index(batched[0])] = attention
-            ops.remove(batched[1])
-    path.write_text(json.dumps(data))
-    return path
-
-
 def _cp_plan(profile: Path, tmp_path: Path) -> Path:
     plan = tmp_path / "plan.json"
     proc, _ = run_cli(["plan", str(profile), "--devices", "2", "--device-type", "cpu", "--batch-size", "8",
@@ -112,7 +91,7 @@ def _cp_plan(profile: Path, tmp_path: Path) -> Path:
 @pytest.fixture(scope="module")
 def gpt_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("gpt")
-    return _cp_plan(_gpt_profile_with_attention(tmp / "profile.json"), tmp)
+    return _cp_plan(fake_profile_file(GPT, tmp / "profile.json"), tmp)
 
 
 def _run(spec: str, plan: Path, *extra: str) -> tuple[int, str]:
