@@ -317,3 +317,44 @@ def _as_hf_check(plan: Plan) -> Plan:
 
 def _hf_name(synth: str) -> str:
     return {"embed": "model.embed_tokens", "head": "lm_head"}.get(synth, synth.replace("blocks.", "model.layers."))
+
+
+# --------------------------------------------------------------------------- full size, fake tensors
+
+
+@pytest.mark.parametrize(
+    ("name", "devices", "t", "published", "decoders", "experts"),
+    [("llama3-70b", 64, 8, 70.6e9, 80, None), ("mixtral-8x7b", 32, 2, 46.7e9, 32, (8, 2))],
+)
+def test_full_size_fake_profiles_hold_the_published_parameters_and_export(
+    tmp_path: Path, name: str, devices: int, t: int, published: float, decoders: int, experts: tuple[int, int] | None
+) -> None:
+    """The issue's end to end at full size, as a user runs it: ``profile --fake --hf-config`` (one
+    block of each kind traced, a few seconds), ``plan``, ``export`` to Megatron-LM and torchtitan.
+    (Mixtral at T = 2: the profiler shards attention but not transformers' fused experts under
+    tensor parallelism, so at T = 8 its experts, replicated on 8 devices, fit no 32-GPU plan.)"""
+    import warnings
+
+    pytest.importorskip("transformers")
+    from profiler.fake import fake_profile
+    from profiler.hf_config import hf_entrypoint
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        profile = fake_profile(lambda: hf_entrypoint(str(CONFIGS / name), seq=8192), device_type="h100-80g",
+                               microbatch_sizes=(1, 2))
+    assert profile.metadata["profiler"]["repeated_blocks"]["blocks"] == decoders
+    # (Megatron-LM's rules: sequence parallelism with T, recompute on every stage or none)
+    within_megatron = ["--sequence-parallel", "--no-recompute"] if experts else []
+    plan, texts = _flow(tmp_path, profile, ["--devices", str(devices), "--device-type", "h100-80g",
+                                            "--devices-per-node", "8", "--batch-size", "256", "--tensor-parallel", str(t),
+                                            "--schedules", "1f1b,interleaved-1f1b", "--zero", "0",
+                                            *within_megatron])  # fmt: skip
+    total = sum(layer.param_bytes for layer in profile.layers)
+    assert abs(total / (published * 2) - 1) < 0.005, (total / 2 / 1e9, published / 1e9)  # bf16: 2 bytes
+    assert plan.tensor_parallel_degree == t
+    flags = check_megatron(texts["megatron"], plan, decoders=decoders, experts=experts)
+    assert flags["--tensor-model-parallel-size"] == str(t)
+    toml = tomllib.loads(texts["torchtitan"])
+    parts = toml["parallelism"]["module_fqns_per_model_part"]
+    assert [f for part in parts for f in part] == ["tok_embeddings", *[f"layers.{i}" for i in range(decoders)], "norm", "lm_head"]
