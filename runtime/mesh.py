@@ -186,6 +186,19 @@ RULES: tuple[Rule, ...] = (
         fused=(("attn.c_attn", 3),),
     ),
     Rule(
+        "T5 encoder block",
+        column=("layer.0.SelfAttention.q", "layer.0.SelfAttention.k", "layer.0.SelfAttention.v",
+                "layer.1.DenseReluDense.wi"),
+        row=("layer.0.SelfAttention.o", "layer.1.DenseReluDense.wo"),
+    ),
+    Rule(
+        "T5 decoder block",
+        column=("layer.0.SelfAttention.q", "layer.0.SelfAttention.k", "layer.0.SelfAttention.v",
+                "layer.1.EncDecAttention.q", "layer.1.EncDecAttention.k", "layer.1.EncDecAttention.v",
+                "layer.2.DenseReluDense.wi"),
+        row=("layer.0.SelfAttention.o", "layer.1.EncDecAttention.o", "layer.2.DenseReluDense.wo"),
+    ),
+    Rule(
         "encoder layer (ViT style)",
         column=("attention.q_proj", "attention.k_proj", "attention.v_proj", "mlp.fc1"),
         row=("attention.o_proj", "mlp.fc2"),
@@ -672,6 +685,36 @@ def _drop_metadata_asserts(unit: Any) -> None:
         unit.recompile()
 
 
+def replicated_like(x: Any, like: Any) -> Any:
+    """``x`` as a replicated DTensor on ``like``'s mesh when ``like`` is a DTensor and ``x`` a plain
+    tensor (:func:`_replicated_lookups`); otherwise ``x``."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if isinstance(like, DTensor) and not isinstance(x, DTensor):
+        return DTensor.from_local(x, like.device_mesh, [Replicate()] * like.device_mesh.ndim, run_check=False)
+    return x
+
+
+def _replicated_lookups(unit: Any) -> None:
+    """The indices of each ``aten.embedding`` in a sharded unit's graph enter as replicated
+    DTensors (:func:`replicated_like`): indices the graph computes itself (T5's relative-position
+    buckets, from ``arange``) are plain tensors, which ``implicit_replication`` lets through in
+    the forward but not in the backward, where ``embedding_dense_backward`` refused the mix."""
+    import torch
+
+    graph = getattr(unit, "graph", None)
+    if graph is None:
+        return
+    nodes = [n for n in graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.embedding.default]
+    for node in nodes:
+        with graph.inserting_before(node):
+            idx = graph.call_function(replicated_like, (node.args[1], node.args[0]))
+        node.args = (node.args[0], idx, *node.args[2:])
+    if nodes:
+        graph.lint()
+        unit.recompile()
+
+
 def whole_dropout(x: Any, p: float, train: bool) -> Any:
     """``aten.dropout`` of a DTensor with the mask the unsharded tensor gets: the whole tensor's
     noise is drawn with the generator calls torch's CPU dropout makes (``empty``, ``bernoulli_(1 -
@@ -808,6 +851,7 @@ def apply_tensor_parallel(
         _drop_metadata_asserts(unit)
         _whole_randomness(unit)
         _split_fused_by_heads(unit, fused)
+        _replicated_lookups(unit)
         distribute_module(unit, tp_mesh, partition)
         if sequence_parallel and sharding.sequence_dim is not None:
             _make_sequence_parallel(unit, sharding)

@@ -198,16 +198,25 @@ def test_a_fused_projection_cut_contiguously_does_not_match(block_run: dict[str,
     assert block_run["contiguous"] > 1e-2, block_run["contiguous"]
 
 
-def test_gpt2_at_t2_is_priced_sharded_and_check_passes_with_adam(tmp_path: Path) -> None:
+T5_BLOCKS = [f"{part}.block.{i}" for part in ("encoder", "decoder") for i in range(2)]
+# model -> the layers the plan shards at T = 2, in order
+SHARDED = {GPT2: ["transformer.wpe", *BLOCKS], "examples.hf:t5": T5_BLOCKS}
+
+
+@pytest.mark.parametrize("model", list(SHARDED))
+def test_hf_blocks_at_t2_are_priced_sharded_and_check_passes_with_adam(model: str, tmp_path: Path) -> None:
     """profile (fake, fast) -> plan for 2 CPU devices, T = 2, D = 1, K = 1 -> ``run --check``
     with the default optimizer: the blocks are priced sharded (the plan's note no longer says T
-    divides no work of them) and run sharded, and the check holds."""
+    divides no work of them) and run sharded, and the check holds.  GPT-2: Conv1D projections,
+    fused QKV; T5: encoder and decoder blocks (cross-attention, relative position bias, whose
+    bucket lookups enter as replicated DTensors)."""
     from pipeplan.cli import main
     from tests.runtime.helpers import fake_profile_file
 
-    profile = fake_profile_file(GPT2, tmp_path / "profile.json", microbatch_sizes=(1, 2))
+    blocks = [n for n in SHARDED[model] if ".h." in n or ".block." in n]
+    profile = fake_profile_file(model, tmp_path / "profile.json", microbatch_sizes=(1, 2))
     layers = json.loads(profile.read_text())["layers"]
-    assert [x["name"] for x in layers if x.get("tensor_parallel") == "block"] == BLOCKS
+    assert [x["name"] for x in layers if x.get("tensor_parallel") == "block"] == blocks
     path = tmp_path / "t2.json"
     assert main([
         "plan", str(profile), "--devices", "2", "--devices-per-node", "2", "--device-type", "cpu",
@@ -218,14 +227,15 @@ def test_gpt2_at_t2_is_priced_sharded_and_check_passes_with_adam(tmp_path: Path)
     plan = json.loads(path.read_text())
     assert (plan["tensor_parallel_degree"], plan["data_parallel_degree"], plan["pipeline_degree"]) == (2, 1, 1)
     divides_no_work = [n for n in plan["notes"] if "divides no work" in n]
-    assert divides_no_work and not any(b in n for n in divides_no_work for b in BLOCKS), divides_no_work
+    assert divides_no_work and not any(b in n for n in divides_no_work for b in blocks), divides_no_work
     report = tmp_path / "report.json"
-    proc, _ = run_cli(["run", "--plan", str(path), "--model", GPT2, "--steps", "2", "--check",
+    proc, _ = run_cli(["run", "--plan", str(path), "--model", model, "--steps", "2", "--check",
                        "--report", str(report), "--timeout", "90"], timeout=240)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "check PASSED" in proc.stdout and "adam" in proc.stdout, proc.stdout[-2000:]
     data = json.loads(report.read_text())
     assert data["check"]["passed"], data["check"]
     note = next(n for n in data["notes"] if n.startswith("mesh: "))
-    assert f"tensor parallelism T = 2 on 5 layer(s) (transformer.wpe, {', '.join(BLOCKS)})" in note, note
+    sharded = SHARDED[model]
+    assert f"tensor parallelism T = 2 on {len(sharded)} layer(s) ({', '.join(sharded)})" in note, note
     assert "priced as" not in note, note
