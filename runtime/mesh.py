@@ -459,7 +459,7 @@ def _linear_sites(unit: Any, weights: Iterable[str], *, transposed: Iterable[str
         node = attrs.get(weight)
         users = [u for u in node.users if u.op == "call_function"] if node is not None else []
         if len(users) != 1 or users[0].target is not op or users[0].args[at] is not node:
-            return f"{weight} is not used by exactly one {op.__name__.split('.')[0]} call in the layer's graph"
+            return f"{weight} is not used by exactly one aten.{op.__name__.split('.')[0]} call in the layer's graph"
         out.append(users[0])
     return out
 
