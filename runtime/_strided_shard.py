@@ -7,7 +7,7 @@ exactly that layout: the dimension is cut into ``parts`` pieces and each piece i
 the mesh, so rank ``r`` holds ``[Q_r | K_r | V_r]`` while the DTensor's global value keeps the
 model's own layout (checkpoints, ``--check`` and the optimizer see the unsharded parameter).
 DTensor propagates it through ``addmm`` and ``view`` without communication.  This module is
-the only user of that private name; ``tests/runtime/test_mesh_gpt2.py`` fails clearly when
+the only user of that private name; ``tests/runtime/test_mesh_hf_blocks.py`` fails clearly when
 torch moves or renames it.
 """
 

@@ -383,10 +383,16 @@ def refuse_unexecutable(
             kind = (layer_kinds or {}).get(name)
             sharding = unit_sharding(unit, kind)
             if kind is not None and kind != "replicated" and sharding is None:
+                moe = _has_grouped_experts(unit)
                 problems.append(
                     f"layer {i} '{name}' is tensor-parallel ({kind}) in the plan but the runtime has no "
-                    f"sharding rule for it (rules: {', '.join(r.name for r in RULES)}; "
-                    f"{', '.join(KIND_RULES.values())})"
+                    + (
+                        "sharding rule for it: a mixture-of-experts layer, whose experts (grouped_mm) DTensor "
+                        "cannot shard; its experts shard with --expert-parallel E instead"
+                        if moe
+                        else f"sharding rule for it (rules: {', '.join(r.name for r in RULES)}; "
+                        f"{', '.join(KIND_RULES.values())})"
+                    )
                 )
                 continue
             if sharding is None:
@@ -440,6 +446,12 @@ def refuse_unexecutable(
             + "\n  fix: replan with "
             + ("; or ".join(fixes) if fixes else "axes the runtime executes")
         )
+
+
+def _has_grouped_experts(unit: Any) -> bool:
+    """True when a unit's graph runs experts as grouped products (:mod:`runtime.experts`)."""
+    graph = getattr(unit, "graph", None)
+    return graph is not None and any(n.op == "call_function" and "grouped_mm" in str(n.target) for n in graph.nodes)
 
 
 def _linear_sites(unit: Any, weights: Iterable[str], *, transposed: Iterable[str] = ()) -> list[Any] | str:

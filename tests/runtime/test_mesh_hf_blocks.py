@@ -1,11 +1,12 @@
-"""Tensor parallelism on Hugging Face GPT-2 (issue 32): its projections are ``Conv1D`` (a
-transposed linear, weight ``[in, out]``) and its attention's ``c_attn`` is one fused projection
-``[Q | K | V]``.  The profiler prices the blocks sharded, the runtime shards them (the fused
-projection by heads of each of Q, K and V), and ``pipeplan run --check`` holds at T = 2 with the
-default optimizer (Adam).  A fused projection cut contiguously gives other numbers, and the
-block comparison here sees it.
+"""Tensor parallelism on Hugging Face blocks (issue 32).  GPT-2: its projections are ``Conv1D``
+(a transposed linear, weight ``[in, out]``) and its attention's ``c_attn`` is one fused
+projection ``[Q | K | V]``.  The profiler prices the blocks sharded, the runtime shards them (the
+fused projection by heads of each of Q, K and V), and ``pipeplan run --check`` holds at T = 2
+with the default optimizer (Adam).  A fused projection cut contiguously gives other numbers, and
+the block comparison here sees it.  T5's encoder and decoder blocks run ``--check`` at T = 2 too;
+Mixtral's (experts as grouped products) are refused before training, naming the layers.
 
-The runs are examples.hf:gpt2 (tiny, random) on 2 gloo ranks.
+The runs are examples.hf models (tiny, random) on 2 gloo ranks.
 """
 
 from __future__ import annotations
@@ -239,3 +240,22 @@ def test_hf_blocks_at_t2_are_priced_sharded_and_check_passes_with_adam(model: st
     sharded = SHARDED[model]
     assert f"tensor parallelism T = 2 on {len(sharded)} layer(s) ({', '.join(sharded)})" in note, note
     assert "priced as" not in note, note
+
+
+def test_tensor_parallel_on_mixtral_blocks_is_refused_naming_the_experts() -> None:
+    """Mixtral's blocks are priced sharded but their experts run as grouped products, which
+    DTensor cannot shard: T = 2 is refused before training, each layer named, the fix given."""
+    from planner.errors import InputError
+    from profiler.loading import load_entrypoint
+    from profiler.split import split_model
+    from runtime.mesh import MeshSpec, split_sharding
+
+    entry = load_entrypoint("examples.hf:mixtral")
+    split = split_model(entry.model, entry.example_inputs, keywords=entry.keywords)
+    with pytest.raises(InputError) as err:
+        split_sharding(split, MeshSpec(tensor_parallel_degree=2))
+    message = str(err.value)
+    for i in range(4):
+        assert (f"layer {i + 2} 'model.layers.{i}' is tensor-parallel (block) in the plan but the runtime has no "
+                "sharding rule for it: a mixture-of-experts layer") in message, message  # fmt: skip
+    assert "--expert-parallel E" in message and "fix: replan with --tensor-parallel 1" in message
