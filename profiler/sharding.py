@@ -5,8 +5,12 @@ and the ``tp_*`` fields, :mod:`planner.mesh`).  ``pipeplan synth`` fills them fr
 this module fills them for the units of a measured model it recognises, from the unit's
 modules and its measured bytes:
 
-* a *transformer block*: at least four ``nn.Linear`` (attention's projections, the MLP's) and a
+* a *transformer block*: at least four projections (attention's, the MLP's) and a
   normalisation layer (the zoo's GPT and BERT blocks, Hugging Face decoder and encoder layers).
+  A projection is an ``nn.Linear`` or a transposed linear, Hugging Face's ``Conv1D`` (GPT-2:
+  weight ``[in, out]``, ``nf`` = out; its fused ``c_attn`` computes Q, K and V, which the runtime
+  shards by heads, :mod:`runtime.mesh`) -- recognised by what it holds, without importing
+  transformers (:func:`projection_widths`).
   Its linear layers shard (column-parallel, then row-parallel); each forward and backward
   all-reduces the attention and the MLP outputs: 2 x the unit's output bytes; the inputs of its
   normalisations stay whole on every device without sequence parallelism (one output-sized
@@ -56,6 +60,19 @@ def own_modules(split: Any) -> list[nn.Module | None]:
     return out
 
 
+def projection_widths(module: nn.Module) -> tuple[int, int] | None:
+    """``(in, out)`` features of a projection: an ``nn.Linear``, or a transposed linear (a class
+    named ``Conv1D`` with a 2-D ``weight`` of shape ``[in, nf]``, Hugging Face's GPT-2 projections;
+    transformers stays an optional dependency); None for anything else."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    w = module._parameters.get("weight")
+    nf = getattr(module, "nf", None)
+    if type(module).__name__ == "Conv1D" and w is not None and w.dim() == 2 and int(w.shape[1]) == nf:
+        return int(w.shape[0]), int(w.shape[1])
+    return None
+
+
 def _is_norm(module: nn.Module) -> bool:
     return isinstance(module, nn.LayerNorm) or type(module).__name__.endswith(_NORM_SUFFIXES)
 
@@ -67,7 +84,7 @@ def tensor_parallel_fields(unit: nn.Module, layer: dict[str, Any], input_bytes: 
     ``input_bytes`` are the bytes the unit receives per micro-batch size.
     """
     mods = list(unit.modules())
-    linears = [m for m in mods if isinstance(m, nn.Linear)]
+    linears = [m for m in mods if projection_widths(m) is not None]
     embeds = [m for m in mods if isinstance(m, nn.Embedding)]
     norms = [m for m in mods if _is_norm(m)]
     dropout = any(isinstance(m, nn.Dropout) and m.p > 0 for m in mods)
@@ -98,8 +115,10 @@ def tensor_parallel_fields(unit: nn.Module, layer: dict[str, Any], input_bytes: 
             "sp_replicated_activation_bytes": acts,
         }
     if linears:
-        widest = max(linears, key=lambda m: m.out_features)
-        if widest.out_features >= 4 * widest.in_features and len(linears) <= 2:
+        # an nn.Linear head only: the runtime shards a head's aten.linear (kind_sharding)
+        widest = max(linears, key=lambda m: (projection_widths(m) or (0, 0))[1])
+        w_in, w_out = projection_widths(widest) or (0, 0)
+        if isinstance(widest, nn.Linear) and w_out >= 4 * w_in and len(linears) <= 2:
             return {
                 "tensor_parallel": "column-head",
                 "tp_param_bytes": module_bytes(widest),

@@ -156,6 +156,11 @@ class Rule:
     #: the sequence dimension of the block's activations, for sequence parallelism (None: the
     #: runtime does not run this block sequence-parallel)
     sequence_dim: int | None = None
+    #: the projections are transposed linears (weight ``[in, out]``, Hugging Face's ``Conv1D``)
+    transposed: bool = False
+    #: fused projections (suffix, parts): the output is ``parts`` projections side by side
+    #: (GPT-2's ``c_attn``: Q, K, V), each sharded by heads (:func:`split_fused`)
+    fused: tuple[tuple[str, int], ...] = ()
 
 
 #: the blocks the runtime can shard, in the order they are tried
@@ -172,6 +177,26 @@ RULES: tuple[Rule, ...] = (
         column=("attention.self.query", "attention.self.key", "attention.self.value", "intermediate.dense"),
         row=("attention.output.dense", "output.dense"),
         sequence_dim=1,
+    ),
+    Rule(
+        "GPT-2 block (Hugging Face Conv1D)",
+        column=("attn.c_attn", "mlp.c_fc"),
+        row=("attn.c_proj", "mlp.c_proj"),
+        transposed=True,
+        fused=(("attn.c_attn", 3),),
+    ),
+    Rule(
+        "T5 encoder block",
+        column=("layer.0.SelfAttention.q", "layer.0.SelfAttention.k", "layer.0.SelfAttention.v",
+                "layer.1.DenseReluDense.wi"),
+        row=("layer.0.SelfAttention.o", "layer.1.DenseReluDense.wo"),
+    ),
+    Rule(
+        "T5 decoder block",
+        column=("layer.0.SelfAttention.q", "layer.0.SelfAttention.k", "layer.0.SelfAttention.v",
+                "layer.1.EncDecAttention.q", "layer.1.EncDecAttention.k", "layer.1.EncDecAttention.v",
+                "layer.2.DenseReluDense.wi"),
+        row=("layer.0.SelfAttention.o", "layer.1.EncDecAttention.o", "layer.2.DenseReluDense.wo"),
     ),
     Rule(
         "encoder layer (ViT style)",
@@ -193,6 +218,16 @@ class UnitSharding:
     sequence_dim: int | None = None
     #: embedding tables sharded along the vocabulary (``Shard(0)``; a vocabulary-parallel embedding)
     vocab: tuple[str, ...] = ()
+    #: the linears (of column and row) whose weight is ``[in, out]`` (``Conv1D``): sharded on the
+    #: other dimension (column: weight ``Shard(1)``, bias ``Shard(0)``; row: weight ``Shard(0)``)
+    transposed: tuple[str, ...] = ()
+    #: fused column-parallel linears -> how many projections side by side, each sharded by heads
+    fused: tuple[tuple[str, int], ...] = ()
+
+    def features(self, linears: Mapping[str, tuple[int, int]], name: str) -> tuple[int, int]:
+        """``(out, in)`` features of linear ``name`` (``linears``: :func:`_linear_modules`)."""
+        a, b = linears[name]
+        return (b, a) if name in self.transposed else (a, b)
 
 
 def _linear_modules(unit: Any) -> dict[str, tuple[int, int]]:
@@ -215,7 +250,14 @@ def match_rule(unit: Any) -> UnitSharding | None:
             col = tuple(prefix + s for s in rule.column)
             row = tuple(prefix + s for s in rule.row)
             if all(n in linears for n in col + row):
-                return UnitSharding(rule.name, col, row, rule.sequence_dim)
+                return UnitSharding(
+                    rule.name,
+                    col,
+                    row,
+                    rule.sequence_dim,
+                    transposed=col + row if rule.transposed else (),
+                    fused=tuple((prefix + f, parts) for f, parts in rule.fused),
+                )
     return None
 
 
@@ -341,10 +383,16 @@ def refuse_unexecutable(
             kind = (layer_kinds or {}).get(name)
             sharding = unit_sharding(unit, kind)
             if kind is not None and kind != "replicated" and sharding is None:
+                moe = _has_grouped_experts(unit)
                 problems.append(
                     f"layer {i} '{name}' is tensor-parallel ({kind}) in the plan but the runtime has no "
-                    f"sharding rule for it (rules: {', '.join(r.name for r in RULES)}; "
-                    f"{', '.join(KIND_RULES.values())})"
+                    + (
+                        "sharding rule for it: a mixture-of-experts layer, whose experts (grouped_mm) DTensor "
+                        "cannot shard; its experts shard with --expert-parallel E instead"
+                        if moe
+                        else f"sharding rule for it (rules: {', '.join(r.name for r in RULES)}; "
+                        f"{', '.join(KIND_RULES.values())})"
+                    )
                 )
                 continue
             if sharding is None:
@@ -360,15 +408,24 @@ def refuse_unexecutable(
                 why = _sequence_parallel_problem(unit, sharding)
                 if why:
                     problems.append(f"layer {i} '{name}' ({sharding.rule}): sequence parallelism: {why}")
+            fused = dict(sharding.fused)
             for mod in sharding.column:
-                if linears[mod][0] % t_deg:
+                width = sharding.features(linears, mod)[0]
+                parts = fused.get(mod, 1)
+                if width % (parts * t_deg):
+                    what = f"{parts} projections of {width // parts}" if parts > 1 else f"{width}"
                     problems.append(
-                        f"layer {i} '{name}': {mod} has {linears[mod][0]} output features, not divisible by T={t_deg}"
+                        f"layer {i} '{name}': {mod} has {what} output features, not divisible by T={t_deg}"
                     )
+                elif parts > 1:
+                    site = _fused_split_site(unit, mod, parts)
+                    if isinstance(site, str):
+                        problems.append(f"layer {i} '{name}' ({sharding.rule}): {site}")
             for mod in sharding.row:
-                if linears[mod][1] % t_deg:
+                width = sharding.features(linears, mod)[1]
+                if width % t_deg:
                     problems.append(
-                        f"layer {i} '{name}': {mod} has {linears[mod][1]} input features, not divisible by T={t_deg}"
+                        f"layer {i} '{name}': {mod} has {width} input features, not divisible by T={t_deg}"
                     )
         if shardable == 0 and units and not problems:
             problems.append(
@@ -391,23 +448,108 @@ def refuse_unexecutable(
         )
 
 
-def _linear_sites(unit: Any, weights: Iterable[str]) -> list[Any] | str:
+def _has_grouped_experts(unit: Any) -> bool:
+    """True when a unit's graph runs experts as grouped products (:mod:`runtime.experts`)."""
+    graph = getattr(unit, "graph", None)
+    return graph is not None and any(n.op == "call_function" and "grouped_mm" in str(n.target) for n in graph.nodes)
+
+
+def _linear_sites(unit: Any, weights: Iterable[str], *, transposed: Iterable[str] = ()) -> list[Any] | str:
     """The ``aten.linear`` node of each weight (qualified names inside the unit) in a unit's
-    graph, in order, or why they cannot be found (one linear call per weight expected)."""
+    graph, in order, or why they cannot be found (one linear call per weight expected); for the
+    modules in ``transposed`` (``Conv1D``: ``x @ weight + bias``), the ``aten.addmm`` node."""
     import torch
 
     graph = getattr(unit, "graph", None)
     if graph is None:
         return "the layer is not a traced graph"
     attrs = {n.target: n for n in graph.nodes if n.op == "get_attr"}
+    flipped = {f"{m}.weight" for m in transposed}
     out = []
     for weight in weights:
+        op, at = (torch.ops.aten.addmm.default, 2) if weight in flipped else (torch.ops.aten.linear.default, 1)
         node = attrs.get(weight)
         users = [u for u in node.users if u.op == "call_function"] if node is not None else []
-        if len(users) != 1 or users[0].target is not torch.ops.aten.linear.default or users[0].args[1] is not node:
-            return f"{weight} is not used by exactly one aten.linear call in the layer's graph"
+        if len(users) != 1 or users[0].target is not op or users[0].args[at] is not node:
+            return f"{weight} is not used by exactly one aten.{op.__name__.split('.')[0]} call in the layer's graph"
         out.append(users[0])
     return out
+
+
+#: operators that only reshape, between a fused projection and the split of its output
+_RESHAPES = ("aten.view.default", "aten.reshape.default", "aten._unsafe_view.default")
+
+
+def _fused_split_site(unit: Any, module: str, parts: int) -> Any:
+    """The ``aten.split`` node that cuts fused projection ``module``'s output (its ``addmm`` or
+    ``linear``, then only reshapes) into ``parts`` equal projections along the last dimension,
+    or why there is none."""
+    import torch
+
+    graph = getattr(unit, "graph", None)
+    if graph is None:
+        return "the layer is not a traced graph"
+    weight = f"{module}.weight"
+    node = next((n for n in graph.nodes if n.op == "get_attr" and n.target == weight), None)
+    users = list(node.users) if node is not None else []
+    why = f"{module}'s output is not split into {parts} projections by one aten.split in the layer's graph"
+    if len(users) != 1 or users[0].op != "call_function":
+        return why
+    node = users[0]
+    width = None
+    while True:
+        nxt = list(node.users)
+        if len(nxt) != 1 or nxt[0].op != "call_function":
+            return why
+        node = nxt[0]
+        if str(node.target) in _RESHAPES:
+            sizes = node.args[1]
+            width = sizes[-1] if isinstance(sizes, (list, tuple)) and isinstance(sizes[-1], int) else None
+            continue
+        break
+    if node.target is not torch.ops.aten.split.Tensor or width is None:
+        return why
+    size, dim = node.args[1], node.args[2] if len(node.args) > 2 else 0
+    if not isinstance(size, int) or size * parts != width or dim not in (-1, len(node.args[0].args[1]) - 1):
+        return why
+    return node
+
+
+def split_fused(y: Any, split_size: int, dim: int, parts: int) -> Any:
+    """``aten.split`` of a fused projection's output into its ``parts`` projections (GPT-2's
+    Q, K, V).  Sharded by heads (:func:`runtime._strided_shard.strided_shard`: this rank holds
+    its heads of each projection side by side), each rank cuts its own piece into ``parts``,
+    each a ``Shard(dim)`` DTensor of the projection: no communication (DTensor's own split would
+    gather the whole output).  Anything else: ``aten.split`` as traced."""
+    import torch
+    from torch.distributed.tensor import DTensor, Shard
+
+    from runtime._strided_shard import is_strided
+
+    if isinstance(y, DTensor) and y.device_mesh.ndim == 1:
+        d = dim % y.dim()
+        if is_strided(y.placements[0], d, parts):
+            local = y.to_local()
+            pieces = torch.split(local, local.shape[d] // parts, d)
+            return [DTensor.from_local(p, y.device_mesh, [Shard(d)], run_check=False) for p in pieces]
+    return torch.ops.aten.split.Tensor(y, split_size, dim)
+
+
+def _split_fused_by_heads(unit: Any, fused: Mapping[str, int]) -> None:
+    """Route each fused projection's split through :func:`split_fused` in a unit's graph
+    (:func:`refuse_unexecutable` refused units where the split is not found)."""
+    graph = getattr(unit, "graph", None)
+    changed = False
+    for module, parts in fused.items():
+        node = _fused_split_site(unit, module, parts)
+        if isinstance(node, str):
+            raise InputError(f"tensor parallelism: {node}")
+        node.target = split_fused
+        node.args = (node.args[0], node.args[1], node.args[2] if len(node.args) > 2 else 0, parts)
+        changed = True
+    if changed and graph is not None:
+        graph.lint()
+        unit.recompile()
 
 
 def _sequence_parallel_problem(unit: Any, sharding: UnitSharding) -> str:
@@ -555,6 +697,36 @@ def _drop_metadata_asserts(unit: Any) -> None:
         unit.recompile()
 
 
+def replicated_like(x: Any, like: Any) -> Any:
+    """``x`` as a replicated DTensor on ``like``'s mesh when ``like`` is a DTensor and ``x`` a plain
+    tensor (:func:`_replicated_lookups`); otherwise ``x``."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if isinstance(like, DTensor) and not isinstance(x, DTensor):
+        return DTensor.from_local(x, like.device_mesh, [Replicate()] * like.device_mesh.ndim, run_check=False)
+    return x
+
+
+def _replicated_lookups(unit: Any) -> None:
+    """The indices of each ``aten.embedding`` in a sharded unit's graph enter as replicated
+    DTensors (:func:`replicated_like`): indices the graph computes itself (T5's relative-position
+    buckets, from ``arange``) are plain tensors, which ``implicit_replication`` lets through in
+    the forward but not in the backward, where ``embedding_dense_backward`` refused the mix."""
+    import torch
+
+    graph = getattr(unit, "graph", None)
+    if graph is None:
+        return
+    nodes = [n for n in graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.embedding.default]
+    for node in nodes:
+        with graph.inserting_before(node):
+            idx = graph.call_function(replicated_like, (node.args[1], node.args[0]))
+        node.args = (node.args[0], idx, *node.args[2:])
+    if nodes:
+        graph.lint()
+        unit.recompile()
+
+
 def whole_dropout(x: Any, p: float, train: bool) -> Any:
     """``aten.dropout`` of a DTensor with the mask the unsharded tensor gets: the whole tensor's
     noise is drawn with the generator calls torch's CPU dropout makes (``empty``, ``bernoulli_(1 -
@@ -654,19 +826,32 @@ def apply_tensor_parallel(
     import torch
     from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 
+    from runtime._strided_shard import strided_shard
+
     cls = _tp_unit_class()
     for i, sharding in shardings.items():
         unit = stage_module.units[i]
         column, row = set(sharding.column) | set(sharding.vocab), set(sharding.row)
+        transposed, fused = set(sharding.transposed), dict(sharding.fused)
 
-        def partition(name: str, mod: Any, mesh: Any, column: set[str] = column, row: set[str] = row) -> None:
+        def partition(
+            name: str,
+            mod: Any,
+            mesh: Any,
+            column: set[str] = column,
+            row: set[str] = row,
+            transposed: set[str] = transposed,
+            fused: dict[str, int] = fused,
+        ) -> None:
             for pname, p in list(mod._parameters.items()):
                 if p is None:
                     continue
-                if name in column:  # column-parallel linear, or a table sharded along the vocabulary
-                    placement: Any = Shard(0)
+                if name in fused:  # [Q | K | V] side by side: each rank its heads of each
+                    placement: Any = strided_shard(1 if pname == "weight" and name in transposed else 0, fused[name])
+                elif name in column:  # column-parallel linear, or a table sharded along the vocabulary
+                    placement = Shard(1 if pname == "weight" and name in transposed else 0)
                 elif name in row and pname == "weight":
-                    placement = Shard(1)
+                    placement = Shard(0 if name in transposed else 1)
                 else:
                     placement = Replicate()
                 dt = distribute_tensor(p.detach(), mesh, [placement])
@@ -677,6 +862,8 @@ def apply_tensor_parallel(
 
         _drop_metadata_asserts(unit)
         _whole_randomness(unit)
+        _split_fused_by_heads(unit, fused)
+        _replicated_lookups(unit)
         distribute_module(unit, tp_mesh, partition)
         if sequence_parallel and sharding.sequence_dim is not None:
             _make_sequence_parallel(unit, sharding)
@@ -706,7 +893,7 @@ def _reduce_row_outputs(unit: Any, sharding: UnitSharding) -> None:
     linear then all-gathers its weight instead of sharding its output: the MLP ran unsharded,
     with 12 redistributions per layer and micro-batch.  A unit whose row-parallel weights are not
     each used by exactly one ``aten.linear`` is left to DTensor."""
-    row = _linear_sites(unit, [f"{n}.weight" for n in sharding.row])
+    row = _linear_sites(unit, [f"{n}.weight" for n in sharding.row], transposed=set(sharding.transposed))
     if isinstance(row, str):
         return
     graph = unit.graph
