@@ -34,10 +34,12 @@ from hypothesis import HealthCheck, given, settings
 from api.errors import error_response
 
 JSON = {"content-type": "application/json"}
-#: every rejection must come back within this
-REJECT_S = 1.0
-#: and /healthz within this, even while a hostile request is being read
-HEALTH_S = 0.1
+#: every rejection must come back within this (what these guard against took minutes or an
+#: OOM kill; a rejection takes milliseconds, but a loaded 2-core CI host has taken 2.3 s)
+REJECT_S = 5.0
+#: and /healthz within this, even while a hostile request is being read (a blocked event loop
+#: waits for the whole read)
+HEALTH_S = 1.0
 HEALTH_SLACK_S = 0.5
 
 
@@ -182,7 +184,7 @@ def test_largest_global_batch_is_solved_within_its_time_limit(
     with httpx.Client(base_url=real_server.url, timeout=120) as c:
         r, elapsed = _post(c, "/v1/plans", json.dumps(body).encode())
     assert r.status_code in (201, 422), r.text
-    assert elapsed < 2.0 + 10.0, elapsed
+    assert elapsed < 2.0 + 30.0, elapsed  # (set-up included; a loaded 2-core CI host took 12.3 s)
     if r.status_code == 201:
         plan = r.json()["plan"]
         assert plan["global_batch_size"] == MAX_GLOBAL_BATCH
