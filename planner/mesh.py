@@ -61,6 +61,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import BaseModel
+
 from planner.context import ContextMemo, check_context, context_layer
 from planner.cost.collectives import group_on, half_ring_ms, replica_link, ring_link, ring_ms
 from planner.cost.compute import census_device, layer_times
@@ -523,8 +525,12 @@ def mesh_problem(
             "i.e. not fused attention): drop --selective-recompute, or use full recompute"
         )
     device = census_device(profile) if census_roles(profile) else None
+    # every layer's share is a function of its content alone: a stack's identical blocks are
+    # worked out once (the first of each kind), the others are copies under their own names
+    first = same_layers(profile.layers)
+    distinct = [x for i, x in enumerate(profile.layers) if first[i] == i]
     memo: _ScaleMemo = {}
-    layers = [_tp_layer(layer, mesh, training, tp_link(cluster, t), device=device, memo=memo) for layer in profile.layers]
+    layers = [_tp_layer(layer, mesh, training, tp_link(cluster, t), device=device, memo=memo) for layer in distinct]
     c, e = mesh.context_parallel, mesh.expert_parallel
     if c > 1:
         check_context(profile, c, mesh.context_attention)
@@ -532,16 +538,15 @@ def mesh_problem(
         layers = [
             context_layer(x, orig, c, t=t, sequence_parallel=mesh.sequence_parallel, cluster=cluster,
                           device=census_device(profile), mode=mesh.context_attention, memo=context_memo)
-            for x, orig in zip(layers, profile.layers, strict=True)
+            for x, orig in zip(layers, distinct, strict=True)
         ]
     if e > 1:
         check_experts(profile, e, replicas=d * c)
         layers = [
             expert_layer(x, e, t=t, c=c, sequence_parallel=mesh.sequence_parallel, cluster=cluster,
                          pipeline_degree=pipeline_degree or 1, expert_tp_share=_expert_tp_share(orig, t))
-            for x, orig in zip(layers, profile.layers, strict=True)
+            for x, orig in zip(layers, distinct, strict=True)
         ]
-    tp_params = tuple(x.param_bytes for x in layers)
     if mesh.selective_recompute:
         layers = [selective_layer(x) for x in layers]
     g = mesh.group
@@ -550,6 +555,12 @@ def mesh_problem(
             raise ValueError("ZeRO-2/3 with D x T inside a node needs the pipeline degree (its link)")
         link = dp_link(cluster, g, d, pipeline_degree or cluster.num_devices)
         layers = [_zero_layer(layer, z, d, training, link) for layer in layers]
+    slot = {i: j for j, i in enumerate(i for i in range(len(first)) if first[i] == i)}
+    layers = [
+        layers[slot[first[i]]] if first[i] == i else layers[slot[first[i]]].model_copy(update={"name": x.name})
+        for i, x in enumerate(profile.layers)
+    ]
+    tp_params = tuple(x.param_bytes for x in layers)  # (selective recompute and ZeRO keep them)
     static, comm = zero_factors(z, d, training)
     base = 1.0 + training.gradient_bytes_per_param_byte + training.optimizer_state_factor
     gathered = 0
@@ -580,6 +591,36 @@ def mesh_problem(
     )
     new_cluster = virtual_cluster(cluster, g, gathered_bytes=gathered, margin=training.memory_margin)
     return MeshProblem(new_profile, new_cluster, new_training, tp_params, gathered)
+
+
+def same_layers(layers: Sequence[LayerProfile]) -> list[int]:
+    """For each layer, the index of the first layer whose content (all but the name) is the
+    same: a decoder stack's blocks map to its first block.  The content is compared as nested
+    tuples of the fields' values (objects the layers share, such as a repeated block's census,
+    are read once), so equal means equal."""
+    memo: dict[int, object] = {}
+    first: dict[object, int] = {}
+    return [first.setdefault(_frozen(x, memo, skip="name"), i) for i, x in enumerate(layers)]
+
+
+def _frozen(value: object, memo: dict[int, object], *, skip: str | None = None) -> object:
+    """``value`` as a hashable nest of tuples (pydantic models by their type and fields)."""
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    key = id(value)
+    if skip is None and key in memo:
+        return memo[key]
+    if isinstance(value, (list, tuple)):
+        out: object = tuple(_frozen(v, memo) for v in value)
+    elif isinstance(value, dict):
+        out = tuple(sorted((k, _frozen(v, memo)) for k, v in value.items()))
+    elif isinstance(value, BaseModel):
+        out = (type(value).__name__, *((k, _frozen(v, memo)) for k, v in value.__dict__.items() if k != skip))
+    else:
+        raise TypeError(f"cannot compare a layer field of type {type(value).__name__}")
+    if skip is None:
+        memo[key] = out
+    return out
 
 
 def _expert_tp_share(layer: LayerProfile, t: int) -> float:

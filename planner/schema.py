@@ -699,9 +699,10 @@ class Cluster(_Model):
 
     @property
     def homogeneous(self) -> bool:
-        if len(set(map(id, self.devices))) == 1:  # one shared object (the shorthand's): no comparison
-            return True
         first = self.devices[0]
+        # one shared object (the shorthand's): list.count's identity test, in C, no comparison
+        if self.devices.count(first) == len(self.devices):
+            return True
         return all(d.memory_bytes == first.memory_bytes and d.speed == first.speed for d in self.devices)
 
 

@@ -378,3 +378,42 @@ def test_zero_collectives_on_a_ring_across_two_nodes_by_hand(zero: int) -> None:
     # the compute (M = 2 micro-batches of 33 ms, micro-batch 1) plus all of them
     compute = 2 * (1 + 2 + 10 + 20)
     assert plan.predicted.step_time_ms == pytest.approx(compute + 2 * per_microbatch + after)
+
+
+@pytest.mark.parametrize(("t", "sp", "zero", "c"), [(2, False, 0, 1), (4, True, 3, 1), (2, True, 1, 4), (1, False, 2, 2)])
+def test_identical_blocks_are_worked_out_once_with_the_same_result(t: int, sp: bool, zero: int, c: int) -> None:
+    """mesh_problem works out a stack's identical blocks once (planner.mesh.same_layers): the
+    result equals the one worked out block by block (the blocks told apart by their
+    informational ``kind`` only), names kept."""
+    from planner.cost import profile_in_dtype
+    from planner.mesh import Mesh, mesh_problem, same_layers
+    from planner.schema import Cluster, TrainingSetup
+    from profiler.decoder import DecoderSpec
+    from profiler.synth import synth_decoder
+
+    spec = DecoderSpec(layers=4, hidden=1024, heads=16, kv_heads=4, seq=2048, vocab=32000, gated_mlp=True,
+                       ffn=2816, norm="rmsnorm", bias=False, positions="rotary", dropout=False)
+    profile = profile_in_dtype(synth_decoder(spec, microbatch_sizes=(1, 2)), "bfloat16")
+    first = same_layers(profile.layers)
+    assert first == [0, 1, 1, 1, 1, 5]  # embedding, four equal blocks, head
+    apart = profile.model_copy(update={"layers": [
+        x.model_copy(update={"kind": f"{x.kind}-{i}"}) for i, x in enumerate(profile.layers)]})
+    assert same_layers(apart.layers) == list(range(6))
+    # a difference deep inside (one operation's count) tells layers apart too
+    ops = profile.layers[2].operations
+    assert ops is not None
+    changed = [[o.model_copy(update={"count": o.count + 1}) if j == 0 else o for j, o in enumerate(size)]
+               for size in ops]
+    odd = profile.model_copy(update={"layers": [
+        x.model_copy(update={"operations": changed}) if i == 2 else x for i, x in enumerate(profile.layers)]})
+    assert same_layers(odd.layers) == [0, 1, 2, 1, 1, 5]
+    cluster = Cluster.model_validate({"devices": 64, "device_type": "h100-80g"})
+    training = TrainingSetup(global_batch_size=64, optimizer="adam", dtype="bfloat16")
+    mesh = Mesh(t, zero, sp, context_parallel=c)
+    once = mesh_problem(profile, cluster, training, mesh, data_parallel=4, pipeline_degree=4)
+    each = mesh_problem(apart, cluster, training, mesh, data_parallel=4, pipeline_degree=4)
+    assert [x.name for x in once.profile.layers] == [x.name for x in profile.layers]
+    for a, b in zip(once.profile.layers, each.profile.layers, strict=True):
+        assert a.model_dump(exclude={"kind"}) == b.model_dump(exclude={"kind"})
+    assert once.param_bytes == each.param_bytes and once.gathered_bytes == each.gathered_bytes
+    assert once.cluster == each.cluster and once.training == each.training
