@@ -29,5 +29,12 @@ class InfeasibleError(PipeplanError):
         self.details = details or {}
 
 
+class SearchCutShortError(InfeasibleError):
+    """The search found no plan but proved nothing either: its time ran out (its wall-clock net,
+    on a loaded machine) before every configuration was examined.  ``details["bound_ms"]``
+    bounds every plan it left open (a caller combining searches keeps it as that part's bound);
+    the fix is a longer time limit, not more memory."""
+
+
 class PlanMismatchError(PipeplanError):
     """A plan that does not match the model it is applied to."""

@@ -23,6 +23,9 @@ from planner.units import format_bytes, parse_bytes
 
 #: stop scanning device counts after this long (seconds)
 DEVICE_SCAN_BUDGET_S = 3.0
+#: the whole diagnosis's wall-clock budget (seconds): past it, what is not yet known is said to
+#: be unknown (a 16k-device problem's feasibility tests take seconds each)
+DIAGNOSIS_BUDGET_S = 10.0
 
 
 def any_fits(
@@ -32,8 +35,11 @@ def any_fits(
     options: PlanOptions,
     *,
     world: int | None = None,
-) -> bool:
-    """Some configuration fits (only those using exactly ``world`` devices, if given)."""
+    deadline: float = math.inf,
+) -> bool | None:
+    """Some configuration fits (only those using exactly ``world`` devices, if given); ``None``
+    when the clock passes ``deadline`` (``time.perf_counter``) before it knows (falsy: a fix is
+    suggested only where it is shown to fit)."""
     try:
         configs = enumerate_configs(profile, cluster, training, options)
     except InputError:
@@ -42,6 +48,8 @@ def any_fits(
     for cfg in _memory_order(configs):
         if world is not None and cfg.data_parallel * cfg.pipeline_degree != world:
             continue
+        if time.perf_counter() > deadline:
+            return None
         b = cfg.microbatch_size(training.global_batch_size)
         if b not in cache:
             cache[b] = layer_costs(profile, b)
@@ -80,32 +88,46 @@ def with_count(cluster: Cluster, count: int) -> Cluster:
     )
 
 
-def min_memory_bytes(profile: Profile, cluster: Cluster, training: TrainingSetup, options: PlanOptions) -> int:
-    """Smallest memory per device (same for all) with which some plan fits these devices."""
+def min_memory_bytes(
+    profile: Profile, cluster: Cluster, training: TrainingSetup, options: PlanOptions, *, deadline: float = math.inf
+) -> tuple[int, bool] | None:
+    """Smallest memory per device (same for all) with which some plan fits these devices, and
+    whether it is exact (False: the clock passed ``deadline`` during the bisection, so it is a
+    memory that fits, not the least); ``None`` when no fitting memory was found before it."""
     lo = 0
     hi = max(1, max(d.memory_bytes for d in cluster.devices))
-    while not any_fits(profile, with_memory(cluster, hi), training, options):
+    while True:
+        fits = any_fits(profile, with_memory(cluster, hi), training, options, deadline=deadline)
+        if fits is None:
+            return None
+        if fits:
+            break
         lo, hi = hi, hi * 2
         if hi > 2**62:
             raise InputError("no memory size makes this model fit: check the profile's byte counts")
     # feasibility is monotone in memory: bisect to 1 MiB, then report the upper end
     while hi - lo > 2**20:
         mid = (lo + hi) // 2
-        if any_fits(profile, with_memory(cluster, mid), training, options):
+        fits = any_fits(profile, with_memory(cluster, mid), training, options, deadline=deadline)
+        if fits is None:
+            return hi, False
+        if fits:
             hi = mid
         else:
             lo = mid
-    return hi
+    return hi, True
 
 
-def min_devices(profile: Profile, cluster: Cluster, training: TrainingSetup, options: PlanOptions) -> int | None:
+def min_devices(
+    profile: Profile, cluster: Cluster, training: TrainingSetup, options: PlanOptions, *, deadline: float = math.inf
+) -> int | None:
     """Fewest devices like the cluster's largest that fit, scanning upward (None if none found)."""
     start = time.perf_counter()
     n0 = cluster.num_devices
     limit = max(profile.num_layers, n0) * 2
     n = n0 + 1
     while n <= limit and time.perf_counter() - start < DEVICE_SCAN_BUDGET_S:
-        if any_fits(profile, with_count(cluster, n), training, options, world=n):
+        if any_fits(profile, with_count(cluster, n), training, options, world=n, deadline=deadline):
             return n
         n += 1
     return None
@@ -153,12 +175,14 @@ def memory_flag(nbytes: int) -> str:
 
 def diagnose(profile: Profile, cluster: Cluster, training: TrainingSetup, options: PlanOptions) -> InfeasibleError:
     """The error to raise when no plan fits; its message states the numbers and the fixes."""
+    deadline = time.perf_counter() + DIAGNOSIS_BUDGET_S
     n = cluster.num_devices
     usable = max(usable_bytes(d.memory_bytes, training) for d in cluster.devices)
     memory = max(d.memory_bytes for d in cluster.devices)
     layer = largest_layer(profile, cluster, training, options)
-    need_mem = min_memory_bytes(profile, cluster, training, options)
-    need_dev = None if layer is not None else min_devices(profile, cluster, training, options)
+    found = min_memory_bytes(profile, cluster, training, options, deadline=deadline)
+    need_mem = found[0] if found is not None else None
+    need_dev = None if layer is not None else min_devices(profile, cluster, training, options, deadline=deadline)
     lines = [
         f"no plan fits the memory of these {n} device(s) ({format_bytes(memory)} each, "
         f"{format_bytes(usable)} usable after the {training.memory_margin:.0%} margin)."
@@ -170,15 +194,27 @@ def diagnose(profile: Profile, cluster: Cluster, training: TrainingSetup, option
             "on one device (parameters, gradients, optimizer state and one micro-batch of activations), "
             "so no number of these devices helps."
         )
-    lines.append(
-        f"The smallest memory per device that fits on these {n} device(s) is {format_bytes(need_mem)} "
-        f"(with the margin): use devices with that much memory (--memory {memory_flag(need_mem)})."
-    )
+    if found is None:
+        lines.append(
+            f"No memory per device that fits on these {n} device(s) was found within the diagnosis's "
+            f"{DIAGNOSIS_BUDGET_S:g} s (a large problem)."
+        )
+    elif found[1]:
+        lines.append(
+            f"The smallest memory per device that fits on these {n} device(s) is {format_bytes(found[0])} "
+            f"(with the margin): use devices with that much memory (--memory {memory_flag(found[0])})."
+        )
+    else:
+        lines.append(
+            f"A memory per device that fits on these {n} device(s) is {format_bytes(found[0])} (with the margin; "
+            f"the least was not found within the diagnosis's {DIAGNOSIS_BUDGET_S:g} s): use devices with that "
+            f"much memory (--memory {memory_flag(found[0])})."
+        )
     if need_dev is not None:
         lines.append(f"With {format_bytes(memory)} devices, {need_dev} of them would fit (--devices {need_dev}).")
-    elif layer is None:
+    elif layer is None and time.perf_counter() <= deadline:
         lines.append("No number of these devices up to the search limit fits.")
-    relaxed = _relaxations(profile, cluster, training, options)
+    relaxed = _relaxations(profile, cluster, training, options, deadline=deadline)
     if relaxed:
         lines.append("It would also fit if you " + " or ".join(relaxed) + ".")
     lines.append(
@@ -197,7 +233,9 @@ def diagnose(profile: Profile, cluster: Cluster, training: TrainingSetup, option
     return InfeasibleError(" ".join(lines), details)
 
 
-def _relaxations(profile: Profile, cluster: Cluster, training: TrainingSetup, options: PlanOptions) -> list[str]:
+def _relaxations(
+    profile: Profile, cluster: Cluster, training: TrainingSetup, options: PlanOptions, *, deadline: float = math.inf
+) -> list[str]:
     """Options the user fixed whose release would make a plan fit."""
     out = []
     trials = []
@@ -214,6 +252,6 @@ def _relaxations(profile: Profile, cluster: Cluster, training: TrainingSetup, op
     if options.data_parallel is not None:
         trials.append(("let the solver choose D (drop --data-parallel)", options.model_copy(update={"data_parallel": None})))
     for text, opts in trials:
-        if any_fits(profile, cluster, training, opts):
+        if any_fits(profile, cluster, training, opts, deadline=deadline):
             out.append(text)
     return out

@@ -62,7 +62,7 @@ from dataclasses import dataclass
 
 from planner.context import sequence_length
 from planner.cost import Layout, ScheduleTemplates, estimate, lower_bound_ms, profile_in_dtype
-from planner.errors import InfeasibleError, InputError
+from planner.errors import InfeasibleError, InputError, SearchCutShortError
 from planner.experts import expert_counts
 from planner.infeasible import any_fits
 from planner.mesh import Mesh, check_mesh, mesh_problem, recomputes_selectively
@@ -254,6 +254,7 @@ def solve(
     expert_fixed = options.expert_parallel is not None and options.expert_parallel > 1
 
     best: Plan | None = None
+    cut_short = False  # some solve ran out of time before it found a plan or proved there is none
     allotted = 0.0  # time limits given to the solves so far
     skipped_zero: list[_Family] = []
     bounds: list[float] = []
@@ -335,6 +336,13 @@ def solve(
         try:
             # (no diagnosis: a family or ZeRO stage where nothing fits is one bound of many here)
             return solve_mesh_family(prof, problem.cluster, problem.training, opts, templates=templates, explain=False)
+        except SearchCutShortError as cut:
+            # out of time before any plan, nothing proven: its part of the space keeps the
+            # bound of what the solve left open (never "nothing fits")
+            nonlocal cut_short
+            cut_short = True
+            bounds.append(float(cut.details["bound_ms"]))
+            return None
         except InfeasibleError:
             return None
         except InputError:
@@ -413,6 +421,70 @@ def solve(
     # bounds phase 4 may raise: a family's work bound where the clock left it unsolved (True: its
     # ZeRO-0 plans too), or the relaxed bound of its ZeRO plans
     open_pieces: dict[_Family, tuple[float, bool]] = {}
+    # families whose ZeRO plans are searched (phase 2): the most promising one's right after its
+    # ZeRO-0 solve where that plan is memory-bound, the others' after every ZeRO-0 solve
+    zero_done: set[_Family] = set()
+
+    def zero_search(fam: _Family) -> None:
+        """Phase 2 for one family: its ZeRO (and expert-parallel) plans at the promising D."""
+        zero_done.add(fam)
+        if late():
+            open_pieces[fam] = (work[fam], False)
+            return
+        exact = _exact_zero_degrees(base, cluster, training, options, fam)
+        if exact:
+            # a small instance: every (ZeRO stage, D) solved with D fixed, each solve's proven
+            # bound covering its plans, so the gap over ZeRO is exact (no relaxation)
+            # (with expert parallelism each E too: its all-to-alls priced on the closest members,
+            # pipeline degree 1, so each solve's bound covers its plans at every K)
+            for z, e, d in ((z, e, d) for z in zeros for e in experts for d in exact
+                            if (z > 0 or e > 1) and not (expert_fixed and e == 1)
+                            and (d * fam.context_parallel) % e == 0):
+                if late():
+                    bounds.append(work[fam])
+                    break
+                plan = run(fam, z, d, optimistic_link=True, expert=e)
+                if plan is not None:
+                    bounds.append(_bound_of(plan))
+                    offer(reprice(plan, fam, z, e))
+            return
+        relaxed = run(fam, 0, options.data_parallel, relaxed=True)
+        if relaxed is None:
+            return  # not even the relaxation fits: no ZeRO plan of this family does
+        lower = _bound_of(relaxed)
+        open_pieces[fam] = (lower, False)
+        if options.data_parallel is not None:
+            ds = [options.data_parallel]
+        else:
+            ds = [relaxed.data_parallel_degree]
+            if best is not None and (best.tensor_parallel_degree, best.context_parallel_degree) == (
+                    fam.tensor_parallel, fam.context_parallel):
+                ds.insert(0, best.data_parallel_degree)
+        groups = cluster.num_devices // fam.group
+        promising = set(ds)
+        if options.data_parallel is None and (0 not in zeros or best is None):
+            # ZeRO fixed by the user (the relaxation's D may be 1: nothing to shard), or nothing
+            # found yet (the relaxation's D may not fit a ZeRO stage where another D does): every
+            # other replica count is a candidate too, after the promising ones (late() bounds it)
+            ds += [d for d in range(2, groups + 1) if groups % d == 0]
+        ds = [d for d in dict.fromkeys(ds) if (d > 1 or 0 not in zeros) and d <= groups and training.global_batch_size % d == 0]
+        # (the largest E first: it holds the fewest experts, so it needs the fewest stages)
+        pairs = [(z, e) for e in sorted(experts, reverse=True) for z in zeros
+                 if (z > 0 or e > 1) and not (expert_fixed and e == 1)]
+        for z, e in pairs:
+            # (with experts sharded the model needs fewer stages, so more replicas: the D of the
+            # fewest stages its parameter state then fits is tried first)
+            own = _expert_replicas(base, cluster, training, fam, e, zero=z) if e > 1 else []
+            for d in [*own, *(d for d in ds if d not in own)]:
+                if (best is not None and lower >= best.predicted.step_time_ms * (1 - 1e-9)) or late():
+                    break
+                if d not in promising and 0 in zeros and best is not None and not expert_fixed:
+                    continue  # (the other replica counts were for a first plan, now found)
+                if (d * fam.context_parallel) % e:
+                    continue  # E ranks are drawn from the D x C of a stage
+                plan = run(fam, z, d, expert=e)
+                if plan is not None:
+                    offer(reprice(plan, fam, z, e))
 
     def phase1(fams: list[_Family], *, first_index: int) -> None:
         nonlocal skip_zero, memory_seen
@@ -432,6 +504,11 @@ def solve(
                 offer(reprice(plan0, fam, 0))
                 skip_zero = skip_zero and not memory_bound(plan0)
                 memory_seen = memory_seen or memory_bound(plan0)
+                if i == 0 and memory_bound(plan0) and not small and any(z > 0 for z in zeros):
+                    # the most promising family recomputes or fills its devices: ZeRO frees the
+                    # memory it pays for, so its ZeRO plans come before the other families'
+                    # ZeRO-0 solves (a long-sequence model's layout: Llama 3's ZeRO-1 at 128K)
+                    zero_search(fam)
             else:
                 bounds.append(math.inf)  # proven: nothing of ZeRO 0 fits in this family
                 skip_zero = False
@@ -459,62 +536,8 @@ def solve(
         skipped_zero.extend(zero_families if skip_zero else [])
         zero_families = []
     for fam in zero_families:
-        if late():
-            open_pieces[fam] = (work[fam], False)
-            continue
-        exact = _exact_zero_degrees(base, cluster, training, options, fam)
-        if exact:
-            # a small instance: every (ZeRO stage, D) solved with D fixed, each solve's proven
-            # bound covering its plans, so the gap over ZeRO is exact (no relaxation)
-            # (with expert parallelism each E too: its all-to-alls priced on the closest members,
-            # pipeline degree 1, so each solve's bound covers its plans at every K)
-            for z, e, d in ((z, e, d) for z in zeros for e in experts for d in exact
-                            if (z > 0 or e > 1) and not (expert_fixed and e == 1)
-                            and (d * fam.context_parallel) % e == 0):
-                if late():
-                    bounds.append(work[fam])
-                    break
-                plan = run(fam, z, d, optimistic_link=True, expert=e)
-                if plan is not None:
-                    bounds.append(_bound_of(plan))
-                    offer(reprice(plan, fam, z, e))
-            continue
-        relaxed = run(fam, 0, options.data_parallel, relaxed=True)
-        if relaxed is None:
-            continue  # not even the relaxation fits: no ZeRO plan of this family does
-        lower = _bound_of(relaxed)
-        open_pieces[fam] = (lower, False)
-        if options.data_parallel is not None:
-            ds = [options.data_parallel]
-        else:
-            ds = [relaxed.data_parallel_degree]
-            if best is not None and best.tensor_parallel_degree == fam.tensor_parallel:
-                ds.insert(0, best.data_parallel_degree)
-        groups = cluster.num_devices // fam.group
-        promising = set(ds)
-        if options.data_parallel is None and (0 not in zeros or best is None):
-            # ZeRO fixed by the user (the relaxation's D may be 1: nothing to shard), or nothing
-            # found yet (the relaxation's D may not fit a ZeRO stage where another D does): every
-            # other replica count is a candidate too, after the promising ones (late() bounds it)
-            ds += [d for d in range(2, groups + 1) if groups % d == 0]
-        ds = [d for d in dict.fromkeys(ds) if (d > 1 or 0 not in zeros) and d <= groups and training.global_batch_size % d == 0]
-        # (the largest E first: it holds the fewest experts, so it needs the fewest stages)
-        pairs = [(z, e) for e in sorted(experts, reverse=True) for z in zeros
-                 if (z > 0 or e > 1) and not (expert_fixed and e == 1)]
-        for z, e in pairs:
-            # (with experts sharded the model needs fewer stages, so more replicas: the D of the
-            # fewest stages its parameter state then fits is tried first)
-            own = _expert_replicas(base, cluster, training, fam, e, zero=z) if e > 1 else []
-            for d in [*own, *(d for d in ds if d not in own)]:
-                if (best is not None and lower >= best.predicted.step_time_ms * (1 - 1e-9)) or late():
-                    break
-                if d not in promising and 0 in zeros and best is not None and not expert_fixed:
-                    continue  # (the other replica counts were for a first plan, now found)
-                if (d * fam.context_parallel) % e:
-                    continue  # E ranks are drawn from the D x C of a stage
-                plan = run(fam, z, d, expert=e)
-                if plan is not None:
-                    offer(reprice(plan, fam, z, e))
+        if fam not in zero_done:
+            zero_search(fam)
     # phase 4: the open pieces, least first, raised by their configuration floors where the
     # budget allows (the plan is settled: only the proven gap can change)
     searched_zero = any(z > 0 for z in zeros) and not skip_zero
@@ -534,6 +557,13 @@ def solve(
         open_pieces[fam] = (max(lower, floor), zero0_too)
     bounds.extend(b for b, _ in open_pieces.values())
     if best is None:
+        if cut_short:
+            raise SearchCutShortError(
+                f"no plan found within the time limit of {options.time_limit_s:g} s: some of the mesh "
+                "search's solves ran out of time (a loaded machine, or a large problem) before they found a "
+                f"plan or proved there is none; raise the time limit (--time-limit {max(2 * options.time_limit_s, 10):g})",
+                {"bound_ms": min(bounds, default=0.0), "time_limit_s": options.time_limit_s},
+            )
         raise _diagnose(base, cluster, training, options, families, zeros)
     bound = min(bounds) if bounds else best.predicted.step_time_ms
     step = best.predicted.step_time_ms
@@ -672,6 +702,8 @@ def _plain(profile: Profile, cluster: Cluster, training: TrainingSetup, options:
     """The D x K search alone (T = 1, ZeRO 0, no sequence parallelism)."""
     try:
         return solve_mesh_family(profile, cluster, training, options)
+    except SearchCutShortError:
+        raise  # (out of time: no mesh fix to look for)
     except InfeasibleError as err:
         raise _with_mesh_fixes(err, profile_in_dtype(profile, training.dtype), cluster, training, options) from None
 
@@ -744,7 +776,8 @@ def _family_load(profile: Profile, cluster: Cluster, training: TrainingSetup, fa
     return _Load(lower_bound_ms(problem.profile, problem.cluster, problem.training), max(acts), sum(acts))
 
 
-def _fits(profile: Profile, cluster: Cluster, training: TrainingSetup, options: PlanOptions, mesh: Mesh, d: int | None) -> bool:
+def _fits(profile: Profile, cluster: Cluster, training: TrainingSetup, options: PlanOptions, mesh: Mesh, d: int | None,
+          *, deadline: float = math.inf) -> bool:
     try:
         problem = mesh_problem(profile, cluster, training, mesh, data_parallel=d or 1,
                                pipeline_degree=cluster.num_devices, across_nodes=options.tensor_parallel_across_nodes)
@@ -753,24 +786,33 @@ def _fits(profile: Profile, cluster: Cluster, training: TrainingSetup, options: 
     opts = options.model_copy(update={"tensor_parallel": None, "zero_stage": None, "sequence_parallel": None,
                                       "selective_recompute": None, "context_parallel": None, "expert_parallel": None,
                                       "data_parallel": d})
-    return any_fits(problem.profile, problem.cluster, problem.training, opts)
+    return bool(any_fits(problem.profile, problem.cluster, problem.training, opts, deadline=deadline))
 
 
 def _mesh_fixes(profile: Profile, cluster: Cluster, training: TrainingSetup, options: PlanOptions) -> list[str]:
-    """The mesh settings, beyond those the user fixed, with which some plan fits."""
+    """The mesh settings, beyond those the user fixed, with which some plan fits (those shown to
+    fit within the diagnosis's budget, :data:`planner.infeasible.DIAGNOSIS_BUDGET_S`)."""
+    from planner import infeasible
+
+    deadline = time.perf_counter() + infeasible.DIAGNOSIS_BUDGET_S
+
+    def fits(profile: Profile, cluster: Cluster, training: TrainingSetup, options: PlanOptions, mesh: Mesh,
+             d: int | None) -> bool:
+        return _fits(profile, cluster, training, options, mesh, d, deadline=deadline)
+
     out: list[str] = []
     t_fixed = options.tensor_parallel or 1
     dpn = cluster.devices_per_node
     sharded = any(layer.shards for layer in profile.layers)
     ts = [t for t in (2, 4, 8, 16) if t != t_fixed and t <= min(dpn, cluster.num_devices) and dpn % t == 0] if sharded else []
     for t in ts:
-        if _fits(profile, cluster, training, options, Mesh(t, 0, False), options.data_parallel):
+        if fits(profile, cluster, training, options, Mesh(t, 0, False), options.data_parallel):
             out.append(f"--tensor-parallel {t} fits")
             break
-        if _fits(profile, cluster, training, options, Mesh(t, 0, True), options.data_parallel):
+        if fits(profile, cluster, training, options, Mesh(t, 0, True), options.data_parallel):
             out.append(f"--tensor-parallel {t} --sequence-parallel fits")
             break
-    if options.selective_recompute is False and recomputes_selectively(profile) and _fits(
+    if options.selective_recompute is False and recomputes_selectively(profile) and fits(
             profile, cluster, training, options.model_copy(update={"recompute": False}),
             Mesh(t_fixed, options.zero_stage or 0, bool(options.sequence_parallel) and t_fixed > 1, True),
             options.data_parallel):
@@ -781,7 +823,7 @@ def _mesh_fixes(profile: Profile, cluster: Cluster, training: TrainingSetup, opt
     for z in (1, 2, 3):
         if options.zero_stage == z:
             continue
-        hit = next((d for d in ds if _fits(profile, cluster, training, options,
+        hit = next((d for d in ds if fits(profile, cluster, training, options,
                                            Mesh(t_fixed, z, bool(options.sequence_parallel) and t_fixed > 1), d)), None)
         if hit is not None:
             out.append(f"--zero {z} fits (with --data-parallel {hit})")
@@ -792,7 +834,7 @@ def _mesh_fixes(profile: Profile, cluster: Cluster, training: TrainingSetup, opt
         for c in (2, 4, 8, 16):
             if seq % c or t_fixed * c > cluster.num_devices or cluster.num_devices % (t_fixed * c):
                 continue
-            if _fits(profile, cluster, training, options, Mesh(t_fixed, 0, sp, context_parallel=c), None):
+            if fits(profile, cluster, training, options, Mesh(t_fixed, 0, sp, context_parallel=c), None):
                 out.append(f"--context-parallel {c} fits")
                 break
     if options.expert_parallel in (None, 1):
@@ -800,7 +842,7 @@ def _mesh_fixes(profile: Profile, cluster: Cluster, training: TrainingSetup, opt
         for e in (2, 4, 8, 16, 32, 64):
             if not counts or any(n % e for n in counts):
                 continue
-            hit = next((d for d in ds if d % e == 0 and _fits(profile, cluster, training, options,
+            hit = next((d for d in ds if d % e == 0 and fits(profile, cluster, training, options,
                                                                Mesh(t_fixed, 0, sp, expert_parallel=e), d)), None)
             if hit is not None:
                 out.append(f"--expert-parallel {e} fits (with --data-parallel {hit})")

@@ -93,7 +93,7 @@ from planner.cost import (
     profile_in_dtype,
     static_bytes,
 )
-from planner.errors import InfeasibleError
+from planner.errors import InfeasibleError, SearchCutShortError
 from planner.infeasible import diagnose
 from planner.schema import Cluster, Plan, PlanOptions, Profile, Schedule, SolverInfo, TrainingSetup
 from planner.search.model import work_total
@@ -186,6 +186,8 @@ def solve(
     polish(search)
     tighten_chains(search)
     if search.best is None:
+        if search.timed_out:
+            raise cut_short(search, len(configs), options.time_limit_s)
         if not explain:
             raise InfeasibleError("no plan fits (not diagnosed: explain=False)")
         raise diagnose(profile, cluster, training, options)
@@ -224,6 +226,20 @@ def solve(
     wall = time.perf_counter() - start
     return plan.model_copy(
         update={"solver": SolverInfo(status=status, gap=gap, wall_time_s=wall, message=message)}
+    )
+
+
+def cut_short(search: SearchState, configs: int, time_limit_s: float) -> SearchCutShortError:
+    """The error of a search whose time ran out before it found any plan: nothing is proven
+    not to fit, so it says so, with the bound of what it left open and the fix."""
+    left = [*search.open_bounds, *(b for b, _ in search.open_configs.values())]
+    bound = min(left, default=0.0) + search.profile.step_overhead_ms
+    return SearchCutShortError(
+        f"no plan found within the time limit of {time_limit_s:g} s ({search.infeasible} of {configs} "
+        f"configurations proven not to fit, the others not examined before the wall-clock net of "
+        f"{WALL_SAFETY:g} x the limit: a loaded machine, or a large problem); nothing says none fits: "
+        f"raise the time limit (--time-limit {max(2 * time_limit_s, 10):g})",
+        {"bound_ms": bound, "time_limit_s": time_limit_s, "configurations": configs},
     )
 
 

@@ -25,9 +25,9 @@ one's equal and nothing is lost; where it binds hard, the gap honestly widens.
 from __future__ import annotations
 
 from planner.cost import ScheduleTemplates, plan_fits, reestimate
-from planner.errors import InfeasibleError
+from planner.errors import InfeasibleError, SearchCutShortError
 from planner.limits import MAX_MEMORY_BYTES
-from planner.schema import Cluster, Plan, PlanOptions, Profile, SolverInfo, TrainingSetup
+from planner.schema import Cluster, Device, Plan, PlanOptions, Profile, SolverInfo, TrainingSetup
 from planner.search.axes import solve as search
 
 #: the relaxed problem's search time, as a share of the user's time limit (the search of the
@@ -87,15 +87,21 @@ def relaxed_bound(
     """A lower bound of every plan of the options' space, partial recompute included: the bound
     the search proves for unlimited memory and no recompute (0 when it finds nothing).
     ``templates``: the plan's own search's schedule templates (the same shapes recur)."""
-    roomy = cluster.model_copy(update={
-        "devices": [d.model_copy(update={"memory_bytes": MAX_MEMORY_BYTES}) for d in cluster.devices],
-    })
+    # (each distinct device copied once: a shorthand cluster's 16k devices stay one shared
+    # object, which the mesh search's per-group clusters rely on to stay cheap)
+    copies: dict[int, Device] = {}
+    for d in cluster.devices:
+        if id(d) not in copies:
+            copies[id(d)] = d.model_copy(update={"memory_bytes": MAX_MEMORY_BYTES})
+    roomy = cluster.model_copy(update={"devices": [copies[id(d)] for d in cluster.devices]})
     relaxed = options.model_copy(update={
         "recompute": False, "selective_recompute": False, "partial_recompute": False,
         "time_limit_s": RELAXED_SHARE * options.time_limit_s,
     })
     try:
         plan = search(profile, roomy, training, relaxed, templates=templates)
+    except SearchCutShortError as cut:  # (out of time: the bound of what it left open)
+        return float(cut.details["bound_ms"])
     except InfeasibleError:
         return 0.0
     return plan.predicted.step_time_ms * (1 - plan.solver.gap)

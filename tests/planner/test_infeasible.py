@@ -72,7 +72,7 @@ def test_fixed_options_that_prevent_a_fit_are_named() -> None:
 
     loose = PlanOptions(schedule="1f1b", stages=2, num_microbatches=8)
     tight = loose.model_copy(update={"recompute": False})
-    a, b = min_memory_bytes(profile, cluster(2), training, loose), min_memory_bytes(profile, cluster(2), training, tight)
+    (a, _), (b, _) = min_memory_bytes(profile, cluster(2), training, loose), min_memory_bytes(profile, cluster(2), training, tight)  # type: ignore[misc]
     cl = with_memory(cluster(2), (a + b) // 2)
     err = _error(profile, cl, training, tight)
     assert "drop --no-recompute" in str(err)
@@ -90,3 +90,41 @@ def test_cli_exit_code_2() -> None:
     assert out.returncode == 2, out.stderr
     assert out.stderr.startswith("error: no plan fits") and "Traceback" not in out.stderr
     assert "--memory" in out.stderr
+
+
+def test_the_diagnosis_keeps_to_its_budget_and_says_what_it_did_not_find(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past its budget the diagnosis stops: a memory that fits, said not to be the least, or
+    none said at all; it never suggests a fix it did not see fit."""
+    import time
+
+    from planner import infeasible
+
+    profile = random_profile(0, 10)
+    training = TrainingSetup(global_batch_size=8, optimizer="adam")
+    options = PlanOptions(time_limit_s=2, zero_stage=0, schedule="1f1b")
+    cl = cluster(2, "100MiB")
+    full = _error(profile, cl, training, options)
+    assert "The smallest memory per device" in str(full)
+    monkeypatch.setattr(infeasible, "DIAGNOSIS_BUDGET_S", 0.0)  # past it at once
+    start = time.perf_counter()
+    cut = _error(profile, cl, training, options)
+    assert time.perf_counter() - start < 60
+    assert cut.details["min_memory_bytes"] is None and cut.details["min_devices"] is None
+    assert "was found within the diagnosis's 0 s" in str(cut)
+    assert "would also fit if you" not in str(cut)  # (the schedule's release was not tested)
+    # with the clock past the deadline in the middle of the bisection, the memory it reports fits
+    calls = {"n": 0}
+    real = infeasible.any_fits
+
+    def slow(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] > 3:
+            kwargs["deadline"] = -1.0
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(infeasible, "any_fits", slow)
+    found = infeasible.min_memory_bytes(profile, cl, training, options, deadline=float("inf"))
+    assert found is not None
+    memory, exact = found
+    assert not exact and memory >= full.details["min_memory_bytes"]
+    solve(profile, with_memory(cl, memory), training, options)  # it fits

@@ -98,3 +98,30 @@ def test_expert_replicas_are_the_fewest_stages_whose_state_fits_with_experts_sha
     assert state(k, d) <= usable
     fewer = [j for j in range(1, k) if 64 % j == 0]
     assert all(state(j, 64 // j) > usable for j in fewer)
+
+
+def test_the_relaxed_bound_keeps_a_shorthand_cluster_s_devices_one_shared_object(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The partial-recompute bound searches the cluster with unlimited memory: its copy of a
+    16k-device shorthand cluster must stay one shared device object (16k distinct copies made
+    every per-group cluster of the mesh search validate and compare 16k devices: seconds)."""
+    from planner.limits import MAX_MEMORY_BYTES
+    from planner.schema import PlanOptions
+    from planner.search import partial
+
+    seen = []
+
+    def fake_search(profile, cluster, training, options, *, templates=None):  # type: ignore[no-untyped-def]
+        seen.append(cluster)
+        raise partial.InfeasibleError("stop here", {})
+
+    monkeypatch.setattr(partial, "search", fake_search)
+    cluster = Cluster.model_validate({"devices": 16384, "device_type": "h100-80g"})
+    training = TrainingSetup(global_batch_size=128, optimizer="adam", dtype="bfloat16")
+    assert partial.relaxed_bound(_long(), cluster, training, PlanOptions()) == 0.0
+    (roomy,) = seen
+    assert roomy.num_devices == 16384
+    assert len({id(d) for d in roomy.devices}) == 1
+    assert roomy.devices[0].memory_bytes == MAX_MEMORY_BYTES
+    assert cluster.devices[0].memory_bytes < MAX_MEMORY_BYTES  # (the user's cluster untouched)

@@ -178,8 +178,9 @@ def _between(profile, cl, training, tight: PlanOptions, loose: PlanOptions):  # 
     """A memory size where ``loose`` fits and ``tight`` does not (both minima computed)."""
     from planner.infeasible import min_memory_bytes, with_memory
 
-    need_tight = min_memory_bytes(profile, cl, training, tight)
-    need_loose = min_memory_bytes(profile, cl, training, loose)
+    (need_tight, exact_tight), (need_loose, exact_loose) = (
+        min_memory_bytes(profile, cl, training, tight), min_memory_bytes(profile, cl, training, loose))  # type: ignore[misc]
+    assert exact_tight and exact_loose  # (no deadline: the bisection finishes)
     assert need_loose < need_tight - 2**21, (need_loose, need_tight)
     return with_memory(cl, (need_loose + need_tight) // 2)
 
