@@ -11,7 +11,7 @@ from planner.schedules import ScheduleError, check_schedule_shape
 from planner.schema import Schedule
 from planner.search.space import SIM_ACTION_LIMIT, Config, fixed_ranges, make_groups
 from planner.search.state import SearchState, consider
-from planner.splits.recompute import with_recompute
+from planner.splits.recompute import with_prefix_recompute, with_recompute
 
 
 def seed_with_baselines(search: SearchState, configs: Sequence[Config]) -> None:
@@ -44,16 +44,51 @@ def seed_with_baselines(search: SearchState, configs: Sequence[Config]) -> None:
 STACK_RULE_DEGREES = 4
 
 
-def stack_rule_ranges(num_layers: int, parts: int) -> list[tuple[int, int]] | None:
+def stack_rule_ranges(num_layers: int, parts: int, *, count_ends: bool = False) -> list[tuple[int, int]] | None:
     """Megatron's even split: the inner layers (a decoder stack's blocks) evenly over ``parts``
     stages, the first layer (the embedding) joining the first stage and the last (the head)
-    the last stage; ``None`` when the blocks do not divide evenly."""
+    the last stage; ``None`` when the blocks do not divide evenly.
+
+    ``count_ends``: the embedding and the head count as one layer each (Megatron-LM's
+    ``--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split``, the
+    split Llama 3 405B's 126 blocks took on 16 ranks: every layer evenly over ``parts``), so the
+    first and the last stage hold one block fewer; ``None`` when the layers do not divide evenly."""
+    if count_ends:
+        if parts < 1 or num_layers < parts or num_layers % parts:
+            return None
+        per = num_layers // parts
+        return [(i * per, (i + 1) * per) for i in range(parts)]
     inner = num_layers - 2
     if parts < 1 or inner < parts or inner % parts:
         return None
     per = inner // parts
     bounds = [0, *(1 + i * per for i in range(1, parts)), num_layers]
     return [(bounds[i], bounds[i + 1]) for i in range(parts)]
+
+
+#: most chunks per rank the hand rule takes with one layer per chunk (Llama 3 405B: 8 on 16 ranks)
+MAX_RULE_CHUNKS = 8
+
+
+def rule_splits(
+    num_layers: int, k: int, chunks: Sequence[int], *, one_layer_chunks: bool = False
+) -> list[tuple[int, list[tuple[int, int]]]]:
+    """The hand rule's (chunks per rank v, ranges) on ``k`` pipeline ranks, for each v in
+    ``chunks`` (v = 1: one stage per rank): the blocks evenly over k·v chunks, or where they do
+    not divide evenly, the layers with the embedding and the head counted
+    (:func:`stack_rule_ranges`); with ``one_layer_chunks`` also v = layers / k, one layer per
+    chunk (at most :data:`MAX_RULE_CHUNKS`), Llama 3 405B's split."""
+    vs = list(chunks)
+    if one_layer_chunks and k > 1 and num_layers % k == 0 and 1 < num_layers // k <= MAX_RULE_CHUNKS:
+        vs.append(num_layers // k)
+    out = []
+    for v in dict.fromkeys(vs):
+        if k == 1 and v > 1:
+            continue
+        ranges = stack_rule_ranges(num_layers, k * v) or stack_rule_ranges(num_layers, k * v, count_ends=True)
+        if ranges is not None:
+            out.append((v, ranges))
+    return out
 
 
 def seed_with_stack_rule(search: SearchState, *, degrees: int = STACK_RULE_DEGREES) -> None:
@@ -85,16 +120,13 @@ def seed_with_stack_rule(search: SearchState, *, degrees: int = STACK_RULE_DEGRE
         m = g // d if opts.num_microbatches is None else opts.num_microbatches
         if g % (d * m):
             continue
-        evenly = False  # (a degree that splits the blocks evenly no way does not count)
+        evenly = False  # (a degree that splits the layers evenly no way does not count)
         chunks = [opts.virtual_stages] if opts.virtual_stages else [2, 3]
-        for schedule, v in [*(("interleaved-1f1b", c) for c in chunks), ("1f1b", 1)]:
-            sched: Schedule = schedule  # type: ignore[assignment]
-            if sched not in allowed or (k == 1 and v > 1) or (opts.virtual_stages not in (None, v)):
+        for v, ranges in rule_splits(n, k, [*chunks, 1], one_layer_chunks=opts.virtual_stages is None):
+            sched: Schedule = "interleaved-1f1b" if v > 1 else "1f1b"
+            if sched not in allowed or (opts.virtual_stages not in (None, v)):
                 continue
-            ranges = stack_rule_ranges(n, k * v)
             cfg = Config(d, k, m, sched, v)
-            if ranges is None:
-                continue
             evenly = True
             if 2 * m * k * v > SIM_ACTION_LIMIT:
                 continue  # (a step too long to simulate: the driver leaves such shapes out too)
@@ -107,4 +139,8 @@ def seed_with_stack_rule(search: SearchState, *, degrees: int = STACK_RULE_DEGRE
             split = with_recompute(search, sm, groups, tuple(ranges), tuple(sm.owner))
             if split is not None:
                 consider(search, sm, groups, split)
+                if v > 1 and any(split.recompute):  # (Llama 3's: each rank its fewest first chunks)
+                    prefix = with_prefix_recompute(search, sm, groups, tuple(ranges), tuple(sm.owner))
+                    if prefix is not None and prefix != split:
+                        consider(search, sm, groups, prefix)
         tried += evenly

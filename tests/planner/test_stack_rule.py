@@ -16,7 +16,7 @@ from planner.schema import Cluster, PlanOptions, TrainingSetup
 from planner.search import driver
 from planner.search.state import SearchState
 from planner.solver import solve
-from planner.splits.baseline_seed import seed_with_stack_rule, stack_rule_ranges
+from planner.splits.baseline_seed import rule_splits, seed_with_stack_rule, stack_rule_ranges
 from profiler.synth import synth_transformer
 
 
@@ -25,6 +25,30 @@ def test_stack_rule_ranges_put_the_embedding_first_and_the_head_last() -> None:
     assert stack_rule_ranges(10, 1) == [(0, 10)]
     assert stack_rule_ranges(10, 3) is None  # 8 blocks do not split evenly in 3
     assert stack_rule_ranges(4, 3) is None
+
+
+def test_megatron_s_accounting_split_counts_the_embedding_and_the_head_as_layers() -> None:
+    # Llama 3 405B: 126 blocks + embedding + head = 128 layers on 16 ranks x 8 chunks, one each
+    assert stack_rule_ranges(128, 16) is None  # 126 blocks do not split in 16
+    ranges = stack_rule_ranges(128, 16, count_ends=True)
+    assert ranges is not None and len(ranges) == 16
+    assert ranges[0] == (0, 8) and ranges[-1] == (120, 128)  # one block fewer at each end
+    assert all(b - a == 8 for a, b in ranges)
+    assert stack_rule_ranges(128, 128, count_ends=True) == [(i, i + 1) for i in range(128)]
+    assert stack_rule_ranges(10, 4, count_ends=True) is None
+
+
+def test_the_rule_s_splits_fall_back_to_the_accounting_split_and_offer_one_layer_chunks() -> None:
+    # 10 layers (8 blocks) on 4 ranks: v = 1 and 2 split the blocks evenly; v = 3 nothing
+    got = dict(rule_splits(10, 4, [2, 3, 1]))
+    assert got == {2: stack_rule_ranges(10, 8), 1: stack_rule_ranges(10, 4)}
+    # 128 layers on 16 ranks: the blocks never split evenly; the layers do at v = 1, 2 and 8
+    got = dict(rule_splits(128, 16, [2, 3, 1], one_layer_chunks=True))
+    assert sorted(got) == [1, 2, 8]
+    assert got[8] == [(i, i + 1) for i in range(128)]
+    assert got[2] == stack_rule_ranges(128, 32, count_ends=True)
+    assert 8 not in dict(rule_splits(128, 16, [2, 3, 1]))  # (only when v is free)
+    assert all(v <= 1 for v, _ in rule_splits(10, 1, [2, 3, 1]))  # one rank: one stage
 
 
 def _rule_steps(profile, cluster: Cluster, training: TrainingSetup) -> list[float]:  # type: ignore[no-untyped-def]
