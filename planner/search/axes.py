@@ -201,6 +201,14 @@ def _bound_of(plan: Plan) -> float:
     return plan.predicted.step_time_ms * (1.0 - plan.solver.gap)
 
 
+def work_floor(profile: Profile, cluster: Cluster, training: TrainingSetup, options: PlanOptions) -> float:
+    """A lower bound of every plan of the options' mesh space, partial recompute included: the
+    least family's forward and backward work spread over every device (recompute only adds
+    work, memory is not looked at).  A few milliseconds per family."""
+    base = profile_in_dtype(profile, training.dtype)
+    return min(_family_load(base, cluster, training, fam).work for fam in _families(base, cluster, options))
+
+
 def _relaxed_training(training: TrainingSetup) -> TrainingSetup:
     return training.model_copy(update={
         "optimizer": "sgd", "optimizer_state_bytes_per_param_byte": 0.0, "gradient_bytes_per_param_byte": 0.0,
@@ -421,13 +429,8 @@ def solve(
     # bounds phase 4 may raise: a family's work bound where the clock left it unsolved (True: its
     # ZeRO-0 plans too), or the relaxed bound of its ZeRO plans
     open_pieces: dict[_Family, tuple[float, bool]] = {}
-    # families whose ZeRO plans are searched (phase 2): the most promising one's right after its
-    # ZeRO-0 solve where that plan is memory-bound, the others' after every ZeRO-0 solve
-    zero_done: set[_Family] = set()
-
     def zero_search(fam: _Family) -> None:
         """Phase 2 for one family: its ZeRO (and expert-parallel) plans at the promising D."""
-        zero_done.add(fam)
         if late():
             open_pieces[fam] = (work[fam], False)
             return
@@ -504,11 +507,15 @@ def solve(
                 offer(reprice(plan0, fam, 0))
                 skip_zero = skip_zero and not memory_bound(plan0)
                 memory_seen = memory_seen or memory_bound(plan0)
-                if i == 0 and memory_bound(plan0) and not small and any(z > 0 for z in zeros):
-                    # the most promising family recomputes or fills its devices: ZeRO frees the
-                    # memory it pays for, so its ZeRO plans come before the other families'
-                    # ZeRO-0 solves (a long-sequence model's layout: Llama 3's ZeRO-1 at 128K)
-                    zero_search(fam)
+                if (i == 0 and memory_bound(plan0) and not small and 1 in zeros and not expert_fixed
+                        and options.data_parallel is None and plan0.data_parallel_degree > 1):
+                    # the most promising family recomputes or fills its devices: ZeRO 1 at its
+                    # plan's D frees the optimizer state that memory pays for; one probe, before
+                    # the other families' ZeRO-0 solves take the clock (Llama 3's layout at
+                    # 128K; the family's ZeRO search proper, with its bound, comes in phase 2)
+                    probe = run(fam, 1, plan0.data_parallel_degree)
+                    if probe is not None:
+                        offer(reprice(probe, fam, 1))
             else:
                 bounds.append(math.inf)  # proven: nothing of ZeRO 0 fits in this family
                 skip_zero = False
@@ -536,8 +543,7 @@ def solve(
         skipped_zero.extend(zero_families if skip_zero else [])
         zero_families = []
     for fam in zero_families:
-        if fam not in zero_done:
-            zero_search(fam)
+        zero_search(fam)
     # phase 4: the open pieces, least first, raised by their configuration floors where the
     # budget allows (the plan is settled: only the proven gap can change)
     searched_zero = any(z > 0 for z in zeros) and not skip_zero

@@ -25,6 +25,7 @@ from planner.schema import (
     StageRange,
     TrainingSetup,
 )
+from planner.search.axes import work_floor
 from planner.solver import solve
 from tests.planner.helpers import random_profile
 
@@ -174,6 +175,8 @@ def test_the_reported_bound_holds_for_every_partial_plan(seed: int, layers: int,
     cluster = _cluster(2, int(static + squeeze * acts))
     options = PlanOptions(stages=2, num_microbatches=4, schedule="1f1b", data_parallel=1, time_limit_s=2)
     best = _brute_force(prof, cluster, training, 2, 4)
+    # the work floor that lets the partial pass skip its relaxed search is below every plan too
+    assert work_floor(prof, cluster, training, options) <= best * (1 + 1e-9)
     try:
         plan = solve(prof, cluster, training, options)
     except InfeasibleError:
