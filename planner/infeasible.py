@@ -14,11 +14,12 @@ import time
 from collections.abc import Sequence
 
 from planner.cost import LayerCosts, layer_costs, memory_lower_bound, rank_memory_terms
+from planner.cost.memory import usable_bytes
 from planner.errors import InfeasibleError, InputError
 from planner.schema import Cluster, Device, PlanOptions, Profile, TrainingSetup
 from planner.search.feasibility import config_fits
 from planner.search.model import StageModel
-from planner.search.space import Config, enumerate_configs, usable_bytes
+from planner.search.space import Config, enumerate_configs
 from planner.units import format_bytes, parse_bytes
 
 #: stop scanning device counts after this long (seconds)
@@ -68,7 +69,12 @@ def _memory_order(configs: Sequence[Config]) -> list[Config]:
 
 
 def with_memory(cluster: Cluster, memory_bytes: int) -> Cluster:
-    devices = [Device(name=d.name, memory_bytes=memory_bytes, speed=d.speed) for d in cluster.devices]
+    # (each distinct device copied once, its CUDA context and fragmentation kept)
+    copies: dict[int, Device] = {}
+    for d in cluster.devices:
+        if id(d) not in copies:
+            copies[id(d)] = d.model_copy(update={"memory_bytes": memory_bytes})
+    devices = [copies[id(d)] for d in cluster.devices]
     return Cluster(
         devices=devices,
         devices_per_node=cluster.devices_per_node,
@@ -141,7 +147,7 @@ def largest_layer(
         configs = enumerate_configs(profile, with_count(cluster, max(cluster.num_devices, 1)), training, options)
     except InputError:
         return None
-    limit = max(usable_bytes(d.memory_bytes, training) for d in cluster.devices)
+    limit = max(usable_bytes(d, training) for d in cluster.devices)
     seen: dict[tuple[int, int], None] = {}
     for cfg in configs:
         sm_inflight = min(min(c) for c in StageModel.counts_of(cfg, profile.num_layers))
@@ -173,19 +179,31 @@ def memory_flag(nbytes: int) -> str:
     return text
 
 
-def diagnose(profile: Profile, cluster: Cluster, training: TrainingSetup, options: PlanOptions) -> InfeasibleError:
-    """The error to raise when no plan fits; its message states the numbers and the fixes."""
+def diagnose(
+    profile: Profile, cluster: Cluster, training: TrainingSetup, options: PlanOptions, *, group: int = 1
+) -> InfeasibleError:
+    """The error to raise when no plan fits; its message states the numbers and the fixes.
+
+    ``group``: each device of ``cluster`` stands for ``group`` GPUs (one tensor x context
+    parallel group of a fixed mesh family, :func:`planner.mesh.mesh_problem`): the message and
+    ``details`` count GPUs, so ``--devices`` takes the number as it is."""
     deadline = time.perf_counter() + DIAGNOSIS_BUDGET_S
-    n = cluster.num_devices
-    usable = max(usable_bytes(d.memory_bytes, training) for d in cluster.devices)
+    groups = cluster.num_devices
+    n = groups * group
+    usable = max(usable_bytes(d, training) for d in cluster.devices)
     memory = max(d.memory_bytes for d in cluster.devices)
     layer = largest_layer(profile, cluster, training, options)
     found = min_memory_bytes(profile, cluster, training, options, deadline=deadline)
     need_mem = found[0] if found is not None else None
-    need_dev = None if layer is not None else min_devices(profile, cluster, training, options, deadline=deadline)
+    found_groups = None if layer is not None else min_devices(profile, cluster, training, options, deadline=deadline)
+    need_dev = None if found_groups is None else found_groups * group
     lines = [
-        f"no plan fits the memory of these {n} device(s) ({format_bytes(memory)} each, "
-        f"{format_bytes(usable)} usable after the {training.memory_margin:.0%} margin)."
+        f"no plan fits the memory of these {n} device(s)"
+        + (f" ({groups} groups of {group})" if group > 1 else "")
+        + f" ({format_bytes(memory)} each, {format_bytes(usable)} usable after the "
+        + (f"{training.memory_margin:.0%} margin)." if usable >= int(memory * (1 - training.memory_margin))
+           else "CUDA context and the allocator's fragmentation, stricter here than the "
+           f"{training.memory_margin:.0%} margin).")
     ]
     if layer is not None:
         i, nbytes = layer

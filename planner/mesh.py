@@ -180,17 +180,23 @@ def virtual_cluster(cluster: Cluster, t: int, *, gathered_bytes: int = 0, margin
     groups = cluster.num_devices // t
     reserve = gathered_bytes / (1 - margin) if margin < 1 else gathered_bytes
     devices: list[Device] = []
+    # (each virtual device keeps its members' CUDA context and fragmentation: what the cost
+    # model's usable_bytes takes off every GPU)
     if len(set(map(id, cluster.devices))) == 1:  # one shared device object: one virtual device
         d = cluster.devices[0]
-        devices = [Device(name=d.name, memory_bytes=max(0, int(d.memory_bytes - reserve)), speed=d.speed)] * groups
+        devices = [Device(name=d.name, memory_bytes=max(0, int(d.memory_bytes - reserve)), speed=d.speed,
+                          context_bytes=d.context_bytes, fragmentation=d.fragmentation)] * groups
     for g in range(groups if not devices else 0):
         members = cluster.devices[g * t:(g + 1) * t]
         mem = min(d.memory_bytes for d in members)
         speed = min(d.speed for d in members)
-        devices.append(Device(name=members[0].name, memory_bytes=max(0, int(mem - reserve)), speed=speed))
+        devices.append(Device(name=members[0].name, memory_bytes=max(0, int(mem - reserve)), speed=speed,
+                              context_bytes=max(d.context_bytes for d in members),
+                              fragmentation=max(d.fragmentation for d in members)))
     # share equal devices, as the shorthand does (validation of 16k devices stays cheap)
-    shared: dict[tuple[str, int, float], Device] = {}
-    devices = [shared.setdefault((d.name, d.memory_bytes, d.speed), d) for d in devices]
+    shared: dict[tuple[str, int, float, int, float], Device] = {}
+    devices = [shared.setdefault((d.name, d.memory_bytes, d.speed, d.context_bytes, d.fragmentation), d)
+               for d in devices]
     return Cluster(
         devices=devices,
         devices_per_node=max(1, cluster.devices_per_node // t),

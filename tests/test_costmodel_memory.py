@@ -141,10 +141,11 @@ def test_cluster_files_override_the_presets_memory_outside_the_allocator() -> No
 
 
 def test_with_the_default_margin_every_preset_is_bound_by_the_margin() -> None:
-    """The searches compare an allocator peak with the memory less the margin
-    (planner.search.space.usable_bytes); the estimate also leaves room for the context and the
-    fragmentation.  With the default margin the two agree on every preset (the margin is the
-    stricter), so a preset whose context or fragmentation outgrew the margin fails here."""
+    """With the default margin every preset's usable memory is its memory less the margin (the
+    margin is stricter than the context and the fragmentation), so a preset whose context or
+    fragmentation outgrew the margin fails here.  (The searches and the estimate share
+    planner.cost.usable_bytes; a device given less memory than its preset's can be bound by the
+    context instead: test_the_search_and_the_estimate_share_the_usable_memory.)"""
     from planner.cost import usable_bytes
     from planner.presets import DEVICES
 
@@ -152,3 +153,39 @@ def test_with_the_default_margin_every_preset_is_bound_by_the_margin() -> None:
     for name in DEVICES:
         dev = parse_document("cluster", {"devices": 1, "device_type": name}).devices[0]
         assert usable_bytes(dev, training) == int(dev.memory_bytes * (1 - training.memory_margin)), name
+
+
+def test_the_search_and_the_estimate_share_the_usable_memory() -> None:
+    """An a100-80g preset given 3 GiB: its CUDA context (about 1 GiB) and fragmentation bind,
+    not the 10 % margin.  The search's device groups (also under tensor parallelism, whose
+    virtual devices keep the context) and the diagnosis's memory sizes use the same usable bytes
+    as the estimate: a plan the search accepts fits the estimate, and the memory the diagnosis
+    names fits."""
+    from planner.cost import Layout, estimate, plan_fits, usable_bytes
+    from planner.errors import InfeasibleError
+    from planner.infeasible import with_memory
+    from planner.mesh import Mesh, mesh_problem
+    from planner.schema import Cluster, PlanOptions
+    from planner.search.space import make_groups
+    from planner.solver import solve
+    from profiler.synth import synth_transformer
+
+    training = TrainingSetup(global_batch_size=16, optimizer="adam", dtype="bfloat16")
+    cluster = Cluster.model_validate({"devices": 4, "memory": "3GiB", "device_type": "a100-80g"})
+    dev = cluster.devices[0]
+    assert usable_bytes(dev, training) < int(dev.memory_bytes * (1 - training.memory_margin))  # context binds
+    assert make_groups(cluster, training, 1, 4)[0].limit_bytes == usable_bytes(dev, training)
+    prof = synth_transformer(layers=8, hidden=2048, heads=16, seq=2048, vocab=32000, device_type="a100-80g",
+                             microbatch_sizes=(1, 2))
+    virtual = mesh_problem(prof, cluster, training, Mesh(2, 0, False), data_parallel=1, pipeline_degree=4).cluster
+    assert (virtual.devices[0].context_bytes, virtual.devices[0].fragmentation) == (dev.context_bytes, dev.fragmentation)
+    assert with_memory(cluster, 2**31).devices[0].context_bytes == dev.context_bytes
+    options = PlanOptions(time_limit_s=1, tensor_parallel=2, sequence_parallel=False, selective_recompute=False,
+                          zero_stage=0)
+    with pytest.raises(InfeasibleError) as info:
+        solve(prof, cluster, training, options)
+    need = info.value.details["min_memory_bytes"]
+    assert need > dev.memory_bytes  # (it named less than the 3 GiB that did not fit, before)
+    plan = solve(prof, with_memory(cluster, need), training, options)
+    assert plan_fits(plan) and plan.tensor_parallel_degree == 2
+    assert plan_fits(estimate(prof, with_memory(cluster, need), training, Layout.of(plan)))

@@ -62,6 +62,7 @@ from dataclasses import dataclass
 
 from planner.context import sequence_length
 from planner.cost import Layout, ScheduleTemplates, estimate, lower_bound_ms, profile_in_dtype
+from planner.cost.memory import usable_bytes
 from planner.errors import InfeasibleError, InputError, SearchCutShortError
 from planner.experts import expert_counts
 from planner.infeasible import any_fits
@@ -725,7 +726,7 @@ def _expert_replicas(
     experts = sum(x.moe.expert_param_bytes for x in profile.layers if x.moe is not None)
     total = sum(x.param_bytes for x in profile.layers)
     groups = max(1, cluster.num_devices // fam.group)
-    usable = min(d.memory_bytes for d in cluster.devices) * (1 - training.memory_margin) / 2
+    usable = min(usable_bytes(d, training) for d in cluster.devices) / 2
     grad, opt = training.gradient_bytes_per_param_byte, training.optimizer_state_factor
     for k in range(1, groups + 1):
         if groups % k:
@@ -762,7 +763,7 @@ def _promise(profile: Profile, cluster: Cluster, training: TrainingSetup, fam: _
     static = sum(x.param_bytes for x in profile.layers) * (
         1 + training.gradient_bytes_per_param_byte + training.optimizer_state_factor
     )
-    device = min(d.memory_bytes for d in cluster.devices) * (1 - training.memory_margin)
+    device = min(usable_bytes(d, training) for d in cluster.devices)
     if load.largest_activation > device:
         return math.inf
     usable = device / 2
@@ -872,10 +873,28 @@ def _diagnose(profile: Profile, cluster: Cluster, training: TrainingSetup, optio
 
     plain = options.model_copy(update={"tensor_parallel": None, "zero_stage": None, "sequence_parallel": None,
                                        "selective_recompute": None})
-    err = diagnose(profile, cluster, training, plain)
     tried = ", ".join(f.describe() for f in families)
+    zero_text = "/".join(map(str, zeros))
+    if len(families) == 1 and families[0].group > 1 and options.expert_parallel in (None, 1):
+        # the user fixed the family (T, and C): its own problem is diagnosed, in GPUs, not the
+        # plain T = 1 one (which would contradict the fixed T)
+        fam = families[0]
+        try:
+            problem = mesh_problem(profile, cluster, training, fam.mesh(), data_parallel=1,
+                                   pipeline_degree=cluster.num_devices,
+                                   across_nodes=options.tensor_parallel_across_nodes)
+            own = plain.model_copy(update={"context_parallel": None, "expert_parallel": None,
+                                           "recompute": False if fam.selective_recompute else options.recompute})
+            err = diagnose(problem.profile, problem.cluster, problem.training, own, group=fam.group)
+        except InputError:
+            pass
+        else:
+            base = InfeasibleError(
+                f"no plan fits with {tried} and ZeRO {zero_text}. With {tried} and ZeRO 0: {err}", err.details)
+            return _with_mesh_fixes(base, profile, cluster, training, options)
+    err = diagnose(profile, cluster, training, plain)
     base = InfeasibleError(
-        f"no plan fits with {tried} and ZeRO {'/'.join(map(str, zeros))}. Without tensor parallelism or ZeRO: {err}",
+        f"no plan fits with {tried} and ZeRO {zero_text}. Without tensor parallelism or ZeRO: {err}",
         err.details,
     )
     return _with_mesh_fixes(base, profile, cluster, training, options)

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from planner.cost.collectives import replica_link
+from planner.cost.memory import usable_bytes
 from planner.errors import InputError
 from planner.schedules import ScheduleError, check_schedule_shape
 from planner.schema import (
@@ -85,9 +86,6 @@ class Group:
         return (self.speed, self.limit_bytes)
 
 
-def usable_bytes(memory_bytes: int, training: TrainingSetup) -> int:
-    """A device's memory less the margin, rounded as :func:`planner.cost.estimate` does."""
-    return int(memory_bytes * (1 - training.memory_margin))
 
 
 def make_groups(
@@ -113,7 +111,7 @@ def make_groups(
     out = []
     for devs in groups_devs:
         speed = min(cluster.devices[i].speed for i in devs)
-        limit = usable_bytes(min(cluster.devices[i].memory_bytes for i in devs), training)
+        limit = min(usable_bytes(cluster.devices[i], training) for i in devs)
         out.append(Group(devs, speed, limit, replica_link(cluster, devs)))
     return out
 

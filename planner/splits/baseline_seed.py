@@ -7,6 +7,7 @@ import time
 from collections.abc import Sequence
 
 from planner.baselines import baseline_splits
+from planner.cost.memory import usable_bytes
 from planner.schedules import ScheduleError, check_schedule_shape
 from planner.schema import Schedule
 from planner.search.space import SIM_ACTION_LIMIT, Config, fixed_ranges, make_groups
@@ -74,21 +75,18 @@ def rule_splits(
     num_layers: int, k: int, chunks: Sequence[int], *, one_layer_chunks: bool = False
 ) -> list[tuple[int, list[tuple[int, int]]]]:
     """The hand rule's (chunks per rank v, ranges) on ``k`` pipeline ranks, for each v in
-    ``chunks`` (v = 1: one stage per rank): the blocks evenly over k·v chunks, or where they do
-    not divide evenly, the layers with the embedding and the head counted
-    (:func:`stack_rule_ranges`); with ``one_layer_chunks`` also v = layers / k, one layer per
-    chunk (at most :data:`MAX_RULE_CHUNKS`), Llama 3 405B's split."""
-    vs = list(chunks)
+    ``chunks`` (v = 1: one stage per rank): the blocks evenly over k·v chunks.  Where they
+    divide for no v, the layers with the embedding and the head counted instead
+    (:func:`stack_rule_ranges`: what Megatron's accounting flags are for), and with
+    ``one_layer_chunks`` also v = layers / k, one layer per chunk (at most
+    :data:`MAX_RULE_CHUNKS`): Llama 3 405B's split of 126 blocks on 16 ranks."""
+    vs = [v for v in dict.fromkeys(chunks) if k > 1 or v == 1]
+    out = [(v, r) for v in vs if (r := stack_rule_ranges(num_layers, k * v)) is not None]
+    if out:
+        return out
     if one_layer_chunks and k > 1 and num_layers % k == 0 and 1 < num_layers // k <= MAX_RULE_CHUNKS:
-        vs.append(num_layers // k)
-    out = []
-    for v in dict.fromkeys(vs):
-        if k == 1 and v > 1:
-            continue
-        ranges = stack_rule_ranges(num_layers, k * v) or stack_rule_ranges(num_layers, k * v, count_ends=True)
-        if ranges is not None:
-            out.append((v, ranges))
-    return out
+        vs = list(dict.fromkeys([*vs, num_layers // k]))
+    return [(v, r) for v in vs if (r := stack_rule_ranges(num_layers, k * v, count_ends=True)) is not None]
 
 
 def seed_with_stack_rule(search: SearchState, *, degrees: int = STACK_RULE_DEGREES) -> None:
@@ -105,7 +103,7 @@ def seed_with_stack_rule(search: SearchState, *, degrees: int = STACK_RULE_DEGRE
     static = sum(x.param_bytes for x in search.profile.layers) * (
         1 + tr.gradient_bytes_per_param_byte + tr.optimizer_state_factor
     )
-    usable = min(d.memory_bytes for d in cl.devices) * (1 - tr.memory_margin)
+    usable = min(usable_bytes(d, tr) for d in cl.devices)
     allowed = opts.schedules or (["interleaved-1f1b", "1f1b"] if opts.schedule is None else [opts.schedule])
     tried = 0
     for k in range(1, cl.num_devices + 1):

@@ -259,7 +259,9 @@ def test_the_sub_solves_share_the_time_limit(monkeypatch: pytest.MonkeyPatch) ->
     training = TrainingSetup(global_batch_size=128, optimizer="adam-mixed")
     plan = solve(profile, cl, training, PlanOptions(time_limit_s=0.8))
     assert plan_fits(plan)
-    assert len(limits) >= 2, limits  # ZeRO 0, then its relaxation (its bound covers every ZeRO stage)
+    # ZeRO 0, then its relaxation (its bound covers every ZeRO stage), unless a loaded machine's
+    # clock passed the limit first (the message says so; the later solves are then not started)
+    assert len(limits) >= 2 or "time limit reached" in plan.solver.message, (limits, plan.solver.message)
     # the plan's search has 0.8 of the limit (the bound of partial recompute's relaxed problem the
     # rest: planner.search.partial), its first solve half of that
     assert limits[0] == pytest.approx(0.8 * 0.8 / 2)

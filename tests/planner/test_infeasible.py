@@ -128,3 +128,31 @@ def test_the_diagnosis_keeps_to_its_budget_and_says_what_it_did_not_find(monkeyp
     memory, exact = found
     assert not exact and memory >= full.details["min_memory_bytes"]
     solve(profile, with_memory(cl, memory), training, options)  # it fits
+
+
+def test_a_fixed_tensor_parallel_degree_is_diagnosed_as_fixed() -> None:
+    """With T fixed, the diagnosis is of the T-sharded problem and counts GPUs (it said "Without
+    tensor parallelism or ZeRO: ..." and gave T = 1's numbers, contradicting the fixed T): the
+    memory and the device count it names fit at that T."""
+    from planner.schema import Cluster
+    from profiler.synth import synth_transformer
+
+    profile = synth_transformer(layers=8, hidden=2048, heads=16, seq=2048, vocab=32000, device_type="a100-80g",
+                                microbatch_sizes=(1, 2))
+    training = TrainingSetup(global_batch_size=16, optimizer="adam", dtype="bfloat16")
+    cl = Cluster.model_validate({"devices": 4, "memory": "3GiB", "device_type": "a100-80g"})
+    options = PlanOptions(time_limit_s=1, tensor_parallel=2, sequence_parallel=False, selective_recompute=False,
+                          zero_stage=0)
+    err = _error(profile, cl, training, options)
+    text = str(err)
+    assert "Without tensor parallelism" not in text
+    assert "With T=2 and ZeRO 0" in text and "these 4 device(s) (2 groups of 2)" in text
+    d = err.details
+    assert d["devices"] == 4 and d["min_memory_bytes"] > cl.devices[0].memory_bytes
+    plan = solve(profile, with_memory(cl, d["min_memory_bytes"]), training, options)
+    assert plan.tensor_parallel_degree == 2
+    n = d["min_devices"]
+    assert n is not None and n % 2 == 0 and f"--devices {n}" in text
+    assert solve(profile, with_count(cl, n), training, options).tensor_parallel_degree == 2
+    with pytest.raises(InfeasibleError):
+        solve(profile, with_count(cl, n - 2), training, options)
