@@ -321,7 +321,7 @@ def fit_constants(
     x0 = np.log(np.array([prior.gemm_efficiency, prior.memory_efficiency], dtype=np.float64))
     r0 = residuals(x0)
     jac0 = _jacobian(residuals, x0, r0, [0, 1])
-    active, why = _identifiable(jac0, noise)
+    active, why = identifiable_constants(jac0, noise)
     x = _levenberg_marquardt(residuals, x0, active, lo) if active else x0
     r1 = residuals(x)
     fitted = DeviceConstants(*(float(v) for v in np.minimum(np.exp(x), 1.0)))
@@ -366,9 +366,11 @@ def _jacobian(
     return np.stack(cols, axis=1)
 
 
-def _identifiable(jac: NDArray[np.float64], noise: float) -> tuple[list[int], str]:
+def identifiable_constants(jac: NDArray[np.float64], noise: float) -> tuple[list[int], str]:
     """The constants the observations determine (indices into :data:`NAMES`), and why a kept one
-    is kept."""
+    is kept.  ``jac``: per observation (rows), d log(predicted) / d log(constant) for the two
+    constants (columns); ``noise``: the relative noise of one observation.  ``pipeplan calibrate``
+    and ``benchmarks/published.py`` fit only what this returns."""
     shares = -jac  # per stage, the share of its time each constant governs
     mean_share = [float(np.mean(shares[:, i])) for i in range(2)]
     max_share = [float(np.max(shares[:, i])) for i in range(2)]

@@ -10,11 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 import pytest
 
 import planner.calibrate as calibrate_module
 from planner.calibrate import calibrate, predict, uncalibrated
-from planner.calibrate_device import device_pricing, pricing_text
+from planner.calibrate_device import device_pricing, identifiable_constants, pricing_text
 from planner.cost import Layout, estimate
 from planner.cost.compute import DeviceConstants, default_constants, layer_times
 from planner.errors import InputError
@@ -300,3 +301,17 @@ def test_cli_prints_the_constants_and_the_synth_flags(tmp_path: Path) -> None:
     assert calibrated.calibration is not None
     for a, b, c in zip(again.layers, calibrated.layers, calibrated.calibration.layers, strict=True):
         assert a.forward_ms == pytest.approx([x / c.forward_scale for x in b.forward_ms], rel=0.01)
+
+
+def test_identifiable_constants_needs_different_mixes() -> None:
+    """The rule calibrate and ``benchmarks/published.py`` share: rows that all mix GEMM and
+    memory-bound time in one proportion determine one constant (the larger share's), rows of
+    different mixes determine both, and rows that hardly depend on either determine none."""
+    same = -np.array([[0.85, 0.15]] * 8)
+    assert identifiable_constants(same, 0.03)[0] == [0]
+    assert "same proportion" in identifiable_constants(same, 0.03)[1]
+    mixed = -np.array([[0.9, 0.1], [0.2, 0.8], [0.6, 0.4], [0.1, 0.9]] * 2)
+    assert identifiable_constants(mixed, 0.03) == ([0, 1], "")
+    # the same mixes under far more noise than the spread allows: only one, then none
+    assert len(identifiable_constants(mixed, 0.3)[0]) < 2
+    assert identifiable_constants(-np.full((3, 2), 1e-4), 0.03)[0] == []
