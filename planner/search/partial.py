@@ -5,11 +5,14 @@ The searches decide recompute per stage, all of its layers or none
 recomputes may fit with fewer of its layers checkpointed: the first N of them (Megatron's
 ``--recompute-method block --recompute-num-layers N``), the others keeping their activations,
 saving the forwards of the rest in every backward (AdaPipe, Sun et al. ASPLOS'24, reports up to
-1.32x from choosing it).  :func:`partial_recompute` takes the searched plan and finds the
-least N, one for every recomputing stage (Megatron's flags take one N for all), whose plan
-still fits every device: a bisection on N, each candidate priced by
-:func:`planner.cost.reestimate` (memory falls as N grows: a checkpointed layer keeps its input
-instead of its activations).  A partial plan is kept only when it fits and is faster.
+1.32x from choosing it per stage).  :func:`partial_recompute` takes the searched plan and finds,
+for each pipeline rank, the least N whose stages still fit its device (0: that rank stops
+recomputing): the ranks' bisections on N run in the same rounds, each round's counts priced by
+one :func:`planner.cost.reestimate` (memory falls as N grows: a checkpointed layer keeps its
+input instead of its activations).  Under 1F1B the first ranks keep more micro-batches in
+flight, so they checkpoint more than the last.  Megatron's flags take one N for every stage:
+its export says so and offers the largest.  A partial plan is kept only when it fits and is
+faster.
 
 **The bound.**  Plans with partial recompute (any count per stage) are in the space too, so the
 searches' bound, which covers whole-stage recompute only, is not enough: a partial plan can beat
@@ -53,31 +56,67 @@ def searched_options(options: PlanOptions) -> PlanOptions:
 
 
 def partial_recompute(plan: Plan, profile: Profile, options: PlanOptions) -> Plan:
-    """``plan`` with the fewest checkpointed layers per recomputing stage that fit, when faster
-    (else ``plan``); the solver fields are the caller's to set."""
+    """``plan`` with the fewest checkpointed layers on each pipeline rank's recomputing stages that
+    fit, when faster (else ``plan``); the solver fields are the caller's to set.
+
+    Each rank's count is bisected on its own (the stages a rank runs, its interleaved chunks,
+    share one count ``n``: each checkpoints its first ``min(n, its layers)``), all ranks in the
+    same rounds, one estimate a round: a rank's memory depends on its own counts only (what it
+    keeps per micro-batch in flight), and fewer checkpointed layers never slow a stage, so each
+    rank's least count that fits is also the fastest.  1F1B's first ranks keep more micro-batches
+    in flight than its last, so they checkpoint more (AdaPipe's per-stage choice; Megatron's
+    ``--recompute-num-layers`` takes one count, and its export says so).  The plan with every
+    chosen count is estimated once more and kept only if it fits."""
     if not partial_allowed(options):
         return plan
-    lengths = [s.stop - s.start for s in plan.stages if s.recompute]
-    if not lengths or max(lengths) <= 1:
+    full = [(s.recompute_layers if s.recompute_layers is not None else s.stop - s.start) if s.recompute else 0
+            for s in plan.stages]
+    if max(full, default=0) <= 1:
         return plan
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, s in enumerate(plan.stages):
+        if full[i] > 0:
+            groups.setdefault(tuple(s.devices), []).append(i)
+    ranks = list(groups.values())
+    hi = [max(full[i] for i in g) for g in ranks]  # the plan's own counts fit
+    lo = [0] * len(ranks)
     templates = ScheduleTemplates()
 
-    def priced(n: int) -> Plan:
-        counts = [min(n, s.stop - s.start) if s.recompute else 0 for s in plan.stages]
-        return reestimate(plan, profile, recompute_layers=counts, solver=plan.solver, templates=templates)
+    def counts(per_rank: list[int]) -> list[int]:
+        out = [0] * len(full)
+        for g, n in zip(ranks, per_rank, strict=True):
+            for i in g:
+                out[i] = min(n, full[i])
+        return out
 
-    lo, hi = 1, max(lengths)  # hi: every layer (the plan itself); find the least n that fits
-    best: Plan | None = None
-    while lo < hi:
-        mid = (lo + hi) // 2
+    def priced(per_rank: list[int]) -> Plan:
+        return reestimate(plan, profile, recompute_layers=counts(per_rank), solver=plan.solver, templates=templates)
+
+    while any(a < b for a, b in zip(lo, hi, strict=True)):
+        mid = [(a + b) // 2 for a, b in zip(lo, hi, strict=True)]
         candidate = priced(mid)
-        if plan_fits(candidate):
-            best, hi = candidate, mid
-        else:
-            lo = mid + 1
-    if best is None or best.predicted.step_time_ms >= plan.predicted.step_time_ms * (1 - 1e-9):
+        for r, g in enumerate(ranks):
+            if lo[r] >= hi[r]:
+                continue
+            if all(candidate.stages[i].memory_bytes <= candidate.stages[i].memory_limit_bytes for i in g):
+                hi[r] = mid[r]
+            else:
+                lo[r] = mid[r] + 1
+    if counts(hi) == full:
+        return plan
+    best = priced(hi)
+    if not plan_fits(best) or best.predicted.step_time_ms >= plan.predicted.step_time_ms * (1 - 1e-9):
         return plan
     return best
+
+
+def _counts_text(plan: Plan) -> str:
+    """What a partially recomputed plan checkpoints, in words."""
+    counts = [s.checkpointed_layers for s in plan.stages if s.recompute]
+    if len(set(counts)) == 1:
+        return f"the first {counts[0]} layer(s) of each recomputing stage checkpointed"
+    shown = ", ".join(map(str, counts[:16])) + (", ..." if len(counts) > 16 else "")
+    return f"the first {shown} layer(s) of the recomputing stages checkpointed (each pipeline rank its least that fits)"
 
 
 def relaxed_bound(
@@ -137,11 +176,7 @@ def with_partial_recompute(
     status = "optimal" if gap <= 1e-9 else "feasible"
     notes = []
     if best is not plan:
-        n = max(s.recompute_layers or 0 for s in best.stages)
-        notes.append(
-            f"partial recompute: the first {n} layer(s) of each recomputing stage checkpointed "
-            f"({step:.4g} ms, was {plan.predicted.step_time_ms:.4g})"
-        )
+        notes.append(f"partial recompute: {_counts_text(best)} ({step:.4g} ms, was {plan.predicted.step_time_ms:.4g})")
     if relaxed < searched * (1 - 1e-9):
         notes.append("bound: the relaxed problem's (unlimited memory, no recompute), which covers partial recompute")
     message = "; ".join([plan.solver.message, *notes]) if notes else plan.solver.message

@@ -120,6 +120,32 @@ def test_partial_recompute_checkpoints_the_least_that_fits() -> None:
     assert "partial recompute" in plan.solver.message
 
 
+def test_each_pipeline_rank_checkpoints_its_own_least_that_fits() -> None:
+    """1F1B keeps two micro-batches in flight on the first of two stages and one on the last, so
+    the first needs more checkpointed: with room for 3,000 B of activations the best counts (by
+    brute force over both stages' counts) are 2 and 0, faster than one count for both (2 and 2,
+    the pass's answer before it chose per rank), and the plan is that best."""
+    prof = _profile([1000] * 6, [100] * 6)
+    training = TrainingSetup(global_batch_size=8, optimizer="sgd", memory_margin=0.0)
+    cluster = _cluster(2, 3 * 10_000 * 2 + 3000)
+    ranges = [(0, 3), (3, 6)]
+
+    def step(counts: tuple[int, ...]) -> float:
+        plan = estimate(prof, cluster, training, Layout(ranges, num_microbatches=8, schedule="1f1b",
+                                                        recompute_layers=list(counts)))
+        return plan.predicted.step_time_ms if plan_fits(plan) else math.inf
+
+    best = min(itertools.product(range(4), range(4)), key=step)
+    uniform = min(step((n, n)) for n in range(4))
+    assert best[0] != best[1] and step(best) < uniform
+    options = PlanOptions(stages=[StageRange(start=a, stop=b) for a, b in ranges], num_microbatches=8,
+                          schedule="1f1b", data_parallel=1)
+    plan = solve(prof, cluster, training, options)
+    assert plan_fits(plan)
+    assert tuple(s.checkpointed_layers for s in plan.stages) == best
+    assert plan.predicted.step_time_ms == step(best)
+
+
 def _brute_force(
     prof: Profile, cluster: Cluster, training: TrainingSetup, k: int, m: int, *, partial: bool = True
 ) -> float:
