@@ -162,15 +162,23 @@ def _times_at(
     sizes = profile.microbatch_sizes
     rs = _census_ratios(profile, b) if ratios is None else ratios
     fwd, bwd = [], []
+    # a stack's identical blocks (synth's, a repeated fake-tensor block) are read once
+    seen: dict[tuple[object, ...], tuple[float, float]] = {}
     for x, r in zip(profile.layers, rs, strict=True):
-        if r is None:
-            fwd.append(scaling.at_size(sizes, x.forward_ms, b, spread=x.forward_ms_spread))
-            bwd.append(scaling.at_size(sizes, x.backward_ms, b, spread=x.backward_ms_spread))
-        else:
-            f0 = scaling.at_size(sizes, x.forward_ms, r.b0, spread=x.forward_ms_spread)
-            b0 = scaling.at_size(sizes, x.backward_ms, r.b0, spread=x.backward_ms_spread)
-            fwd.append(scale_measured(f0, r.forward, b, r.b0))
-            bwd.append(scale_measured(b0, r.backward, b, r.b0))
+        key = (tuple(x.forward_ms), None if x.forward_ms_spread is None else tuple(x.forward_ms_spread),
+               tuple(x.backward_ms), None if x.backward_ms_spread is None else tuple(x.backward_ms_spread), r)
+        got = seen.get(key)
+        if got is None:
+            if r is None:
+                got = (scaling.at_size(sizes, x.forward_ms, b, spread=x.forward_ms_spread),
+                       scaling.at_size(sizes, x.backward_ms, b, spread=x.backward_ms_spread))
+            else:
+                f0 = scaling.at_size(sizes, x.forward_ms, r.b0, spread=x.forward_ms_spread)
+                b0 = scaling.at_size(sizes, x.backward_ms, r.b0, spread=x.backward_ms_spread)
+                got = (scale_measured(f0, r.forward, b, r.b0), scale_measured(b0, r.backward, b, r.b0))
+            seen[key] = got
+        fwd.append(got[0])
+        bwd.append(got[1])
     return tuple(fwd), tuple(bwd)
 
 
