@@ -136,8 +136,6 @@ CLASSIC = frozenset({"gpipe", "1f1b", "interleaved-1f1b"})
 SEARCH_SHARE = 0.6
 #: share of the work budget the zero-bubble and planned schedules get after the classic ones
 NEW_SHARE = 0.25
-#: the most of the work budget listing one V-shaped schedule may cost in :func:`_vshape_on_best`
-VSHAPE_LISTING_SHARE = 0.5
 #: work units (about one simulated action, or one stage test) per second of time limit
 WORK_PER_SECOND = 400_000.0
 #: wall-clock safety net: stop searching after this multiple of the time limit regardless
@@ -409,13 +407,6 @@ def _vshape_on_best(search: SearchState, configs: Sequence[Config], group_cache:
         if cfg.schedule not in V_SCHEDULES or (cfg.data_parallel, cfg.pipeline_degree, cfg.num_microbatches) != shape:
             continue
         if 2 * cfg.num_microbatches * cfg.num_stages > SIM_ACTION_LIMIT:
-            continue
-        # listing a schedule is work of its own (two units an action, once per search), on top of
-        # the rounds' shares: not one that alone would cost more than VSHAPE_LISTING_SHARE of the
-        # budget (1,024 micro-batches on 128 chunks: 0.8 M units, 2 s, on a 5 s limit)
-        listed = cfg.shape in search.points or cfg.shape in search.templates.points  # (another solve's)
-        listing = 0 if listed else 2 * 3 * cfg.num_microbatches * cfg.num_stages
-        if listing > VSHAPE_LISTING_SHARE * search.work_budget:
             continue
         groups = groups_of(search, cfg, group_cache)
         if not static_fits(search, cfg, groups):
