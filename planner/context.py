@@ -124,7 +124,8 @@ def _shard_tokens(op: Operation, c: int) -> Operation:
 def kv_bytes(ops: Sequence[Operation], t: int) -> int:
     """Bytes of the keys and values of the whole sequence one device of a tensor-parallel group
     of ``t`` needs for its attention operations (2·b·s·g·d·p each; materialised attention's
-    keys and values whole: its GEMMs do not say which heads a group divides)."""
+    from its ``q k^T`` GEMM, whose batch is sequences x heads: divided by ``t`` where the
+    profiler marked it ``heads``, whole where its GEMMs do not say which heads a group divides)."""
     total = 0
     for op in ops:
         if op.kind != "attention":
@@ -133,8 +134,11 @@ def kv_bytes(ops: Sequence[Operation], t: int) -> int:
         if op.tp_shard == "heads" and t > 1:
             heads = math.ceil(heads / t)
         total += 2 * op.batch * (op.key_len or 0) * heads * (op.head_dim or 0) * DTYPE_BYTES.get(op.dtype, 2) * op.count
-    for scores, _ in materialised_attention(ops):  # (every head's, as its batch: T not divided)
-        total += 2 * (scores.batch or 1) * (scores.n or 0) * (scores.k or 0) * DTYPE_BYTES.get(scores.dtype, 2) * scores.count
+    for scores, _ in materialised_attention(ops):  # (every head's, as its batch)
+        batch = scores.batch or 1
+        if scores.tp_shard == "heads" and t > 1:
+            batch = math.ceil(batch / t)
+        total += 2 * batch * (scores.n or 0) * (scores.k or 0) * DTYPE_BYTES.get(scores.dtype, 2) * scores.count
     return total
 
 

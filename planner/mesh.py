@@ -650,8 +650,10 @@ def replicated_note(profile: Profile, t: int) -> str | None:
 
 def census_roles(profile: Profile) -> bool:
     """Whether ``profile``'s census says which operations a tensor-parallel group divides
-    (``Operation.tp_shard``): synth's does; the profiler records shapes, not roles, yet, and a
-    census without them would price every sharded layer as replicated."""
+    (``Operation.tp_shard``): synth's does, and the profiler's (measured and fake-tensor) for the
+    units it shards (transformer blocks, a column-parallel head: :mod:`profiler.census`); a
+    census without any (a profile made before the profiler marked them) would price every
+    sharded layer as replicated."""
     return any(o.tp_shard for x in profile.layers for ops in x.operations or () for o in ops)
 
 
@@ -668,6 +670,6 @@ def flat_scaling_note(profile: Profile, t: int) -> str | None:
     shown = ", ".join(flat[:4]) + (f", ... ({len(flat)} in all)" if len(flat) > 4 else "")
     return (
         f"tensor parallelism T={t} scales {shown} by the flat tensor_parallel_efficiency: no operation census "
-        "with tensor-parallel roles (synth writes them; a measured profile's census does not yet), or no "
-        "device model for the profile's device"
+        "with tensor-parallel roles (synth and the profiler write them; a profile made before the profiler "
+        "did has none), or no device model for the profile's device"
     )

@@ -142,8 +142,9 @@ class Operation(_Model):
     memory-bound operation (norm, activation function, dropout, residual add, softmax) moving
     ``bytes`` (read + written).  The backward is derived from the forward
     (:mod:`planner.cost.compute`).  ``tp_shard``: the dimension a tensor-parallel group divides
-    (column-parallel: n, row-parallel: k, attention: heads); absent: replicated (``bytes``: divided
-    only under sequence parallelism)."""
+    (column-parallel: n, row-parallel: k, attention: heads; ``heads`` on a batched GEMM divides
+    its batch of sequences x heads, materialised attention's products); absent: replicated
+    (``bytes``: divided only under sequence parallelism)."""
 
     kind: OperationKind
     count: PosInt = 1

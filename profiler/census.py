@@ -56,24 +56,46 @@ operator whose arguments the census cannot read (a subclass tensor without strid
 sizes) is recorded as a memory operation when its bytes can be read, else counted in
 :attr:`Census.unread`; the forward itself is never changed.
 
-``tp_shard`` stays unset (replicated): the profiler's sharding rules (:mod:`profiler.sharding`)
-know that a unit is a transformer block, but not which of its captured products is the
-column-parallel and which the row-parallel linear, and the census does not guess; marking the
-tensor-parallel roles is a later step.
+**Tensor-parallel roles** (``tp_shard``) are marked in the census of the units the profiler
+shards (:func:`profiler.sharding.sharded_weights`: a transformer block, a column-parallel LM
+head), by following the data through the forward, as Megatron-LM splits a block (and the
+runtime, :mod:`runtime.mesh`, shards it): a GEMM whose B operand is one of the block's
+projection weights (an ``nn.Linear``'s, seen transposed, ``n`` = out features; a ``Conv1D``'s
+``[in, nf]`` as it is) is *column-parallel* (``n``) when its input A is whole -- attention's
+Q, K and V or fused ``c_attn``, the MLP's up, gate, ``fc1`` -- and its output is sharded;
+it is *row-parallel* (``k``) when its input is sharded -- attention's output projection, the
+MLP's down or ``fc2`` -- and its output is whole again (partial sums, all-reduced).  Between the
+two, every operator that reads a sharded tensor (by storage: views included) writes a sharded
+one and is marked: fused attention ``heads``, materialised attention's two batched products
+(``q k^T`` and ``@ v``, ``batch`` = b·heads) ``heads`` on a GEMM (the group divides the batch,
+:func:`planner.cost.compute.shard_operation`), memory-bound kernels (rotary embedding, the
+scale, mask, softmax and dropout on the scores, the head reshapes, the activation function, the
+gated product) ``bytes``.  Norms, residual adds and the dropout on the residual stream read
+whole tensors and stay unset (replicated: sequence parallelism divides them,
+``shard_operation(..., sequence_parallel=True)``), as do a router's and experts' operations that
+read no sharded tensor.  A head marks its logits GEMM ``n`` only: the runtime gathers the
+logits, the loss runs whole.  The roles are dropped (the unit's census records none) when they
+do not hold: the unit's output still depends on a sharded tensor, a block without both column-
+and row-parallel products, or a non-batched GEMM that is no projection reading a sharded tensor.
+A vocabulary-parallel embedding's lookup writes the whole output on every device and any other
+unit is replicated: neither carries roles.  Only the forward is recorded; the backward is priced
+from it.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
 from planner.schema import Operation
 from profiler import _torch_dispatch
+from profiler._torch_fake import storage_key
 
 #: the product's operands A and B, by operator name (``mv``'s B is a vector: n = 1)
 _GEMM_OPERANDS: Mapping[str, tuple[str, str]] = MappingProxyType({
@@ -284,24 +306,126 @@ def operations_of(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out:
     return _memory(func, bound, out)
 
 
+@dataclass(frozen=True)
+class ShardedWeights:
+    """The weights of a unit tensor parallelism shards, for the census's roles (module docstring):
+    ``kind`` ``"block"`` (its projections, column- or row-parallel by where their input comes
+    from) or ``"column-head"`` (the head's logits projection, gathered on its way out)
+    (:func:`profiler.sharding.sharded_weights` finds them)."""
+
+    kind: Literal["block", "column-head"]
+    weights: tuple[Tensor, ...]
+
+
+#: what a call is to the roles' data flow: a column- or row-parallel projection, an operator
+#: reading a sharded tensor (inside the tensor-parallel region), or neither
+_Place = Literal["column", "row", "sharded"] | None
+
+
+class _Roles:
+    """The tensor-parallel roles of one forward of a unit (see the module docstring): follows
+    which tensors are sharded (by storage, views included) from the column-parallel projections
+    to the row-parallel ones.  The sharded tensors are held until the census ends, so that a
+    freed one's memory, reused by a replicated tensor, is not taken for it."""
+
+    def __init__(self, sharded: ShardedWeights) -> None:
+        self.kind = sharded.kind
+        self.weights = {storage_key(w) for w in sharded.weights if w.numel() > 0}
+        self.sharded: dict[int, Tensor] = {}
+        self.seen: set[str] = set()
+        #: why the roles do not hold (the census then records none), or None
+        self.broken: str | None = None
+
+    def _is_sharded(self, t: Tensor) -> bool:
+        return t.numel() > 0 and storage_key(t) in self.sharded
+
+    def place(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> _Place:
+        """Where one operator call is, and mark its outputs sharded when they are."""
+        if not _torch_dispatch.is_operator(func):
+            return None
+        inputs = _tensors([list(args), list(kwargs.values())])
+        place: _Place = None
+        if func in _GEMMS:
+            bound = _torch_dispatch.bind_arguments(func, args, kwargs)
+            a_name, b_name = _GEMM_OPERANDS[_torch_dispatch.operator_name(func)]
+            a, b = bound[a_name], bound[b_name]
+            if isinstance(b, Tensor) and b.numel() > 0 and storage_key(b) in self.weights:
+                place = "row" if self.kind == "block" and self._is_sharded(a) else "column"
+        if place is None and any(self._is_sharded(t) for t in inputs):
+            place = "sharded"
+        if place == "sharded" or (place == "column" and self.kind == "block"):
+            for t in _tensors(out):
+                if t.numel() > 0:
+                    self.sharded[storage_key(t)] = t
+        return place
+
+    def role(self, key: _Key, place: _Place) -> str | None:
+        """The ``tp_shard`` of one operation of a call at ``place`` (None: replicated)."""
+        if place is None:
+            return None
+        fields = dict(key)
+        kind = fields["kind"]
+        if place in ("column", "row"):
+            if kind != "gemm":
+                self.broken = f"a projection ran as a {kind} operation"
+                return None
+            self.seen.add(place)
+            return "n" if place == "column" else "k"
+        if kind == "attention":
+            return "heads"
+        if kind == "memory":
+            return "bytes"
+        if int(fields.get("batch", 1)) > 1:  # materialised attention's q k^T and @ v: b·heads products
+            return "heads"
+        self.broken = f"a GEMM of m={fields.get('m')} n={fields.get('n')} k={fields.get('k')} on a sharded tensor is no projection"
+        return None
+
+    def finish(self, output: Any) -> None:
+        """Check the unit's ``output`` is whole (a row-parallel projection ended every sharded
+        path) and that the projections were found: else the roles do not hold."""
+        if self.broken is not None:
+            return
+        if any(self._is_sharded(t) for t in _tensors(output if isinstance(output, list | tuple) else [output])):
+            self.broken = "the unit's output depends on a sharded tensor without a row-parallel projection"
+        elif self.kind == "block" and self.seen != {"column", "row"}:
+            self.broken = f"found only {sorted(self.seen) or 'no'} projections"
+        elif self.kind == "column-head" and "column" not in self.seen:
+            self.broken = "the head's projection did not run as a GEMM"
+
+
+def _with_role(key: _Key, role: str) -> _Key:
+    return (key[0], *sorted((*key[1:], ("tp_shard", role))))
+
+
 class Census:
     """The operations one forward runs, merged (see the module docstring).
 
-    ``with census.recording(): unit(*inputs)`` records; :meth:`operations` returns them."""
+    ``with census.recording(): unit(*inputs)`` records; :meth:`operations` returns them.  With
+    ``sharded`` (the unit's :class:`ShardedWeights`) the operations carry their tensor-parallel
+    roles; call :meth:`finish` with the unit's output before :meth:`operations`."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, sharded: ShardedWeights | None = None) -> None:
         self._counts: dict[_Key, int] = {}
+        self._roles = _Roles(sharded) if sharded is not None else None
         #: operator calls whose arguments could not be read at all (nothing recorded for them)
         self.unread = 0
 
     def record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         """Count the operations of one operator call (what the dispatch mode calls)."""
+        place: _Place = None
+        if self._roles is not None and self._roles.broken is None:
+            try:
+                place = self._roles.place(func, args, kwargs, out)
+            except Exception as err:  # never break the forward: no roles for this unit
+                self._roles.broken = f"{type(err).__name__} following the sharded tensors"
         try:
             keys = operations_of(func, args, kwargs, out)
         except Exception:  # never break the forward: count what could not be read
             self.unread += 1
             return
         for key in keys:
+            role = self._roles.role(key, place) if self._roles is not None else None
+            key = _with_role(key, role) if role is not None else key
             self._counts[key] = self._counts.get(key, 0) + 1
 
     def recording(self) -> Any:
@@ -318,9 +442,28 @@ class Census:
 
         return CensusMode()
 
+    def finish(self, output: Any) -> None:
+        """The unit's forward ``output``: checks the roles hold (else none are recorded) and
+        lets go of the sharded tensors."""
+        if self._roles is not None:
+            self._roles.finish(output)
+            self._roles.sharded.clear()
+
+    @property
+    def roles_dropped(self) -> str | None:
+        """Why the census records no tensor-parallel roles although given ``sharded``, or None."""
+        return None if self._roles is None else self._roles.broken
+
     def operations(self) -> list[Operation]:
-        """The operations recorded so far, identical ones merged into ``count``, in first-run order."""
-        return [Operation(count=count, **dict(key)) for key, count in self._counts.items()]
+        """The operations recorded so far, identical ones merged into ``count``, in first-run order
+        (without roles when they do not hold, :attr:`roles_dropped`)."""
+        counts = self._counts
+        if self._roles is not None and self._roles.broken is not None:
+            counts = {}
+            for key, count in self._counts.items():
+                plain = tuple(kv for kv in key if kv[0] != "tp_shard")
+                counts[plain] = counts.get(plain, 0) + count
+        return [Operation(count=count, **dict(key)) for key, count in counts.items()]
 
 
 def census(
@@ -328,13 +471,17 @@ def census(
     inputs: Sequence[Any],
     *,
     then: Callable[[Any], Any] | None = None,
+    sharded: ShardedWeights | None = None,
 ) -> list[Operation]:
     """The operations of one forward of ``unit`` on ``inputs`` (as the profiler runs it: the
     unit's current mode, autograd on), and of ``then(output)`` when given (the loss, for the
-    last unit, whose measured forward includes it)."""
-    recorder = Census()
+    last unit, whose measured forward includes it); with ``sharded`` (the weights tensor
+    parallelism shards in the unit, :func:`profiler.sharding.sharded_weights`) each operation
+    carries its tensor-parallel role (the module docstring)."""
+    recorder = Census(sharded=sharded)
     with recorder.recording():
         out = unit(*inputs)
+        recorder.finish(out)
         if then is not None:
             then(out)
     return recorder.operations()
@@ -356,4 +503,4 @@ def gemm_flops(ops: Sequence[Operation]) -> float:
     return total
 
 
-__all__ = ["Census", "census", "dtype_name", "gemm_flops", "operations_of"]
+__all__ = ["Census", "ShardedWeights", "census", "dtype_name", "gemm_flops", "operations_of"]

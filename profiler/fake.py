@@ -53,6 +53,7 @@ from profiler.measure import (
     resize_batch,
     state_storages,
 )
+from profiler.sharding import units_sharded_weights
 from profiler.split import SplitModel, split_model, tensor_bytes
 
 
@@ -228,6 +229,7 @@ def _fake_layers(
     kept: list[list[dict[int, int]]] = [[] for _ in range(n)]
     exclude = state_storages(split)
     unit_experts = _experts_by_unit(split, experts)
+    sharded = units_sharded_weights(split)  # the census's tensor-parallel roles (profiler/sharding.py)
     for b in sizes:
         batch = resize_batch(inputs, b)
         ref = reference_pass(split, batch, loss, exclude=exclude, backward=False)
@@ -250,9 +252,14 @@ def _fake_layers(
         memo: dict[Any, list[Operation]] = {}  # identical blocks on identical inputs: one census
         for i, unit in enumerate(split.units):
             then = (lambda r: loss(split.rebuild_output(r))) if i == n - 1 else None
-            key = None if then is not None else _census_key(unit, frozen[i])
+            graph = None if then is not None else _census_key(unit, frozen[i])
+            # the roles too: a unit the profiler shards and its replicated look-alike differ
+            roles = sharded[i]
+            key = None if graph is None else (graph, None if roles is None else roles.kind)
             try:
-                ops = memo[key] if key is not None and key in memo else census(unit, frozen[i], then=then)
+                ops = memo[key] if key is not None and key in memo else census(
+                    unit, frozen[i], then=then, sharded=roles
+                )
             except Exception as err:
                 raise InputError(
                     f"the operation census of layer {split.names[i]!r} failed on fake tensors at micro-batch "

@@ -68,7 +68,7 @@ from planner.errors import InputError
 from planner.schema import LayerProfile, MeasuredOn, Operation, Profile
 from profiler import _hf_attention, _torch_private
 from profiler._torch_fake import storage_key
-from profiler.census import census
+from profiler.census import ShardedWeights, census
 from profiler.loading import call_model, check_example_inputs, default_loss, model_inputs
 from profiler.sampling import (
     TARGET_ERROR,
@@ -79,7 +79,7 @@ from profiler.sampling import (
     useful_resolution,
 )
 from profiler.selective import ScoreTrace, recompute_share, trace_scores
-from profiler.sharding import own_modules, tensor_parallel_fields
+from profiler.sharding import own_modules, tensor_parallel_fields, units_sharded_weights
 from profiler.split import SplitModel, frozen_state, split_model, tensor_bytes
 from profiler.summary import print_summary
 
@@ -295,12 +295,16 @@ def _forward_flops(unit: nn.Module, inputs: Sequence[Any]) -> float | None:
 
 
 def _forward_census(
-    unit: nn.Module, inputs: Sequence[Any], then: Callable[[Any], Any] | None = None
+    unit: nn.Module,
+    inputs: Sequence[Any],
+    then: Callable[[Any], Any] | None = None,
+    *,
+    sharded: ShardedWeights | None = None,
 ) -> list[Operation] | None:
-    """The unit's operation census (:mod:`profiler.census`), ``None`` when its forward fails
-    under the census's dispatch mode."""
+    """The unit's operation census (:mod:`profiler.census`, with tensor-parallel roles where
+    ``sharded``), ``None`` when its forward fails under the census's dispatch mode."""
     try:
-        return census(unit, _grad_inputs(inputs), then=then)
+        return census(unit, _grad_inputs(inputs), then=then, sharded=sharded)
     except Exception:
         return None
 
@@ -526,6 +530,7 @@ def _measure(
     samplings: dict[int, Sampling] = {}
     unmeasured: set[str] = set()  # units whose attention scores could not be traced (profiler/selective.py)
     no_census: set[str] = set()  # units whose census forward failed (profiler/census.py)
+    sharded = units_sharded_weights(split)  # the census's tensor-parallel roles (profiler/sharding.py)
     try:
         for k, b in enumerate(sizes):
             batch = resize_batch(inputs, b)
@@ -608,7 +613,10 @@ def _measure(
                 flops = _forward_flops(unit, frozen_inputs[i])
                 out[i]["flops"].append(flops if flops is not None else 0.0)
                 ops = _forward_census(
-                    unit, frozen_inputs[i], (lambda r: loss(split.rebuild_output(r))) if i == n - 1 else None
+                    unit,
+                    frozen_inputs[i],
+                    (lambda r: loss(split.rebuild_output(r))) if i == n - 1 else None,
+                    sharded=sharded[i],
                 )
                 if ops is None:
                     no_census.add(split.names[i])

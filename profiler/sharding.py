@@ -32,7 +32,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
+
+from profiler.census import ShardedWeights
 
 #: module class names treated as normalisation layers besides nn.LayerNorm
 _NORM_SUFFIXES = ("LayerNorm", "RMSNorm", "Norm")
@@ -77,36 +79,77 @@ def _is_norm(module: nn.Module) -> bool:
     return isinstance(module, nn.LayerNorm) or type(module).__name__.endswith(_NORM_SUFFIXES)
 
 
+def _kind(unit: nn.Module) -> tuple[str, list[nn.Module]] | None:
+    """How ``unit`` shards (the module docstring): ``("block", its projections)``,
+    ``("vocab-embedding", its tables)``, ``("column-head", [its logits projection])``, or None."""
+    mods = list(unit.modules())
+    linears = [m for m in mods if projection_widths(m) is not None]
+    embeds: list[nn.Module] = [m for m in mods if isinstance(m, nn.Embedding)]
+    if len(linears) >= 4 and any(_is_norm(m) for m in mods):
+        return "block", linears
+    if embeds and not linears:
+        return "vocab-embedding", embeds
+    if linears:
+        # an nn.Linear head only: the runtime shards a head's aten.linear (kind_sharding)
+        widest = max(linears, key=lambda m: (projection_widths(m) or (0, 0))[1])
+        w_in, w_out = projection_widths(widest) or (0, 0)
+        if isinstance(widest, nn.Linear) and w_out >= 4 * w_in and len(linears) <= 2:
+            return "column-head", [widest]
+    return None
+
+
+def sharded_weights(unit: nn.Module) -> ShardedWeights | None:
+    """The weights whose products the census marks with tensor-parallel roles
+    (:mod:`profiler.census`): a block's projections, a column-parallel head's logits
+    projection; None for a vocabulary-parallel embedding (its lookup writes the whole output on
+    every rank: nothing it runs divides) and a replicated unit.  ``unit`` is the model's own
+    module of a layer (:func:`own_modules`)."""
+    found = _kind(unit)
+    if found is None or found[0] == "vocab-embedding":
+        return None
+    kind, modules = found
+    weights = tuple(w for m in modules if isinstance(w := m._parameters.get("weight"), nn.Parameter | Tensor))
+    return ShardedWeights("block" if kind == "block" else "column-head", weights)
+
+
+def units_sharded_weights(split: Any) -> list[ShardedWeights | None]:
+    """Per unit of ``split``, its :func:`sharded_weights` (None for a unit that is not its own
+    module, :func:`own_modules`: replicated)."""
+    return [None if m is None else sharded_weights(m) for m in own_modules(split)]
+
+
 def tensor_parallel_fields(unit: nn.Module, layer: dict[str, Any], input_bytes: Sequence[int]) -> dict[str, Any]:
     """The ``LayerProfile`` tensor-parallel fields of one measured unit (empty: replicated).
 
     ``layer`` holds the unit's measured lists (``output_bytes``, ``activation_bytes``);
     ``input_bytes`` are the bytes the unit receives per micro-batch size.
     """
-    mods = list(unit.modules())
-    linears = [m for m in mods if projection_widths(m) is not None]
-    embeds = [m for m in mods if isinstance(m, nn.Embedding)]
-    norms = [m for m in mods if _is_norm(m)]
-    dropout = any(isinstance(m, nn.Dropout) and m.p > 0 for m in mods)
+    found = _kind(unit)
+    if found is None:
+        return {}
+    kind, modules = found
     out = [int(x) for x in layer["output_bytes"]]
     acts = [int(x) for x in layer["activation_bytes"]]
     n = len(out)
-    if len(linears) >= 4 and norms:
+    if kind == "block":
+        mods = list(unit.modules())
+        norms = [m for m in mods if _is_norm(m)]
+        dropout = any(isinstance(m, nn.Dropout) and m.p > 0 for m in mods)
         elem = next((p.element_size() for p in unit.parameters() if p.is_floating_point()), 4)
         repl = [min(a, len(norms) * o + (2 * o // elem if dropout else 0)) for o, a in zip(out, acts, strict=True)]
         return {
             "tensor_parallel": "block",
-            "tp_param_bytes": sum(module_bytes(m) for m in linears),
+            "tp_param_bytes": sum(module_bytes(m) for m in modules),
             "tp_compute_fraction": 1.0,
             "tp_forward_bytes": [2 * o for o in out],
             "tp_backward_bytes": [2 * o for o in out],
             "tp_replicated_activation_bytes": repl,
             "sp_replicated_activation_bytes": [0] * n,
         }
-    if embeds and not linears:
+    if kind == "vocab-embedding":
         return {
             "tensor_parallel": "vocab-embedding",
-            "tp_param_bytes": max(module_bytes(m) for m in embeds),
+            "tp_param_bytes": max(module_bytes(m) for m in modules),
             "tp_forward_bytes": out,
             "tp_backward_bytes": [0] * n,
             "tp_forward_collectives": 1,
@@ -114,19 +157,13 @@ def tensor_parallel_fields(unit: nn.Module, layer: dict[str, Any], input_bytes: 
             "tp_replicated_activation_bytes": acts,
             "sp_replicated_activation_bytes": acts,
         }
-    if linears:
-        # an nn.Linear head only: the runtime shards a head's aten.linear (kind_sharding)
-        widest = max(linears, key=lambda m: (projection_widths(m) or (0, 0))[1])
-        w_in, w_out = projection_widths(widest) or (0, 0)
-        if isinstance(widest, nn.Linear) and w_out >= 4 * w_in and len(linears) <= 2:
-            return {
-                "tensor_parallel": "column-head",
-                "tp_param_bytes": module_bytes(widest),
-                "tp_forward_bytes": [0] * n,
-                "tp_backward_bytes": [int(x) for x in input_bytes],
-                "tp_forward_collectives": 2,
-                "tp_backward_collectives": 1,
-                "tp_replicated_activation_bytes": acts,
-                "sp_replicated_activation_bytes": acts,
-            }
-    return {}
+    return {
+        "tensor_parallel": "column-head",
+        "tp_param_bytes": module_bytes(modules[0]),
+        "tp_forward_bytes": [0] * n,
+        "tp_backward_bytes": [int(x) for x in input_bytes],
+        "tp_forward_collectives": 2,
+        "tp_backward_collectives": 1,
+        "tp_replicated_activation_bytes": acts,
+        "sp_replicated_activation_bytes": acts,
+    }

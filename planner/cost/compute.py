@@ -406,18 +406,23 @@ def operation_ms(
     return times if grouped else times.scaled(op.count)
 
 
-#: the field each ``tp_shard`` divides, and the operation kinds it applies to
-_SHARD_FIELDS: Mapping[str, tuple[str, str]] = MappingProxyType({
-    "n": ("n", "gemm"), "k": ("k", "gemm"), "heads": ("heads", "attention"), "bytes": ("bytes", "memory"),
+#: the field each ``tp_shard`` divides, by the operation's kind (a GEMM's ``heads``: the batched
+#: products of materialised attention, ``q k^T`` and ``@ v``, one per sequence and head: the
+#: group divides the heads, so the batch)
+_SHARD_FIELDS: Mapping[tuple[str, str], str] = MappingProxyType({
+    ("n", "gemm"): "n", ("k", "gemm"): "k", ("heads", "gemm"): "batch",
+    ("heads", "attention"): "heads", ("bytes", "memory"): "bytes",
 })
 
 
 def shard_operation(op: Operation, t: int, *, sequence_parallel: bool = False) -> Operation:
     """What one device of a tensor-parallel group of ``t`` runs of ``op``.
 
-    ``op.tp_shard`` names the divided field (gemm: ``n`` column-parallel, ``k`` row-parallel;
-    attention: ``heads``; memory: ``bytes``, a kernel inside the tensor-parallel region such as
-    the MLP's activation); it becomes ceil(value / t).  An operation without ``tp_shard`` is
+    ``op.tp_shard`` names the divided field (gemm: ``n`` column-parallel, ``k`` row-parallel,
+    ``heads`` the batch of a batched product per head -- materialised attention's ``q k^T`` and
+    ``@ v``, whose batch is sequences x heads; attention: ``heads``; memory: ``bytes``, a kernel
+    inside the tensor-parallel region such as the MLP's activation); it becomes ceil(value / t).
+    An operation without ``tp_shard`` is
     replicated: every device runs all of it, except that under ``sequence_parallel`` a replicated
     memory-bound kernel (norm, dropout, residual add: the sequence-parallel region of Korthikanti
     et al. 2022) runs on 1/t of the tokens, ceil(bytes / t).  Replicated GEMMs and attention stay
@@ -430,9 +435,9 @@ def shard_operation(op: Operation, t: int, *, sequence_parallel: bool = False) -
         if sequence_parallel and op.kind == "memory":
             return op.model_copy(update={"bytes": math.ceil(_dim(op.bytes) / t)})
         return op
-    field, kind = _SHARD_FIELDS[op.tp_shard]
-    if op.kind != kind:
-        allowed = sorted(s for s, (_, k) in _SHARD_FIELDS.items() if k == op.kind)
+    field = _SHARD_FIELDS.get((op.tp_shard, op.kind))
+    if field is None:
+        allowed = sorted(s for s, k in _SHARD_FIELDS if k == op.kind)
         raise ValueError(
             f"a {op.kind} operation cannot shard {op.tp_shard!r}: give tp_shard one of "
             f"{', '.join(map(repr, allowed))} or leave it out (replicated)"
