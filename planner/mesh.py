@@ -279,10 +279,10 @@ def _census_scales(layer: LayerProfile, t: int, sp: bool, device: str, memo: _Sc
     to the shard (small GEMMs under a large T run less efficiently, which the flat efficiency
     misses).  None without a census.  ``memo`` shares the work between layers whose census is
     made of the same operation objects (synth's identical blocks), without hashing them."""
-    if not layer.operations:
+    if not census_prices(layer):
         return None
     out = []
-    for ops in layer.operations:
+    for ops in layer.operations or ():
         key = (*map(id, ops), t, sp, device)
         seen = memo.get(key)
         if seen is None or any(x is not y for x, y in zip(seen[0], ops, strict=True)):
@@ -648,6 +648,18 @@ def replicated_note(profile: Profile, t: int) -> str | None:
     return f"tensor parallelism T={t} divides no work of {shown}: replicated on every device of a group"
 
 
+def census_prices(layer: LayerProfile) -> bool:
+    """Whether the device model can price ``layer``'s share of a tensor-parallel group from its
+    census: the census says what divides (some ``tp_shard``), or nothing in the layer does (a
+    vocabulary-parallel embedding: its lookup writes the whole output on every device).  A
+    sharding layer whose census has no roles (a block whose roles the profiler dropped, a census
+    made before the profiler marked them) would be priced as replicated: the flat efficiency
+    scales it."""
+    if not layer.operations:
+        return False
+    return layer.tensor_parallel == "vocab-embedding" or any(o.tp_shard for ops in layer.operations for o in ops)
+
+
 def census_roles(profile: Profile) -> bool:
     """Whether ``profile``'s census says which operations a tensor-parallel group divides
     (``Operation.tp_shard``): synth's does, and the profiler's (measured and fake-tensor) for the
@@ -659,17 +671,18 @@ def census_roles(profile: Profile) -> bool:
 
 def flat_scaling_note(profile: Profile, t: int) -> str | None:
     """The plan's note when tensor parallelism scales some layer without the device model: a
-    sharding layer with no operation census (a profile made before schema version 4), or a
-    profile whose device has no device model."""
+    sharding layer with no operation census (a profile made before schema version 4) or one
+    without tensor-parallel roles (:func:`census_prices`), or a profile whose device has no
+    device model."""
     if t <= 1:
         return None
     priced = census_device(profile) is not None and census_roles(profile)
-    flat = [x.name for x in profile.layers if x.shards and not (priced and x.operations)]
+    flat = [x.name for x in profile.layers if x.shards and not (priced and census_prices(x))]
     if not flat:
         return None
     shown = ", ".join(flat[:4]) + (f", ... ({len(flat)} in all)" if len(flat) > 4 else "")
     return (
         f"tensor parallelism T={t} scales {shown} by the flat tensor_parallel_efficiency: no operation census "
         "with tensor-parallel roles (synth and the profiler write them; a profile made before the profiler "
-        "did has none), or no device model for the profile's device"
+        "did, or a block whose roles did not hold, has none), or no device model for the profile's device"
     )

@@ -306,14 +306,14 @@ class _Leaky(nn.Module):
     """Four projections and a norm, but one column-parallel output reaches the output without a
     row-parallel projection: Megatron's split does not hold, the census marks nothing."""
 
-    def __init__(self) -> None:
+    def __init__(self, h: int = 16) -> None:
         super().__init__()
-        self.norm = nn.LayerNorm(16)
-        self.a, self.b, self.c, self.d = nn.Linear(16, 32), nn.Linear(32, 16), nn.Linear(16, 32), nn.Linear(16, 16)
+        self.norm = nn.LayerNorm(h)
+        self.a, self.b, self.c, self.d = nn.Linear(h, 2 * h), nn.Linear(2 * h, h), nn.Linear(h, 2 * h), nn.Linear(h, h)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(x)
-        out: torch.Tensor = x + self.b(torch.relu(self.a(h))) + self.d(h) * 2
+        out: torch.Tensor = x + self.b(torch.relu(self.a(h)) * self.c(h)) + self.d(h) * 2
         return out
 
 
@@ -342,7 +342,7 @@ def test_a_block_whose_split_does_not_hold_keeps_no_roles() -> None:
     ops = recorder.operations()
     assert ops and all(o.tp_shard is None for o in ops)
     # the products are all still there, merged as without roles
-    assert sorted((o.n, o.k, o.count) for o in ops if o.kind == "gemm") == [(16, 16, 1), (16, 32, 1), (32, 16, 1)]
+    assert sorted((o.n, o.k, o.count) for o in ops if o.kind == "gemm") == [(16, 16, 1), (16, 32, 1), (32, 16, 2)]
 
 
 def test_a_batched_gemm_shards_by_heads_and_a_memory_kernel_cannot() -> None:
@@ -364,3 +364,68 @@ def test_context_parallel_keys_of_materialised_attention_divide_by_its_heads_rol
     whole = [o.model_copy(update={"tp_shard": None}) for o in ops]
     assert kv_bytes(ops, 1) == kv_bytes(whole, 1) == kv_bytes(whole, 2) == 2 * b * h * s * d * 4
     assert kv_bytes(ops, 2) == kv_bytes(ops, 1) // 2
+
+
+class _Stack(nn.Module):
+    """A zoo GPT block and a :class:`_Leaky` one (a transformer block to the profiler)."""
+
+    def __init__(self, cfg: gpt.GPTConfig) -> None:
+        super().__init__()
+        self.embed = gpt.Embedding(cfg)
+        self.blocks = nn.ModuleList([gpt.Block(cfg), _Leaky(cfg.hidden)])
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_block_without_roles_in_a_profile_with_them_is_scaled_flat() -> None:
+    """The planner prices a layer's share from its census only where the census says what
+    divides: the leaky block, sharded by the profile (its parameters, its all-reduces), is scaled
+    by the flat efficiency as in a profile without roles, not priced as replicated work."""
+    from profiler.loading import Entrypoint
+
+    cfg = gpt.GPTConfig(vocab=512, seq=256, layers=2, hidden=512, heads=8, batch=1)
+
+    def make() -> Entrypoint:
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            return Entrypoint(_Stack(cfg), (torch.randint(0, cfg.vocab, (1, cfg.seq)),), None, "stack")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prof = fake_profile(make, device_type="h100-80g", microbatch_sizes=[1])
+    good, leaky = (next(x for x in prof.layers if x.name == f"blocks.{i}") for i in (0, 1))
+    assert good.tensor_parallel == leaky.tensor_parallel == "block"
+    assert any(o.tp_shard for o in (good.operations or [[]])[0])
+    assert leaky.operations and not any(o.tp_shard for o in leaky.operations[0])
+    note = flat_scaling_note(prof, 2)
+    assert note is not None and "blocks.1" in note and "blocks.0" not in note
+    cluster = Cluster.model_validate({"devices": 2, "device_type": "h100-80g"})
+
+    def share(p: Profile, name: str) -> float:
+        problem = mesh_problem(p, cluster, TrainingSetup(global_batch_size=2), Mesh(tensor_parallel=2),
+                               data_parallel=1, pipeline_degree=1)  # fmt: skip
+        return float(next(x for x in problem.profile.layers if x.name == name).forward_ms[0])
+
+    # the leaky block: as in the profile without any roles (flat); the good one: the device model's
+    plain = _without_roles(prof)
+    assert share(prof, "blocks.1") == pytest.approx(share(plain, "blocks.1"), rel=1e-12)
+    assert share(prof, "blocks.0") != pytest.approx(share(plain, "blocks.0"), rel=1e-3)
+
+
+def test_repeated_blocks_carry_the_traced_blocks_roles() -> None:
+    """``--fake`` traces a few blocks of a stack and copies them (profiler/repeat.py): every
+    block of the zoo GPT has the roles, as a fake profile traced whole gives them."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        repeated = fake_profile(lambda: load_entrypoint("examples.gpt:tiny"), device_type="h100-80g", microbatch_sizes=[1])
+        whole = fake_profile(lambda: load_entrypoint("examples.gpt:tiny"), device_type="h100-80g", microbatch_sizes=[1],
+                             repeated_blocks=False)  # fmt: skip
+    assert "repeated_blocks" in repeated.metadata["profiler"] and "repeated_blocks" not in whole.metadata["profiler"]
+    blocks = [x for x in repeated.layers if x.name.startswith("blocks.")]
+    assert len(blocks) == 4
+    for r, w in zip(blocks, (x for x in whole.layers if x.name.startswith("blocks.")), strict=True):
+        assert r.operations == w.operations and any(o.tp_shard == "k" for o in (r.operations or [[]])[0]), r.name
