@@ -652,9 +652,9 @@ def census_prices(layer: LayerProfile) -> bool:
     """Whether the device model can price ``layer``'s share of a tensor-parallel group from its
     census: the census says what divides (some ``tp_shard``), or nothing in the layer does (a
     vocabulary-parallel embedding: its lookup writes the whole output on every device).  A
-    sharding layer whose census has no roles (a block whose roles the profiler dropped, a census
-    made before the profiler marked them) would be priced as replicated: the flat efficiency
-    scales it."""
+    sharding layer whose census has no roles (a mixture-of-experts block, a block whose roles the
+    profiler dropped, a census made before the profiler marked them) would be priced as
+    replicated: the flat efficiency scales it."""
     if not layer.operations:
         return False
     return layer.tensor_parallel == "vocab-embedding" or any(o.tp_shard for ops in layer.operations for o in ops)
@@ -683,6 +683,7 @@ def flat_scaling_note(profile: Profile, t: int) -> str | None:
     shown = ", ".join(flat[:4]) + (f", ... ({len(flat)} in all)" if len(flat) > 4 else "")
     return (
         f"tensor parallelism T={t} scales {shown} by the flat tensor_parallel_efficiency: no operation census "
-        "with tensor-parallel roles (synth and the profiler write them; a profile made before the profiler "
-        "did, or a block whose roles did not hold, has none), or no device model for the profile's device"
+        "with tensor-parallel roles (synth and the profiler write them, but not for a profile made before the "
+        "profiler did, a mixture-of-experts block or a block whose roles did not hold), or no device model for "
+        "the profile's device"
     )

@@ -72,8 +72,9 @@ one and is marked: fused attention ``heads``, materialised attention's two batch
 scale, mask, softmax and dropout on the scores, the head reshapes, the activation function, the
 gated product) ``bytes``.  Norms, residual adds and the dropout on the residual stream read
 whole tensors and stay unset (replicated: sequence parallelism divides them,
-``shard_operation(..., sequence_parallel=True)``), as do a router's and experts' operations that
-read no sharded tensor.  A head marks its logits GEMM ``n`` only: the runtime gathers the
+``shard_operation(..., sequence_parallel=True)``).  A block holding routed experts (a
+transformers experts module) gets no roles: its census stays as it was, the flat efficiency
+scales it (:func:`planner.mesh.census_prices`).  A head marks its logits GEMM ``n`` only: the runtime gathers the
 logits, the loss runs whole.  The roles are dropped (the unit's census records none) when they
 do not hold: the unit's output still depends on a sharded tensor, a block without both column-
 and row-parallel products, or a non-batched GEMM that is no projection reading a sharded tensor.

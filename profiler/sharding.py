@@ -34,6 +34,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from profiler._moe_balanced import is_experts_module
 from profiler.census import ShardedWeights
 
 #: module class names treated as normalisation layers besides nn.LayerNorm
@@ -102,10 +103,16 @@ def sharded_weights(unit: nn.Module) -> ShardedWeights | None:
     """The weights whose products the census marks with tensor-parallel roles
     (:mod:`profiler.census`): a block's projections, a column-parallel head's logits
     projection; None for a vocabulary-parallel embedding (its lookup writes the whole output on
-    every rank: nothing it runs divides) and a replicated unit.  ``unit`` is the model's own
+    every rank: nothing it runs divides), a block holding routed experts (a transformers experts
+    module: its census keeps no roles) and a replicated unit.  ``unit`` is the model's own
     module of a layer (:func:`own_modules`)."""
     found = _kind(unit)
     if found is None or found[0] == "vocab-embedding":
+        return None
+    if any(is_experts_module(m) for m in unit.modules()):
+        # a mixture of experts: whether its experts divide over the group is the profile's
+        # tp_param_bytes' call (they are not among its projections); its census stays as it was
+        # (no roles: the flat efficiency scales the block, planner.mesh.census_prices)
         return None
     kind, modules = found
     weights = tuple(w for m in modules if isinstance(w := m._parameters.get("weight"), nn.Parameter | Tensor))

@@ -61,8 +61,7 @@ def _measured(name: str) -> tuple[nn.Module, Profile]:
     return model, prof
 
 
-MODELS = ["gpt", pytest.param("examples.hf:llama", marks=needs_transformers),
-          pytest.param("examples.hf:gpt2", marks=needs_transformers)]  # fmt: skip
+MODELS = ["gpt", *(pytest.param(f"examples.hf:{m}", marks=needs_transformers) for m in ("llama", "gpt2", "bert", "vit"))]
 
 
 @pytest.fixture(scope="module")
@@ -160,14 +159,14 @@ def test_the_zoo_gpt_profile_has_a_column_head_and_a_replicated_embedding(
 # --------------------------------------------------------------------------- fake against synth
 
 
-def _shrunk_llama(tmp_path: Any, **wider: Any) -> str:
-    """The shipped Llama 3 8B config, two blocks, tiny widths (or ``wider``)."""
-    with open(os.path.join(CONFIGS, "llama3-8b", "config.json")) as f:
+def _shrunk_llama(tmp_path: Any, name: str = "llama3-8b", **wider: Any) -> str:
+    """The shipped config ``name`` (Llama 3 8B), two blocks, tiny widths (or ``wider``)."""
+    with open(os.path.join(CONFIGS, name, "config.json")) as f:
         cfg = json.load(f)
     cfg.update(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, vocab_size=256)  # fmt: skip
     cfg.update(wider)
-    folder = os.path.join(str(tmp_path), "llama")
+    folder = os.path.join(str(tmp_path), name)
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(cfg, f)
@@ -429,3 +428,24 @@ def test_repeated_blocks_carry_the_traced_blocks_roles() -> None:
     assert len(blocks) == 4
     for r, w in zip(blocks, (x for x in whole.layers if x.name.startswith("blocks.")), strict=True):
         assert r.operations == w.operations and any(o.tp_shard == "k" for o in (r.operations or [[]])[0]), r.name
+
+
+@needs_transformers
+def test_a_mixture_of_experts_block_keeps_its_census_without_roles(tmp_path: Any) -> None:
+    """Mixtral's blocks (routed experts): no roles, the expert GEMMs as before (``expert``), the
+    block scaled by the flat efficiency and named in the note; its head still has its role."""
+    from profiler.hf_config import hf_entrypoint
+
+    path = _shrunk_llama(tmp_path, "mixtral-8x7b", num_local_experts=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prof = fake_profile(lambda: hf_entrypoint(path, seq=32), device_type="h100-80g", microbatch_sizes=[1])
+    blocks = [x for x in prof.layers if x.tensor_parallel == "block"]
+    assert len(blocks) == 2 and all(x.moe is not None for x in blocks)
+    for x in blocks:
+        ops = (x.operations or [[]])[0]
+        assert any(o.expert for o in ops) and not any(o.tp_shard for o in ops)
+    head = next(x for x in prof.layers if x.tensor_parallel == "column-head")
+    assert [o.tp_shard for o in (head.operations or [[]])[0] if o.kind == "gemm"] == ["n"]
+    note = flat_scaling_note(prof, 2)
+    assert note is not None and all(x.name in note for x in blocks) and head.name not in note
