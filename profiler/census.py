@@ -386,7 +386,8 @@ class _Roles:
         path) and that the projections were found: else the roles do not hold."""
         if self.broken is not None:
             return
-        if any(self._is_sharded(t) for t in _tensors(output if isinstance(output, list | tuple) else [output])):
+        outputs = list(output.values()) if isinstance(output, Mapping) else output  # (a ModelOutput too)
+        if any(self._is_sharded(t) for t in _tensors(outputs)):
             self.broken = "the unit's output depends on a sharded tensor without a row-parallel projection"
         elif self.kind == "block" and self.seen != {"column", "row"}:
             self.broken = f"found only {sorted(self.seen) or 'no'} projections"
