@@ -1079,6 +1079,59 @@ class DTensorZeroOptimizer:
                 p.grad.zero_()
 
 
+#: ``pipeplan run --dp-bucket-mb``'s default: DDP's own bucket size (MiB)
+DEFAULT_BUCKET_MB = 25.0
+
+
+@dataclass(frozen=True)
+class GradientReduction:
+    """Which path averages a plan's data-parallel gradients (:func:`gradient_reduction`):
+    ``"ddp"`` (torch's ``DistributedDataParallel``: bucketed, overlapped with each stage's last
+    backward), ``"fsdp2"`` (ZeRO 2/3: FSDP2's reduce-scatters), ``"all-reduce"`` (the runtime's
+    flat all-reduce after the schedule) or ``"none"`` (D = 1); ``why``: the reason a plan with
+    D > 1 does not go through DDP."""
+
+    path: str
+    why: str = ""
+
+
+def gradient_reduction(spec: MeshSpec) -> GradientReduction:
+    """The path of ``spec``'s data-parallel gradients (expert-parallel weights, E > 1, are
+    reduced over their own groups by the runtime whatever the path).
+
+    DDP for ZeRO 0/1 with T = 1 and a schedule without split backward.  The others keep the
+    runtime's flat all-reduce, for structural reasons:
+
+    * T > 1: the tensor-parallel weights are DTensors, which DDP does not take (torch's
+      2-D DDP goes through the private ``_pre_dp_module_transform``); FSDP2 over a
+      ``dp_replicate`` x ``dp_shard`` mesh (HSDP) would take them, but under torch's pipelining
+      FSDP2 reduces in ``perform_reduce_grad`` after the last backward, not during it (torch
+      2.13, ``PipelineStage.backward_maybe_with_nosync`` turns gradient sync off for every
+      micro-batch), so it would overlap nothing more than the flat all-reduce;
+    * the split-backward schedules (:data:`SPLIT_BACKWARD_SCHEDULES`): the weight gradients of a
+      stage after the first are computed by ``torch.autograd.grad`` and written to ``.grad`` by
+      hand (``stage_backward_weight``), so DDP's gradient hooks never fire for them.
+    """
+    d = spec.data_parallel_degree
+    if d == 1:
+        return GradientReduction("none")
+    if spec.zero_stage >= 2:
+        return GradientReduction("fsdp2", f"ZeRO {spec.zero_stage}: FSDP2 reduce-scatters what it shards")
+    if spec.tensor_parallel_degree > 1:
+        return GradientReduction(
+            "all-reduce",
+            f"T = {spec.tensor_parallel_degree}: DDP takes no tensor-parallel DTensor weights, and FSDP2 (HSDP) "
+            "under torch's pipelining reduces only after the last backward",
+        )
+    if spec.schedule in SPLIT_BACKWARD_SCHEDULES:
+        return GradientReduction(
+            "all-reduce",
+            f"schedule {spec.schedule} splits the backward: its weight gradients come from torch.autograd.grad, "
+            "which DDP's gradient hooks do not see",
+        )
+    return GradientReduction("ddp")
+
+
 def reduces_data_gradients(spec: MeshSpec, p: Any) -> bool:
     """True when FSDP2 averages ``p``'s gradient over the data axis itself (ZeRO 2/3, D > 1,
     ``p`` sharded by it): the runtime's all-reduce must then skip it."""
