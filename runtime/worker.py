@@ -154,6 +154,14 @@ def add_worker_args(p: argparse.ArgumentParser, *, for_launcher: bool = False) -
         help="bucket size of the data-parallel gradient all-reduce (torch DDP, overlapped with each stage's last "
         "backward; default 25, DDP's)",
     )
+    p.add_argument(
+        "--dp-reduction",
+        choices=("auto", "flat"),
+        default="auto",
+        help="data-parallel gradient reduction: auto (torch DDP, bucketed and overlapped with the backward, where "
+        "the mesh allows it; else the flat all-reduce) or flat (the runtime's flat all-reduce after the schedule, "
+        "to compare)",
+    )
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
     # RANK:STEP:MODE (FAULT_MODES): make one rank fail mid-step or compute wrongly, for tests
     p.add_argument("--inject-fault", help=argparse.SUPPRESS)
@@ -421,6 +429,7 @@ def _train(
     from runtime.data import DataReport, DataSource, judge, loads_data
     from runtime.mesh import (
         DEFAULT_BUCKET_MB,
+        GradientReduction,
         all_reduce_grad,
         apply_mesh,
         build_mesh,
@@ -503,6 +512,8 @@ def _train(
     # the data-parallel gradients: torch DDP (bucketed, during each stage's last backward) where
     # runtime.mesh.gradient_reduction allows it, else the flat all-reduce after the schedule
     reduction = gradient_reduction(spec)
+    if args.dp_reduction == "flat" and reduction.path == "ddp":
+        reduction = GradientReduction("all-reduce", "asked for with --dp-reduction flat")
     bucket_mb = args.dp_bucket_mb if args.dp_bucket_mb is not None else DEFAULT_BUCKET_MB
     if bucket_mb <= 0:
         raise InputError(f"--dp-bucket-mb {bucket_mb:g}: give a bucket size above 0 MiB (DDP's default is 25)")
