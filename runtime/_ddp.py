@@ -119,7 +119,7 @@ def wrap_ddp(
     ignored = {id(p) for p in ignore}
     names = [n for n, p in module.named_parameters(remove_duplicate=False) if id(p) in ignored]
     if names:
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)  # type: ignore[no-untyped-call]
     clock = BucketClock(names={id(p): (labels or {}).get(id(p), n) for n, p in module.named_parameters()})
     ddp = DistributedDataParallel(module, process_group=group, bucket_cap_mb=bucket_mb, forward_sync_buffers=False)
     ddp.register_comm_hook((group, clock), _timed_allreduce_hook)

@@ -46,8 +46,10 @@ into what the pipeline stage runs, one function per axis in a fixed order:
 
 ZeRO 1 is the optimizer: :func:`make_sharded_optimizer` (``ZeroRedundancyOptimizer`` over
 "dp_replicate"; with T > 1, :class:`DTensorZeroOptimizer`, the same scheme for DTensor
-parameters); the gradients are still averaged by the runtime's flat all-reduce.  ZeRO 0 is
-the runtime's flat all-reduce, as before (it handles tied weights).
+parameters).  ZeRO 0 and 1 average the gradients as :func:`gradient_reduction` says: torch's
+``DistributedDataParallel`` per stage (:mod:`runtime._ddp`: buckets all-reduced during each
+stage's last micro-batch's backward) with T = 1 and a schedule without split backward, else the
+runtime's flat all-reduce after the schedule (the reasons are in that function).
 
 :func:`refuse_unexecutable` refuses, before training, a plan with an axis the runtime cannot
 execute, naming the layer.  ``torch.distributed.tensor.experimental.implicit_replication``
@@ -1102,12 +1104,15 @@ def gradient_reduction(spec: MeshSpec) -> GradientReduction:
     DDP for ZeRO 0/1 with T = 1 and a schedule without split backward.  The others keep the
     runtime's flat all-reduce, for structural reasons:
 
-    * T > 1: the tensor-parallel weights are DTensors, which DDP does not take (torch's
-      2-D DDP goes through the private ``_pre_dp_module_transform``); FSDP2 over a
-      ``dp_replicate`` x ``dp_shard`` mesh (HSDP) would take them, but under torch's pipelining
-      FSDP2 reduces in ``perform_reduce_grad`` after the last backward, not during it (torch
-      2.13, ``PipelineStage.backward_maybe_with_nosync`` turns gradient sync off for every
-      micro-batch), so it would overlap nothing more than the flat all-reduce;
+    * T > 1: the tensor-parallel weights are DTensors.  DDP takes them only through its 2-D
+      path (``device_mesh=`` a slice of the mesh: torch's ``_pre_dp_module_transform``), which
+      swaps them for their local shards between forwards and rebuilds DTensors in a forward
+      pre-hook, while the runtime's ZeRO 1 optimizer (:class:`DTensorZeroOptimizer`), its
+      checkpoints and ``--check`` read the parameters as DTensors (not wired, not measured).
+      FSDP2 over a ``dp_replicate`` x ``dp_shard`` mesh (HSDP) takes them as they are, but under
+      torch's pipelining FSDP2 reduces in ``perform_reduce_grad`` after the last backward, not
+      during it (torch 2.13: ``PipelineStage.backward_maybe_with_nosync`` turns gradient sync off
+      for every micro-batch), so it would hide nothing the flat all-reduce does not;
     * the split-backward schedules (:data:`SPLIT_BACKWARD_SCHEDULES`): the weight gradients of a
       stage after the first are computed by ``torch.autograd.grad`` and written to ``.grad`` by
       hand (``stage_backward_weight``), so DDP's gradient hooks never fire for them.
@@ -1120,8 +1125,9 @@ def gradient_reduction(spec: MeshSpec) -> GradientReduction:
     if spec.tensor_parallel_degree > 1:
         return GradientReduction(
             "all-reduce",
-            f"T = {spec.tensor_parallel_degree}: DDP takes no tensor-parallel DTensor weights, and FSDP2 (HSDP) "
-            "under torch's pipelining reduces only after the last backward",
+            f"T = {spec.tensor_parallel_degree}: DDP takes the tensor-parallel DTensor weights only as local shards "
+            "swapped in between forwards, which the runtime's optimizer, checkpoints and --check do not expect, and "
+            "FSDP2 (HSDP) under torch's pipelining reduces only after the last backward",
         )
     if spec.schedule in SPLIT_BACKWARD_SCHEDULES:
         return GradientReduction(

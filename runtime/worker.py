@@ -16,8 +16,10 @@ ranks form the plan's ``DeviceMesh`` (:mod:`runtime.mesh`: axes ``("pp", "dp_rep
 "dp_shard", "tp")``, rank = (k * D + d) * T + t); each stage module gets tensor parallelism
 (T > 1, the layers with a sharding rule), recompute (its first checkpointed layers, each under
 its own checkpoint), autocast, then FSDP2 over the data axis (ZeRO 2/3); ZeRO 1 shards the
-optimizer state.  Gradients are averaged over the data axis (the flat all-reduce, for what
-FSDP2 does not shard), and tied parameters whose copies sit on different pipeline ranks have
+optimizer state.  Gradients are averaged over the data axis: by torch DDP's buckets during
+each stage's last backward where :func:`runtime.mesh.gradient_reduction` allows it (ZeRO 0/1,
+T = 1, no split backward), else by the flat all-reduce after the schedule (for what FSDP2 does
+not shard), and tied parameters whose copies sit on different pipeline ranks have
 their gradients summed between those ranks;
 ``--clip-grad-norm`` clips to the norm of that whole gradient (summed over the pipeline
 ranks).  ``--checkpoint DIR [--every N]`` saves model and optimizer state with
@@ -519,7 +521,7 @@ def _train(
         raise InputError(f"--dp-bucket-mb {bucket_mb:g}: give a bucket size above 0 MiB (DDP's default is 25)")
     clocks: list[Any] = []  # one runtime._ddp.BucketClock per DDP-wrapped stage
     by_ddp: set[int] = set()  # ids of the parameters DDP reduces
-    left_to_us: dict[str, int] = {}  # why a parameter of a DDP stage is not DDP's -> how many
+    left_to_us: dict[str, set[int]] = {}  # why a parameter of a DDP stage is not DDP's -> their ids
     layer_of: dict[int, str] = {}  # a weight by the first layer holding it (a tied embedding: the embedding)
     for s in my_stages:
         for u in range(plan.stages[s].start, plan.stages[s].stop):
@@ -557,10 +559,10 @@ def _train(
             ignore = []
             for p in {id(p): p for p in mod.parameters()}.values():
                 why = "expert-parallel (reduced over its own groups)" if axes.owns(p) else (
-                    "held by two stages of one rank" if holders.get(id(p), 1) > 1 else "")  # fmt: skip
+                    "held by two stages of one rank (flat all-reduce)" if holders.get(id(p), 1) > 1 else "")  # fmt: skip
                 if why:
                     ignore.append(p)
-                    left_to_us[why] = left_to_us.get(why, 0) + 1
+                    left_to_us.setdefault(why, set()).add(id(p))
             mine_ddp = [p for p in mod.parameters() if p.requires_grad and all(p is not q for q in ignore)]
             if mine_ddp:  # DDP refuses a module with nothing to reduce (a Tanh alone)
                 mod, clock = wrap_ddp(mod, dp_group, bucket_mb=bucket_mb, ignore=ignore, labels=layer_of)
@@ -730,7 +732,10 @@ def _train(
                 p.grad.div_(m)  # mean over micro-batches, once per tensor
         if my_fault is not None and my_fault.mode == "drop-grad" and step == my_fault.step:
             _drop_gradient(params)
-        if dp_group is not None:  # FSDP2 (ZeRO 2/3) averaged the gradients of what it shards itself
+        # the flat all-reduce, for what neither FSDP2 (ZeRO 2/3: what it shards) nor DDP (by_ddp)
+        # averaged: kept for T > 1 and the split-backward schedules (runtime.mesh.gradient_reduction
+        # says why), and under DDP for the weights it leaves out (two stages' of one rank)
+        if dp_group is not None:
             mine_to_reduce = [
                 p
                 for p in params
@@ -849,7 +854,7 @@ def _train(
             "dp_why": reduction.why,
             "dp_bucket_mb": bucket_mb,
             "dp_ddp_tensors": len(by_ddp),
-            "dp_left": left_to_us,
+            "dp_left": {why: len(ids) for why, ids in left_to_us.items()},
             "dp_last_buckets": _bucket_rows(*last_buckets),
             **axes.report(),  # context- and expert-parallel layers (runtime/axes.py)
         },
@@ -1221,7 +1226,7 @@ def _data_parallel_note(spec: Any, gathered: list[Any]) -> list[str]:
             "gradient order: the first step reduces one bucket) and all-reduced during each stage's last "
             "micro-batch's backward"
             + (
-                "; left to the flat all-reduce after the schedule: "
+                "; left to the runtime's reductions after the schedule: "
                 + ", ".join(f"{n} tensor(s) {why}" for why, n in sorted(left.items()))
                 if left
                 else ""
@@ -1360,7 +1365,8 @@ def _bucket_rows(events: list[Any], backward: tuple[float, float] | None) -> dic
 
 
 def _allreduce_mean(grads: list[Any], group: Any, replicas: int) -> None:
-    """Average gradients over the data-parallel group, in one flat buffer."""
+    """Average gradients over the data-parallel group, in one flat buffer, after the schedule:
+    the path of the plans torch's DDP cannot reduce (:func:`runtime.mesh.gradient_reduction`)."""
     import torch
     import torch.distributed as dist
 

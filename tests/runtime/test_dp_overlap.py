@@ -21,6 +21,7 @@ from runtime.mesh import MeshSpec, gradient_reduction
 from tests.runtime.helpers import make_plan, run_cli, structure_profile, write_plan
 
 GPT = "examples.gpt:tiny"  # embed, blocks.0-3, head (tied to embed); 874 kB of parameters
+TIED = "tests.runtime.tied_model:tiny"  # 6 linear layers: 2 uses 0's weight, 4 uses 1's
 
 
 # ---- which path, without launching
@@ -107,18 +108,18 @@ def profile() -> Profile:
     return structure_profile(GPT)
 
 
-def _run(plan: Any, tmp_path: Path, *args: str) -> dict[str, Any]:
+def _run(plan: Any, tmp_path: Path, *args: str, model: str = GPT, tensors: int = 52) -> dict[str, Any]:
     plan_file = write_plan(plan, tmp_path / "plan.json")
     report = tmp_path / "report.json"
     proc, _ = run_cli(
-        ["run", "--plan", str(plan_file), "--model", GPT, "--steps", "3", "--check", "--tolerance", "1e-5",
+        ["run", "--plan", str(plan_file), "--model", model, "--steps", "3", "--check", "--tolerance", "1e-5",
          "--report", str(report), "--timeout", "90", *args],
         timeout=240,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "check PASSED" in proc.stdout
     data: dict[str, Any] = json.loads(report.read_text())
-    assert data["check"]["passed"] and data["check"]["params_compared"] == 52
+    assert data["check"]["passed"] and data["check"]["params_compared"] == tensors
     return data
 
 
@@ -175,3 +176,18 @@ def test_a_split_backward_schedule_keeps_the_flat_all_reduce_and_says_why(profil
     assert not any(n.startswith("data-parallel buckets") for n in report["notes"])
     assert "data-parallel flat all-reduce: measured" in _note(report, "collectives per step: ")
     assert all(r["allreduce_bytes"] > 0 for r in report["ranks"])
+
+
+@pytest.mark.slow
+def test_a_weight_two_stages_of_a_rank_share_is_left_to_the_flat_all_reduce(tmp_path: Path) -> None:
+    """Interleaved, K = 2 x D = 2: rank 0 runs stages 0, 2, 4, and layers 0 and 2 share a weight
+    (one tensor in two DDP modules would be averaged twice): it stays with the flat all-reduce;
+    layers 1 and 4 share one across the pipeline ranks: DDP averages it, then the tied sum."""
+    plan = make_plan(structure_profile(TIED), [(i, i + 1) for i in range(6)], schedule="interleaved-1f1b",
+                     optimizer="sgd-momentum", pipeline_degree=2, data_parallel=2, devices=4)  # fmt: skip
+    report = _run(plan, tmp_path, "--lr", "0.05", "--dp-bucket-mb", "0.001", model=TIED, tensors=10)
+    mesh = _note(report, "mesh: ")
+    # rank 0: its biases and layer 1's weight (4); rank 1: layers 1, 3, 5 (6); not layer 0's weight
+    assert "data-parallel gradients: torch DDP over the 2 replicas of each stage (10 tensor(s))" in mesh
+    assert "left to the runtime's reductions after the schedule: 1 tensor(s) held by two stages of one rank (flat" in mesh
+    assert sorted(r["allreduce_bytes"] for r in report["ranks"]) == [0, 0, 16 * 16 * 4, 16 * 16 * 4]
