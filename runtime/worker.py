@@ -727,6 +727,16 @@ def _train(
         comm.append(_comm_step(before, (tp_clock, fsdp_clock, transfer_clock)))
         buckets = [e for c in clocks for e in c.take()]  # DDP's, during the schedule's last backwards
         ddp_step = step_reduction(buckets)
+        # DDP (find_unused_parameters=False) never reduces a bucket holding a weight left without a
+        # gradient, and fails the next step obscurely: the splitter keeps no unused weight, so this
+        # is a layer the backward did not reach (--inject-fault R:S:skip-layer)
+        if by_ddp:
+            unused = sorted({layer_of.get(id(p), "?") for p in params if id(p) in by_ddp and p.grad is None})
+            if unused:
+                raise InputError(
+                    f"rank {rank}: a weight of layer(s) {', '.join(unused)} got no gradient in step {step}'s backward; "
+                    "torch DDP cannot reduce a stage with unused weights: run with --dp-reduction flat"
+                )
         for p in params:
             if p.grad is not None:
                 p.grad.div_(m)  # mean over micro-batches, once per tensor

@@ -191,3 +191,17 @@ def test_a_weight_two_stages_of_a_rank_share_is_left_to_the_flat_all_reduce(tmp_
     assert "data-parallel gradients: torch DDP over the 2 replicas of each stage (10 tensor(s))" in mesh
     assert "left to the runtime's reductions after the schedule: 1 tensor(s) held by two stages of one rank (flat" in mesh
     assert sorted(r["allreduce_bytes"] for r in report["ranks"]) == [0, 0, 16 * 16 * 4, 16 * 16 * 4]
+
+
+@pytest.mark.slow
+def test_a_weight_left_without_a_gradient_stops_the_run_naming_the_layer(profile: Profile, tmp_path: Path) -> None:
+    """DDP would never reduce its bucket (and fail the next step obscurely): a layer skipped from
+    step 1 on (--inject-fault) stops the job naming it and the way out."""
+    plan = make_plan(profile, [(0, 6)], schedule="1f1b", microbatches=2, data_parallel=2)
+    plan_file = write_plan(plan, tmp_path / "plan.json")
+    proc, _ = run_cli(["run", "--plan", str(plan_file), "--model", GPT, "--steps", "3", "--timeout", "60",
+                       "--inject-fault", "0:1:skip-layer"], timeout=240)  # fmt: skip
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "a weight of layer(s) blocks.0 got no gradient in step 1's backward" in out, out[-3000:]
+    assert "--dp-reduction flat" in out
