@@ -1211,16 +1211,16 @@ def _mesh_note(plan: Any, split: Any, gathered: list[Any]) -> str:
             parts.append(
                 f"ZeRO 1: optimizer state sharded over the {spec.data_parallel_degree} replicas ({', '.join(kinds)})"
             )
-    parts += _data_parallel_note(spec, gathered)
+    parts += _data_parallel_note(spec, gathered, context=plan.context_parallel_degree)
     from runtime.axes import axes_note
 
     parts += axes_note(plan, [g["mesh"] for g in gathered if g["replica"] == 0 and g["tp_rank"] == 0 and g["cp_rank"] == 0])
     return "mesh: " + "; ".join(parts) if parts else ""
 
 
-def _data_parallel_note(spec: Any, gathered: list[Any]) -> list[str]:
+def _data_parallel_note(spec: Any, gathered: list[Any], *, context: int = 1) -> list[str]:
     """The mesh note's part on which path reduced the data-parallel gradients (empty for D = 1
-    and ZeRO 2/3, whose note says FSDP2)."""
+    and ZeRO 2/3, whose note says FSDP2); ``context``: C, folded into the data axis."""
     meshes = [g["mesh"] for g in gathered]
     path = meshes[0].get("dp_path", "none")
     if path == "ddp":
@@ -1230,17 +1230,14 @@ def _data_parallel_note(spec: Any, gathered: list[Any]) -> list[str]:
                 left[why] = left.get(why, 0) + n
         tensors = sum(g["mesh"]["dp_ddp_tensors"] for g in gathered if g["replica"] == 0 and g["tp_rank"] == 0
                       and g["cp_rank"] == 0)  # fmt: skip
+        n = spec.data_parallel_degree
+        over = f"ranks of each stage's data axis (D x C = {n // context} x {context})" if context > 1 else "replicas of each stage"
+        left_note = ", ".join(f"{k} tensor(s) {why}" for why, k in sorted(left.items()))
         return [
-            f"data-parallel gradients: torch DDP over the {spec.data_parallel_degree} replicas of each stage "
-            f"({tensors} tensor(s)), bucketed ({meshes[0]['dp_bucket_mb']:g} MiB buckets, built on the first step's "
-            "gradient order: the first step reduces one bucket) and all-reduced during each stage's last "
-            "micro-batch's backward"
-            + (
-                "; left to the runtime's reductions after the schedule: "
-                + ", ".join(f"{n} tensor(s) {why}" for why, n in sorted(left.items()))
-                if left
-                else ""
-            )
+            f"data-parallel gradients: torch DDP over the {n} {over} ({tensors} tensor(s)), bucketed "
+            f"({meshes[0]['dp_bucket_mb']:g} MiB buckets, built on the first step's gradient order: the first step "
+            "reduces one bucket) and all-reduced during each stage's last micro-batch's backward"
+            + (f"; left to the runtime's reductions after the schedule: {left_note}" if left else "")
         ]
     if path == "all-reduce":
         return [f"data-parallel gradients: the runtime's flat all-reduce after the schedule ({meshes[0]['dp_why']})"]
