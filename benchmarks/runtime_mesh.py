@@ -5,6 +5,12 @@ ranks with one intra-op thread each, every plan made by ``pipeplan plan`` with t
 from a profile measured here in the same run with the same thread count:
 
 * measured / predicted step time (the report's median over the steps after the warm-up step);
+* for the plans with D > 1, the data-parallel gradient reduction: its measured time (the slowest
+  rank's, median after the first step), the part exposed after the backward's last gradient and
+  the part hidden behind the backward, against the plan's prediction (``allreduce_ms``, exposed:
+  ``allreduce_ms x (1 - gradient_overlap)``); ``D=2 DDP`` runs torch DDP's buckets (``--bucket-mb``),
+  ``D=2 flat`` the same plan with ``--dp-reduction flat`` (the runtime's all-reduce after the
+  schedule), to compare;
 * per rank, its peak resident set in training (the report's "resident set per rank" note; CPU
   has no allocator figure) over the plan's predicted memory of its stage, three ways: the whole
   process; its peak less the process just before it built the model (the interpreter and
@@ -15,6 +21,7 @@ Ranks beyond the machine's cores share them: a 4-rank plan on 2 cores runs about
 slow as predicted (the plan prices one device per rank).  This prints whatever it measures.
 
     OMP_NUM_THREADS=1 python benchmarks/runtime_mesh.py [--model examples.gpt:small] [--steps 4]
+    OMP_NUM_THREADS=1 python benchmarks/runtime_mesh.py --only "D=2 DDP,D=2 flat"   # the reduction alone
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ sys.path.insert(0, str(ROOT))
 # name: (devices, stages K, D, T, ZeRO, micro-batches M, global batch, two agents, sequence parallelism)
 Row = tuple[int, int, int, int, int, int, int, bool, bool]
 ROWS: dict[str, Row] = {
+    "D=2 DDP": (2, 1, 2, 1, 0, 4, 16, False, False),
+    "D=2 flat": (2, 1, 2, 1, 0, 4, 16, False, False),
     "T=2 x K=2": (4, 2, 1, 2, 0, 4, 8, False, False),
     "D=2 ZeRO-1 x K=2": (4, 2, 2, 1, 1, 4, 16, False, False),
     "D=2 ZeRO-3 x K=2": (4, 2, 2, 1, 3, 4, 16, False, False),
@@ -80,10 +89,10 @@ def _plan(profile: Path, out: Path, row: Row) -> dict[str, Any]:
 
 
 def _run(
-    plan_file: Path, report_file: Path, *, model: str, steps: int, two_agents: bool
+    plan_file: Path, report_file: Path, *, model: str, steps: int, two_agents: bool, extra: tuple[str, ...] = ()
 ) -> tuple[dict[str, Any] | None, str]:
     cmd = [sys.executable, "-m", "pipeplan", "run", "--plan", str(plan_file), "--model", model, "--lr", "0.01",
-           "--steps", str(steps), "--report", str(report_file), "--timeout", "120"]  # fmt: skip
+           "--steps", str(steps), "--report", str(report_file), "--timeout", "120", *extra]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if not two_agents:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -125,6 +134,9 @@ def main() -> int:
     parser.add_argument("--profile-time", type=float, default=20, help="seconds the profiler may spend")
     parser.add_argument("--only", help="comma-separated row names to run (default: all)")
     parser.add_argument("--json", help="also write the rows as JSON here")
+    parser.add_argument(
+        "--bucket-mb", type=float, default=4.0, help="DDP's bucket size for the D > 1 rows (MiB; default 4)"
+    )
     args = parser.parse_args()
 
     from runtime.report import parse_rss_note
@@ -153,7 +165,11 @@ def main() -> int:
             report_file.unlink(missing_ok=True)
             plan = _plan(profile, plan_file, spec)
             t0 = time.perf_counter()
-            report, err = _run(plan_file, report_file, model=args.model, steps=args.steps, two_agents=spec[7])
+            extra = ("--dp-bucket-mb", repr(args.bucket_mb))
+            if name.endswith(" flat"):
+                extra += ("--dp-reduction", "flat")
+            report, err = _run(plan_file, report_file, model=args.model, steps=args.steps, two_agents=spec[7],
+                               extra=extra)  # fmt: skip
             if report is None:
                 print(f"  {name}: FAILED\n{err}", flush=True)
                 continue
@@ -197,6 +213,8 @@ def main() -> int:
                     "ranks": ranks,
                     "collectives": next((n for n in report["notes"] if n.startswith("collectives per step")), None),
                     "axes": {a: (report.get("collectives") or {}).get(a) for a in AXES},
+                    "gradient_overlap": plan["training"]["gradient_overlap"],
+                    "dp_path": _dp_path(report["notes"]),
                     "wall_s": time.perf_counter() - t0,
                 }
             )
@@ -248,6 +266,7 @@ def main() -> int:
                 pred = "-" if x.get("predicted_ms") is None else f"{x['predicted_ms']:.1f}"
                 cells.append(f"{x['measured_ms']:>12.1f} / {pred:<11}")
         print(f"{r['plan']:<18} " + " ".join(cells))
+    _reduction_table(rows, args.bucket_mb)
     for key, what in (
         ("growth_over_predicted", "peak - RSS before the model"),
         ("training_growth_over_predicted", "peak - RSS at the first step"),
@@ -258,6 +277,48 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0
+
+
+def _dp_path(notes: list[str]) -> str:
+    """Which path reduced the data-parallel gradients, from the report's mesh note."""
+    mesh = next((n for n in notes if n.startswith("mesh: ")), "")
+    if "data-parallel gradients: torch DDP" in mesh:
+        return "torch DDP (bucketed, overlapped)"
+    if "data-parallel gradients: the runtime's flat all-reduce" in mesh:
+        return "flat all-reduce after the schedule"
+    return "-"
+
+
+def _reduction_table(rows: list[dict[str, Any]], bucket_mb: float) -> None:
+    """The data-parallel gradient reduction of the D > 1 rows: measured (all of it, exposed after
+    the backward's last gradient, hidden behind the backward) against the plan's prediction."""
+    dp = [r for r in rows if (r["axes"].get("data_parallel") or {}).get("predicted_ms") is not None]
+    if not dp:
+        return
+    print()
+    print(f"data-parallel gradient reduction per step (the slowest rank, median after the first step; DDP buckets of "
+          f"{bucket_mb:g} MiB): measured / predicted ms; predicted exposed = allreduce_ms x (1 - gradient_overlap)")  # fmt: skip
+    head = (f"{'plan':<18} {'path':<34} {'buckets':>7} {'meas all':>8} {'pred all':>8} {'ratio':>6} "
+            f"{'meas exposed':>12} {'pred exposed':>12} {'ratio':>6} {'hidden':>7} {'step ms':>8}")  # fmt: skip
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        x = r["axes"].get("data_parallel")
+        if x is None or x.get("predicted_ms") is None:
+            continue
+        parts = x.get("parts_ms") or {}
+        exposed = parts.get("exposed", x["measured_ms"])
+        pred_all = x["predicted_ms"]
+        pred_exposed = pred_all * (1 - r["gradient_overlap"])
+
+        def ratio(a: float, b: float) -> str:
+            return f"{a / b:.2f}" if b > 0 else "-"
+
+        print(
+            f"{r['plan']:<18} {r['dp_path'][:34]:<34} {x.get('calls') or 0:>7} {x['measured_ms']:>8.2f} {pred_all:>8.2f} "
+            f"{ratio(x['measured_ms'], pred_all):>6} {exposed:>12.2f} {pred_exposed:>12.2f} "
+            f"{ratio(exposed, pred_exposed):>6} {parts.get('hidden', 0.0):>7.2f} {r['measured_ms'] or 0:>8.1f}"
+        )
 
 
 if __name__ == "__main__":

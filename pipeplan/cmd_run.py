@@ -152,6 +152,10 @@ def run(args: argparse.Namespace) -> int:
             worker_args += ["--report", os.path.abspath(args.report)]
         if args.inject_fault:
             worker_args += ["--inject-fault", args.inject_fault]
+        if args.dp_bucket_mb is not None:
+            worker_args += ["--dp-bucket-mb", repr(args.dp_bucket_mb)]
+        if args.dp_reduction != "auto":
+            worker_args += ["--dp-reduction", args.dp_reduction]
         worker_args += _checkpoint_args(args, model=model, sha256=sha256, optimizer=optimizer)
         launch(
             worker_args,

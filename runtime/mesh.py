@@ -46,8 +46,10 @@ into what the pipeline stage runs, one function per axis in a fixed order:
 
 ZeRO 1 is the optimizer: :func:`make_sharded_optimizer` (``ZeroRedundancyOptimizer`` over
 "dp_replicate"; with T > 1, :class:`DTensorZeroOptimizer`, the same scheme for DTensor
-parameters); the gradients are still averaged by the runtime's flat all-reduce.  ZeRO 0 is
-the runtime's flat all-reduce, as before (it handles tied weights).
+parameters).  ZeRO 0 and 1 average the gradients as :func:`gradient_reduction` says: torch's
+``DistributedDataParallel`` per stage (:mod:`runtime._ddp`: buckets all-reduced during each
+stage's last micro-batch's backward) with T = 1 and a schedule without split backward, else the
+runtime's flat all-reduce after the schedule (the reasons are in that function).
 
 :func:`refuse_unexecutable` refuses, before training, a plan with an axis the runtime cannot
 execute, naming the layer.  ``torch.distributed.tensor.experimental.implicit_replication``
@@ -1077,6 +1079,63 @@ class DTensorZeroOptimizer:
                 p.grad = None
             elif p.grad is not None:
                 p.grad.zero_()
+
+
+#: ``pipeplan run --dp-bucket-mb``'s default: DDP's own bucket size (MiB)
+DEFAULT_BUCKET_MB = 25.0
+
+
+@dataclass(frozen=True)
+class GradientReduction:
+    """Which path averages a plan's data-parallel gradients (:func:`gradient_reduction`):
+    ``"ddp"`` (torch's ``DistributedDataParallel``: bucketed, overlapped with each stage's last
+    backward), ``"fsdp2"`` (ZeRO 2/3: FSDP2's reduce-scatters), ``"all-reduce"`` (the runtime's
+    flat all-reduce after the schedule) or ``"none"`` (D = 1); ``why``: the reason a plan with
+    D > 1 does not go through DDP."""
+
+    path: str
+    why: str = ""
+
+
+def gradient_reduction(spec: MeshSpec) -> GradientReduction:
+    """The path of ``spec``'s data-parallel gradients (expert-parallel weights, E > 1, are
+    reduced over their own groups by the runtime whatever the path).
+
+    DDP for ZeRO 0/1 with T = 1 and a schedule without split backward.  The others keep the
+    runtime's flat all-reduce, for structural reasons:
+
+    * T > 1: the tensor-parallel weights are DTensors.  DDP takes them only through its 2-D
+      path (``device_mesh=`` a slice of the mesh: torch's ``_pre_dp_module_transform``), which
+      swaps them for their local shards between forwards and rebuilds DTensors in a forward
+      pre-hook, while the runtime's ZeRO 1 optimizer (:class:`DTensorZeroOptimizer`), its
+      checkpoints and ``--check`` read the parameters as DTensors (not wired, not measured).
+      FSDP2 over a ``dp_replicate`` x ``dp_shard`` mesh (HSDP) takes them as they are, but under
+      torch's pipelining FSDP2 reduces in ``perform_reduce_grad`` after the last backward, not
+      during it (torch 2.13: ``PipelineStage.backward_maybe_with_nosync`` turns gradient sync off
+      for every micro-batch), so it would hide nothing the flat all-reduce does not;
+    * the split-backward schedules (:data:`SPLIT_BACKWARD_SCHEDULES`): the weight gradients of a
+      stage after the first are computed by ``torch.autograd.grad`` and written to ``.grad`` by
+      hand (``stage_backward_weight``), so DDP's gradient hooks never fire for them.
+    """
+    d = spec.data_parallel_degree
+    if d == 1:
+        return GradientReduction("none")
+    if spec.zero_stage >= 2:
+        return GradientReduction("fsdp2", f"ZeRO {spec.zero_stage}: FSDP2 reduce-scatters what it shards")
+    if spec.tensor_parallel_degree > 1:
+        return GradientReduction(
+            "all-reduce",
+            f"T = {spec.tensor_parallel_degree}: DDP takes the tensor-parallel DTensor weights only as local shards "
+            "swapped in between forwards, which the runtime's optimizer, checkpoints and --check do not expect, and "
+            "FSDP2 (HSDP) under torch's pipelining reduces only after the last backward",
+        )
+    if spec.schedule in SPLIT_BACKWARD_SCHEDULES:
+        return GradientReduction(
+            "all-reduce",
+            f"schedule {spec.schedule} splits the backward: its weight gradients come from torch.autograd.grad, "
+            "which DDP's gradient hooks do not see",
+        )
+    return GradientReduction("ddp")
 
 
 def reduces_data_gradients(spec: MeshSpec, p: Any) -> bool:

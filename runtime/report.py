@@ -225,11 +225,14 @@ def build_report(
 
 
 #: what a rank measures of its communication in a step (ms; ``*_calls``: counts): DTensor's
-#: redistributions, the flat data-parallel all-reduce, the tied-weight sums, FSDP2's all-gathers
-#: and reduce-scatters, and the pipeline's transfers (posting and waiting for sends; waiting
-#: for receives)
+#: redistributions, the data-parallel gradient reduction (all of it: the flat all-reduce after
+#: the schedule and DDP's buckets during the last backwards; its part exposed after the
+#: backward's last gradient, its part hidden behind the backward, DDP's buckets), the tied-weight
+#: sums, FSDP2's all-gathers and reduce-scatters, and the pipeline's transfers (posting and
+#: waiting for sends; waiting for receives)
 COMM_KEYS = (
-    "tensor_parallel_ms", "tensor_parallel_calls", "data_parallel_ms", "tied_weights_ms",
+    "tensor_parallel_ms", "tensor_parallel_calls", "data_parallel_ms", "data_parallel_exposed_ms",
+    "data_parallel_hidden_ms", "data_parallel_buckets", "tied_weights_ms",
     "fsdp_all_gather_ms", "fsdp_reduce_scatter_ms", "fsdp_calls",
     "transfer_send_ms", "transfer_receive_ms", "transfer_calls",
 )  # fmt: skip
@@ -245,6 +248,11 @@ def collective_times(
     if n == 0:
         return None
     first = warmup_steps if n > warmup_steps else 0
+    # rows without the exposed/hidden split (all of the reduction after the schedule): all exposed
+    rows = [
+        [{**x, "data_parallel_exposed_ms": x.get("data_parallel_exposed_ms", x.get("data_parallel_ms", 0.0))} for x in r]
+        for r in rows
+    ]
 
     def busiest(*keys: str) -> float:
         return float(
@@ -275,7 +283,13 @@ def collective_times(
         tensor_parallel=axis({"": "tensor_parallel_ms"}, p.tensor_parallel_ms, "tensor_parallel_calls")
         if plan.tensor_parallel_degree > 1
         else None,
-        data_parallel=axis({"": "data_parallel_ms"}, p.allreduce_ms) if d > 1 else None,
+        data_parallel=axis(
+            {"exposed": "data_parallel_exposed_ms", "hidden": "data_parallel_hidden_ms"},
+            p.allreduce_ms,
+            "data_parallel_buckets",
+        )
+        if d > 1
+        else None,
         fsdp=axis(
             {"all_gather": "fsdp_all_gather_ms", "reduce_scatter": "fsdp_reduce_scatter_ms"}, p.zero_ms, "fsdp_calls"
         )
@@ -309,10 +323,24 @@ def collectives_note(plan: Plan, times: CollectiveTimes | None) -> str:
         )
     if (a := times.data_parallel) is not None:
         fsdp = plan.zero_stage >= 2
-        parts.append(
-            "data-parallel flat all-reduce" + (" of what FSDP2 does not shard" if fsdp else "")
-            + f": measured {a.measured_ms:.2f} ms, " + pred(a, "the collective after the step")
-        )  # fmt: skip
+        if a.calls:  # DDP's buckets: bucketed, during the stages' last backwards
+            overlap = plan.training.gradient_overlap
+            predicted = (
+                f"; predicted {a.predicted_ms:.2f} ms, exposed {a.predicted_ms * (1 - overlap):.2f} ms (the plan's "
+                f"gradient_overlap {overlap:g})"
+                if a.predicted_ms is not None
+                else "; " + pred(a)
+            )
+            parts.append(
+                f"data-parallel gradient reduction (DDP, {a.calls} bucket(s) during the last backwards): measured "
+                f"{a.measured_ms:.2f} ms, exposed {a.parts_ms.get('exposed', 0.0):.2f} ms after the backward's last "
+                f"gradient, hidden {a.parts_ms.get('hidden', 0.0):.2f} ms behind the backward" + predicted
+            )
+        else:
+            parts.append(
+                "data-parallel flat all-reduce" + (" of what FSDP2 does not shard" if fsdp else "")
+                + f": measured {a.measured_ms:.2f} ms, " + pred(a, "the collective after the step")
+            )  # fmt: skip
     if (a := times.fsdp) is not None:
         parts.append(
             f"FSDP2 all-gathers and reduce-scatters (ZeRO {plan.zero_stage}, inside the schedule's forward and "

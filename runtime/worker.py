@@ -16,8 +16,10 @@ ranks form the plan's ``DeviceMesh`` (:mod:`runtime.mesh`: axes ``("pp", "dp_rep
 "dp_shard", "tp")``, rank = (k * D + d) * T + t); each stage module gets tensor parallelism
 (T > 1, the layers with a sharding rule), recompute (its first checkpointed layers, each under
 its own checkpoint), autocast, then FSDP2 over the data axis (ZeRO 2/3); ZeRO 1 shards the
-optimizer state.  Gradients are averaged over the data axis (the flat all-reduce, for what
-FSDP2 does not shard), and tied parameters whose copies sit on different pipeline ranks have
+optimizer state.  Gradients are averaged over the data axis: by torch DDP's buckets during
+each stage's last backward where :func:`runtime.mesh.gradient_reduction` allows it (ZeRO 0/1,
+T = 1, no split backward), else by the flat all-reduce after the schedule (for what FSDP2 does
+not shard), and tied parameters whose copies sit on different pipeline ranks have
 their gradients summed between those ranks;
 ``--clip-grad-norm`` clips to the norm of that whole gradient (summed over the pipeline
 ranks).  ``--checkpoint DIR [--every N]`` saves model and optimizer state with
@@ -145,6 +147,22 @@ def add_worker_args(p: argparse.ArgumentParser, *, for_launcher: bool = False) -
         metavar="DIR",
         help="continue from the newest complete checkpoint in DIR, under this or another plan (other K, D, T "
         "or ZeRO: the checkpoint is resharded on load); --steps counts from step 0",
+    )
+    p.add_argument(
+        "--dp-bucket-mb",
+        type=float,
+        default=None,
+        metavar="MIB",
+        help="bucket size of the data-parallel gradient all-reduce (torch DDP, overlapped with each stage's last "
+        "backward; default 25, DDP's)",
+    )
+    p.add_argument(
+        "--dp-reduction",
+        choices=("auto", "flat"),
+        default="auto",
+        help="data-parallel gradient reduction: auto (torch DDP, bucketed and overlapped with the backward, where "
+        "the mesh allows it; else the flat all-reduce) or flat (the runtime's flat all-reduce after the schedule, "
+        "to compare)",
     )
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
     # RANK:STEP:MODE (FAULT_MODES): make one rank fail mid-step or compute wrongly, for tests
@@ -406,11 +424,14 @@ def _train(
         timed_fsdp_collectives,
         timed_transfers,
     )
+    from runtime._ddp import step_reduction, wrap_ddp
     from runtime._dtensor_timing import CollectiveClock, timed_redistributions
     from runtime._torch_schedule import build_schedule
     from runtime.axes import local_examples, new_axes
     from runtime.data import DataReport, DataSource, judge, loads_data
     from runtime.mesh import (
+        DEFAULT_BUCKET_MB,
+        GradientReduction,
         all_reduce_grad,
         apply_mesh,
         build_mesh,
@@ -418,6 +439,7 @@ def _train(
         full_gradients,
         full_parameters,
         gradient_norms,
+        gradient_reduction,
         make_sharded_optimizer,
         reduces_data_gradients,
         squared_grad_norm,
@@ -489,6 +511,28 @@ def _train(
     # context and expert parallelism (runtime/axes.py): built on every rank (their meshes are collectives)
     axes = new_axes(plan, replica=replica, example_inputs=entry.example_inputs, device_type=device.type,
                     step_box=step_box, fault=my_fault)  # fmt: skip
+    # the data-parallel gradients: torch DDP (bucketed, during each stage's last backward) where
+    # runtime.mesh.gradient_reduction allows it, else the flat all-reduce after the schedule
+    reduction = gradient_reduction(spec)
+    if args.dp_reduction == "flat" and reduction.path == "ddp":
+        reduction = GradientReduction("all-reduce", "asked for with --dp-reduction flat")
+    bucket_mb = args.dp_bucket_mb if args.dp_bucket_mb is not None else DEFAULT_BUCKET_MB
+    if bucket_mb <= 0:
+        raise InputError(f"--dp-bucket-mb {bucket_mb:g}: give a bucket size above 0 MiB (DDP's default is 25)")
+    clocks: list[Any] = []  # one runtime._ddp.BucketClock per DDP-wrapped stage
+    by_ddp: set[int] = set()  # ids of the parameters DDP reduces
+    left_to_us: dict[str, set[int]] = {}  # why a parameter of a DDP stage is not DDP's -> their ids
+    layer_of: dict[int, str] = {}  # a weight by the first layer holding it (a tied embedding: the embedding)
+    for s in my_stages:
+        for u in range(plan.stages[s].start, plan.stages[s].stop):
+            for p in split.units[u].parameters():
+                layer_of.setdefault(id(p), split.names[u])
+    # a weight held by two stages of this rank (a tied embedding and head under a V schedule):
+    # two DDP reducers would each average it; the flat all-reduce does it once
+    holders: dict[int, int] = {}
+    for s in my_stages:
+        for i in {id(p) for u in range(plan.stages[s].start, plan.stages[s].stop) for p in split.units[u].parameters()}:
+            holders[i] = holders.get(i, 0) + 1
     for s in my_stages:
         sp = plan.stages[s]
         mod: Any = split.stage_module(sp.start, sp.stop, pipeline=True)
@@ -511,6 +555,19 @@ def _train(
             wrap=lambda inner: _wrap_stage(inner, opts, device, plan.schedule in SPLIT_BACKWARD),
             keep_whole=[p for _, p in tied],
         )
+        if reduction.path == "ddp":
+            ignore = []
+            for p in {id(p): p for p in mod.parameters()}.values():
+                why = "expert-parallel (reduced over its own groups)" if axes.owns(p) else (
+                    "held by two stages of one rank (flat all-reduce)" if holders.get(id(p), 1) > 1 else "")  # fmt: skip
+                if why:
+                    ignore.append(p)
+                    left_to_us.setdefault(why, set()).add(id(p))
+            mine_ddp = [p for p in mod.parameters() if p.requires_grad and all(p is not q for q in ignore)]
+            if mine_ddp:  # DDP refuses a module with nothing to reduce (a Tanh alone)
+                mod, clock = wrap_ddp(mod, dp_group, bucket_mb=bucket_mb, ignore=ignore, labels=layer_of)
+                clocks.append(clock)
+                by_ddp.update(id(p) for p in mine_ddp)
         stage = PipelineStage(
             mod,
             s,
@@ -599,6 +656,7 @@ def _train(
 
     step_ms: list[float] = []
     phases: list[list[float]] = []
+    last_buckets: tuple[list[Any], tuple[float, float] | None] = ([], None)
     # communication inside the schedule, per axis: DTensor's collectives (T > 1, inside F and B),
     # FSDP2's all-gathers and reduce-scatters (ZeRO 2/3), the pipeline's sends and receives (K > 1)
     tp_clock, fsdp_clock, transfer_clock = CollectiveClock(), FsdpClock(), TransferClock()
@@ -667,14 +725,31 @@ def _train(
         _sync(device)
         t_schedule = time.perf_counter()
         comm.append(_comm_step(before, (tp_clock, fsdp_clock, transfer_clock)))
+        buckets = [e for c in clocks for e in c.take()]  # DDP's, during the schedule's last backwards
+        ddp_step = step_reduction(buckets)
+        # DDP (find_unused_parameters=False) never reduces a bucket holding a weight left without a
+        # gradient, and fails the next step obscurely: the splitter keeps no unused weight, so this
+        # is a layer the backward did not reach (--inject-fault R:S:skip-layer)
+        if by_ddp:
+            unused = sorted({layer_of.get(id(p), "?") for p in params if id(p) in by_ddp and p.grad is None})
+            if unused:
+                raise InputError(
+                    f"rank {rank}: a weight of layer(s) {', '.join(unused)} got no gradient in step {step}'s backward; "
+                    "torch DDP cannot reduce a stage with unused weights: run with --dp-reduction flat"
+                )
         for p in params:
             if p.grad is not None:
                 p.grad.div_(m)  # mean over micro-batches, once per tensor
         if my_fault is not None and my_fault.mode == "drop-grad" and step == my_fault.step:
             _drop_gradient(params)
-        if dp_group is not None:  # FSDP2 (ZeRO 2/3) averaged the gradients of what it shards itself
+        # the flat all-reduce, for what neither FSDP2 (ZeRO 2/3: what it shards) nor DDP (by_ddp)
+        # averaged: kept for T > 1 and the split-backward schedules (runtime.mesh.gradient_reduction
+        # says why), and under DDP for the weights it leaves out (two stages' of one rank)
+        if dp_group is not None:
             mine_to_reduce = [
-                p for p in params if p.grad is not None and not reduces_data_gradients(spec, p) and not axes.owns(p)
+                p
+                for p in params
+                if p.grad is not None and not reduces_data_gradients(spec, p) and not axes.owns(p) and id(p) not in by_ddp
             ]
             _allreduce_mean([p.grad for p in mine_to_reduce if not _is_dtensor(p.grad)], dp_group, d_deg)
             for p in mine_to_reduce:
@@ -737,7 +812,18 @@ def _train(
         # where the step went, for calibration (runtime/report.py): start on the host's clock,
         # then schedule, data-parallel all-reduce, tied-weight all-reduce, optimizer (ms)
         phases.append([t0, t_schedule - t0, t_allreduce - t_schedule, t_tied - t_allreduce, t_end - t_tied])
-        comm[-1].update(data_parallel_ms=phases[-1][2] * 1e3, tied_weights_ms=phases[-1][3] * 1e3)
+        # the data-parallel reduction: what ran after the schedule (all of it exposed) and DDP's
+        # buckets (in flight during the last backwards; exposed: after its last gradient was ready)
+        after_ms = phases[-1][2] * 1e3
+        comm[-1].update(
+            data_parallel_ms=after_ms + ddp_step.busy_ms,
+            data_parallel_exposed_ms=after_ms + ddp_step.exposed_ms,
+            data_parallel_hidden_ms=ddp_step.hidden_ms,
+            data_parallel_buckets=ddp_step.buckets,
+            tied_weights_ms=phases[-1][3] * 1e3,
+        )
+        if buckets:
+            last_buckets = (buckets, _last_backward(timings, step))
         mean_loss = sum(float(x.detach()) for x in losses) / len(losses) / scale if has_last and losses else None
         local_losses.append(mean_loss)
         grad_norms.append(norm)
@@ -773,13 +859,23 @@ def _train(
             # layers FSDP2 gathers one by one (runtime.mesh.apply_data_sharding)
             "fsdp_layers": sum(1 for m in modules for u in m.units if _is_fsdp(u)),
             "optimizer": type(opt).__name__ if opt is not None else None,
+            # which path reduced the data-parallel gradients (runtime.mesh.gradient_reduction)
+            "dp_path": reduction.path,
+            "dp_why": reduction.why,
+            "dp_bucket_mb": bucket_mb,
+            "dp_ddp_tensors": len(by_ddp),
+            "dp_left": {why: len(ids) for why, ids in left_to_us.items()},
+            "dp_last_buckets": _bucket_rows(*last_buckets),
             **axes.report(),  # context- and expert-parallel layers (runtime/axes.py)
         },
         "pipeline_rank": pp_rank,
         "comm": comm,
         "first_step": first_step,
+        # what the flat all-reduce after the schedule carries (the phase calibration times)
         "allreduce_bytes": sum(
-            _local(p).numel() * p.element_size() for p in params if not reduces_data_gradients(spec, p)
+            _local(p).numel() * p.element_size()
+            for p in params
+            if not reduces_data_gradients(spec, p) and id(p) not in by_ddp
         )
         if dp_group is not None
         else 0,
@@ -908,6 +1004,9 @@ def _finish(
     mesh_line = _mesh_note(plan, split, gathered)
     if mesh_line:
         notes.append(mesh_line)
+    bucket_line = _bucket_note(gathered)
+    if bucket_line:
+        notes.append(bucket_line)
     collectives = collective_times(plan, [g["comm"] for g in gathered])
     comm_line = collectives_note(plan, collectives)
     if comm_line:
@@ -1112,10 +1211,62 @@ def _mesh_note(plan: Any, split: Any, gathered: list[Any]) -> str:
             parts.append(
                 f"ZeRO 1: optimizer state sharded over the {spec.data_parallel_degree} replicas ({', '.join(kinds)})"
             )
+    parts += _data_parallel_note(spec, gathered, context=plan.context_parallel_degree)
     from runtime.axes import axes_note
 
     parts += axes_note(plan, [g["mesh"] for g in gathered if g["replica"] == 0 and g["tp_rank"] == 0 and g["cp_rank"] == 0])
     return "mesh: " + "; ".join(parts) if parts else ""
+
+
+def _data_parallel_note(spec: Any, gathered: list[Any], *, context: int = 1) -> list[str]:
+    """The mesh note's part on which path reduced the data-parallel gradients (empty for D = 1
+    and ZeRO 2/3, whose note says FSDP2); ``context``: C, folded into the data axis."""
+    meshes = [g["mesh"] for g in gathered]
+    path = meshes[0].get("dp_path", "none")
+    if path == "ddp":
+        left: dict[str, int] = {}
+        for m in (g["mesh"] for g in gathered if g["replica"] == 0 and g["tp_rank"] == 0 and g["cp_rank"] == 0):
+            for why, n in m["dp_left"].items():
+                left[why] = left.get(why, 0) + n
+        tensors = sum(g["mesh"]["dp_ddp_tensors"] for g in gathered if g["replica"] == 0 and g["tp_rank"] == 0
+                      and g["cp_rank"] == 0)  # fmt: skip
+        n = spec.data_parallel_degree
+        over = f"ranks of each stage's data axis (D x C = {n // context} x {context})" if context > 1 else "replicas of each stage"
+        left_note = ", ".join(f"{k} tensor(s) {why}" for why, k in sorted(left.items()))
+        return [
+            f"data-parallel gradients: torch DDP over the {n} {over} ({tensors} tensor(s)), bucketed "
+            f"({meshes[0]['dp_bucket_mb']:g} MiB buckets, built on the first step's gradient order: the first step "
+            "reduces one bucket) and all-reduced during each stage's last micro-batch's backward"
+            + (f"; left to the runtime's reductions after the schedule: {left_note}" if left else "")
+        ]
+    if path == "all-reduce":
+        return [f"data-parallel gradients: the runtime's flat all-reduce after the schedule ({meshes[0]['dp_why']})"]
+    return []
+
+
+def _bucket_note(gathered: list[Any]) -> str:
+    """The report's note on the DDP buckets of each rank's last step: when each was launched and
+    done, in ms from the start of the rank's last backward, beside that backward's end (the
+    evidence that the reduction ran during the backward)."""
+    parts = []
+    for g in gathered:
+        if g["tp_rank"] != 0 or g["cp_rank"] != 0:
+            continue
+        rec = g["mesh"].get("dp_last_buckets")
+        if not rec:
+            continue
+        buckets = "; ".join(
+            f"#{b['index']} [{', '.join(b['layers'])}] {b['bytes']} B launched {b['launched_ms']:.3f} done "
+            f"{b['done_ms']:.3f}"
+            for b in rec["buckets"]
+        )
+        parts.append(f"rank {g['rank']}: {buckets}; backward ended {rec['backward_ms']:.3f}")
+    if not parts:
+        return ""
+    return (
+        "data-parallel buckets of the last step (ms from the start of the rank's last backward; a bucket is "
+        "launched when its last gradient is ready): " + " | ".join(parts)
+    )
 
 
 def _comm_step(before: tuple[Any, Any, Any], after: tuple[Any, Any, Any]) -> dict[str, float]:
@@ -1190,8 +1341,39 @@ def _sync(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
+def _last_backward(timings: dict[int, dict[str, list[list[Any]]]], step: int) -> tuple[float, float] | None:
+    """``(start, end)`` of this rank's last backward action (``B`` or ``W``) of ``step``."""
+    last = None
+    for record in timings.values():
+        events = record["events"][step] if step < len(record["events"]) else []
+        for op, _, t0, t1 in events:
+            if op in ("B", "W") and (last is None or t1 > last[1]):
+                last = (t0, t1)
+    return last
+
+
+def _bucket_rows(events: list[Any], backward: tuple[float, float] | None) -> dict[str, Any] | None:
+    """The report's record of one step's DDP buckets (``runtime._ddp.BucketEvent``), times in ms
+    from the start of the rank's last backward (``backward``): when each bucket was launched
+    (its last gradient ready) and done, and when that backward ended."""
+    if not events or backward is None:
+        return None
+    t0, t1 = backward
+    rows = []
+    for e in sorted(events, key=lambda e: e.launched):
+        rows.append({
+            "index": e.index,
+            "layers": list(dict.fromkeys(e.names)),
+            "bytes": e.nbytes,
+            "launched_ms": (e.launched - t0) * 1e3,
+            "done_ms": ((e.done if e.done is not None else e.launched) - t0) * 1e3,
+        })  # fmt: skip
+    return {"backward_ms": (t1 - t0) * 1e3, "buckets": rows}
+
+
 def _allreduce_mean(grads: list[Any], group: Any, replicas: int) -> None:
-    """Average gradients over the data-parallel group, in one flat buffer."""
+    """Average gradients over the data-parallel group, in one flat buffer, after the schedule:
+    the path of the plans torch's DDP cannot reduce (:func:`runtime.mesh.gradient_reduction`)."""
     import torch
     import torch.distributed as dist
 

@@ -105,6 +105,8 @@ def test_zoo_gpt_trains_with_sequences_split_like_the_unsplit_model(gpt_plan: Pa
     code, out = _run(GPT, gpt_plan)
     assert code == 0 and "check PASSED" in out, out
     assert "context parallelism C=2: each rank holds 1/2 of every sequence; 4 attention(s)" in out
+    # the gradients are averaged over the data axis, which folds C in: by DDP's buckets
+    assert "data-parallel gradients: torch DDP over the 2 ranks of each stage's data axis (D x C = 1 x 2)" in out
 
 
 @pytest.mark.slow

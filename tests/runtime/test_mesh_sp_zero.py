@@ -66,6 +66,8 @@ def test_sequence_parallel_and_zero_with_tp_match_the_unsplit_model(case: str, p
     note = _mesh_note(report)
     assert says in note and "tensor parallelism T = 2 on 4 layer(s)" in note, note
     assert (SP_NOTE in note) == sp, note
+    if zero < 2 and d > 1:  # T > 1 keeps the flat all-reduce (runtime.mesh.gradient_reduction), and says why
+        assert "data-parallel gradients: the runtime's flat all-reduce after the schedule (T = 2: DDP takes" in note
     if zero >= 2:  # FSDP2 sharded every parameter tensor, the blocks' tensor-parallel ones included (K = 1:
         # the tied embedding/head weight sits on one rank, so FSDP2 shards it too)
         fsdp = int(note.split("then each stage's rest; ")[1].split(" ")[0])
