@@ -65,7 +65,7 @@ from pydantic import BaseModel
 
 from planner.context import ContextMemo, check_context, context_layer
 from planner.cost.collectives import group_on, half_ring_ms, replica_link, ring_link, ring_ms
-from planner.cost.compute import census_device, layer_times
+from planner.cost.compute import census_device, layer_times, shard_operation
 from planner.cost.layers import SHA_KEY
 from planner.errors import InputError
 from planner.experts import check_experts, expert_layer
@@ -414,8 +414,11 @@ def _tp_layer_census(
         else [v * x.backward for v, x in zip(layer.backward_ms_spread, scales, strict=True)],
         "selective_recompute_ms": None if layer.selective_recompute_ms is None
         else [v * x.redo for v, x in zip(layer.selective_recompute_ms, scales, strict=True)],
-        # (the problem's layers carry their shard's times; its census is the caller's profile's)
-        "operations": None,
+        # the shard's census, so that a micro-batch size beyond the profiled ones is read through
+        # the device model here too (planner.cost.compute.census_ratios; the ratio of the shard's
+        # compute also scales the collectives in its times, which grow with b as the work does)
+        "operations": None if layer.operations is None
+        else [[shard_operation(o, t, sequence_parallel=sp) for o in ops] for ops in layer.operations],
     })
 
 

@@ -123,3 +123,21 @@ def test_profiles_without_a_census_still_plan_at_an_unmeasured_size_with_a_note(
         assert any(words in n for n in plan.notes), plan.notes
         # the lower bound holds at the extrapolated size too
         assert plan.predicted.lower_bound_ms <= plan.predicted.step_time_ms + 1e-12
+
+
+def test_extrapolated_tensor_parallel_times_are_the_device_models_own() -> None:
+    """The same at T = 2 with sequence parallelism: one tensor-parallel rank's layers keep their
+    shard's census, so a plan at micro-batch 4 of the profile priced at 1 and 2 predicts the step
+    of the profile priced at 1, 2 and 4 (it was extrapolated linearly: 0.46 % slower here); within
+    0.1 %: the ratio of the shard's compute also scales its collectives, which grow as b does."""
+    small = _gpt()
+    big = synth_transformer(layers=4, hidden=2048, heads=16, seq=1024, vocab=32000, device_type="a100-80g",
+                            microbatch_sizes=(1, 2, 4))
+    cluster = Cluster.model_validate({"devices": 4, "device_type": "a100-80g"})
+    training = TrainingSetup(global_batch_size=16)
+    layout = Layout([(0, small.num_layers)], num_microbatches=2, data_parallel=2, tensor_parallel=2,
+                    sequence_parallel=True)
+    got, want = estimate(small, cluster, training, layout), estimate(big, cluster, training, layout)
+    assert got.microbatch_size == want.microbatch_size == 4
+    assert got.predicted.step_time_ms == pytest.approx(want.predicted.step_time_ms, rel=1e-3)
+    assert not any("linear" in n for n in got.notes), got.notes
