@@ -69,8 +69,7 @@ def partial_recompute(plan: Plan, profile: Profile, options: PlanOptions) -> Pla
     chosen count is estimated once more and kept only if it fits."""
     if not partial_allowed(options):
         return plan
-    full = [(s.recompute_layers if s.recompute_layers is not None else s.stop - s.start) if s.recompute else 0
-            for s in plan.stages]
+    full = [s.checkpointed_layers for s in plan.stages]
     if max(full, default=0) <= 1:
         return plan
     groups: dict[tuple[int, ...], list[int]] = {}
