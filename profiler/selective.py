@@ -73,8 +73,10 @@ def sequence_lengths(inputs: Sequence[Any]) -> set[int]:
     return out
 
 
-def _key(t: Tensor) -> int:
-    return int(t.untyped_storage().data_ptr())
+def score_key(t: Tensor) -> int:
+    """The key :class:`ScoreChain` knows a tensor by: its storage (views of a score are scores)."""
+    return int(t.untyped_storage().data_ptr()) if t.untyped_storage().nbytes() else -1
+
 
 
 def _tensors(value: Any) -> list[Tensor]:
@@ -83,16 +85,26 @@ def _tensors(value: Any) -> list[Tensor]:
 
 
 @dataclass
-class _Trace:
-    """What the dispatch mode found: score storages, and the attention core's operator calls."""
+class ScoreChain:
+    """Follows attention's score tensors through a unit's operator calls, in order (the rule of
+    the module doc): :meth:`see` each call with its output.  The profiler records the chain's
+    calls to time them; the runtime's selective recompute (:mod:`runtime.selective`) recomputes
+    the calls that make a score and keeps every other output."""
 
     seq: set[int]
     scores: set[int] = field(default_factory=set)
     calls: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = field(default_factory=list)
+    #: keep the chain's calls (with their arguments) in :attr:`calls`
+    record: bool = True
+    #: the score tensors seen, held so that no other tensor reuses a score's storage (the key)
+    #: while the chain is followed: a transient of the unit's forward, dropped with the chain
+    held: list[Tensor] = field(default_factory=list)
 
-    def see(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    def see(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> bool:
+        """Record one operator call; True when it made a score tensor (the score product, and
+        every call deriving from a score that is not a matrix product)."""
         ins = _tensors((args, kwargs))
-        score_in = any(_key(t) in self.scores for t in ins if t.untyped_storage().nbytes())
+        score_in = any(score_key(t) in self.scores for t in ins if t.untyped_storage().nbytes())
         outs = _tensors(out)
         if func in _PRODUCTS and not score_in:
             new = [t for t in outs if t.dim() >= 3 and {int(t.shape[-2]), int(t.shape[-1])} <= self.seq]
@@ -100,12 +112,15 @@ class _Trace:
             new = outs
         else:
             new = []
-        if score_in or new:
+        if self.record and (score_in or new):
             self.calls.append((func, args, kwargs))
-        self.scores.update(_key(t) for t in new if t.untyped_storage().nbytes())
+        new = [t for t in new if t.untyped_storage().nbytes()]
+        self.scores.update(score_key(t) for t in new)
+        self.held.extend(new)
+        return bool(new)
 
 
-def _tracer(trace: _Trace) -> Any:
+def _tracer(trace: ScoreChain) -> Any:
     base = _torch_private.dispatch_mode()
 
     class Tracer(base):  # type: ignore[misc, valid-type]
@@ -131,11 +146,11 @@ def trace_scores(unit: nn.Module, inputs: Sequence[Any], *, exclude: set[int]) -
 
     ``inputs``: the unit's inputs (fresh leaves; those that need a gradient do); ``exclude``:
     storages of the model's parameters and buffers."""
-    trace = _Trace(sequence_lengths(inputs))
+    trace = ScoreChain(sequence_lengths(inputs))
     saved: dict[int, int] = {}
 
     def pack(t: Tensor) -> Tensor:
-        saved.setdefault(_key(t), t.untyped_storage().nbytes())
+        saved.setdefault(score_key(t), t.untyped_storage().nbytes())
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _tracer(trace):

@@ -944,11 +944,15 @@ def apply_mesh(
     mesh: Any,
     *,
     checkpointed_layers: int = 0,
+    selective_inputs: Sequence[Sequence[Any]] | None = None,
     shardings: Mapping[int, UnitSharding] | None = None,
     wrap: Callable[[Any], Any] | None = None,
     keep_whole: Iterable[Any] = (),
 ) -> Any:
-    """The module a ``PipelineStage`` runs for one stage: tensor parallelism (``shardings``,
+    """The module a ``PipelineStage`` runs for one stage: Megatron's selective recompute
+    (``selective_inputs``: each unit's example inputs; the units past the checkpointed ones that
+    make attention scores get their attention core checkpointed, :mod:`runtime.selective`),
+    tensor parallelism (``shardings``,
     unit index within the stage -> sharding, from :func:`plan_sharding`), then recompute (the
     first ``checkpointed_layers`` units each under its own checkpoint), then ``wrap`` (e.g. the
     runtime's autocast), then FSDP2 over the data axis for ZeRO 2 and 3 (of each unit, a
@@ -959,6 +963,10 @@ def apply_mesh(
     from runtime.modules import checkpoint_layers
 
     mod: Any = stage_module
+    if selective_inputs is not None:
+        from runtime.selective import recompute_selectively
+
+        recompute_selectively(stage_module, selective_inputs, skip=checkpointed_layers)
     if spec.tensor_parallel_degree > 1 and shardings:
         apply_tensor_parallel(stage_module, shardings, mesh["tp"], sequence_parallel=spec.sequence_parallel)
     if checkpointed_layers:

@@ -540,11 +540,14 @@ def _fmt(x: float | None, spec: str = ".2f") -> str:
 
 
 def _recompute_mark(report: RunReport, stage: int) -> str:
-    """The ``rc`` column: ``y`` (every layer checkpointed), ``n`` (none), or how many of the
-    stage's first layers are (a partial recompute)."""
+    """The ``rc`` column: ``y`` (every layer checkpointed), ``n`` (none), ``s`` (Megatron's
+    selective recompute: attention's core in each block), or how many of the stage's first
+    layers are checkpointed (a partial recompute)."""
     st = report.plan.stages[stage]
     n = st.checkpointed_layers
-    return "n" if n == 0 else "y" if n == st.stop - st.start else str(n)
+    if n == 0:
+        return "s" if report.plan.selective_recompute else "n"
+    return "y" if n == st.stop - st.start else str(n)
 
 
 def render_lines(report: RunReport) -> list[str]:

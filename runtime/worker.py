@@ -551,6 +551,7 @@ def _train(
             spec,
             mesh,
             checkpointed_layers=sp.checkpointed_layers,
+            selective_inputs=[examples[u][0] for u in range(sp.start, sp.stop)] if plan.selective_recompute else None,
             shardings=stage_shardings(coords.shardings, sp.start, sp.stop),
             wrap=lambda inner: _wrap_stage(inner, opts, device, plan.schedule in SPLIT_BACKWARD),
             keep_whole=[p for _, p in tied],

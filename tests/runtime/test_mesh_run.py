@@ -256,16 +256,3 @@ def test_a_checkpoint_of_another_model_is_refused_before_training(tmp_path: Path
     proc, _ = run_cli(["run", "--plan", str(plan), "--model", seq, "--steps", "4", "--resume", str(ck)], timeout=60)
     assert proc.returncode == 1, proc.stderr
     assert f"is of model '{MODEL}'" in proc.stderr and "resume from a checkpoint of this model" in proc.stderr
-
-
-def test_selective_recompute_is_refused_before_launch(tmp_path: Path) -> None:
-    """A plan with Megatron's selective recompute: ``pipeplan run`` does not execute it, says so
-    before loading the model and names the replan flag."""
-    from tests.runtime.helpers import make_plan, structure_profile, write_plan
-
-    gpt = make_plan(structure_profile(MODEL), [(0, 3), (3, 6)], microbatches=2)
-    path = write_plan(gpt.model_copy(update={"selective_recompute": True}), tmp_path / "sel.json")
-    proc, _ = run_cli(["run", "--plan", str(path), "--model", MODEL, "--steps", "1"], timeout=60)
-    assert proc.returncode == 1, proc.stderr
-    assert "selective recompute" in proc.stderr and "--no-selective-recompute" in proc.stderr
-    assert "Traceback" not in proc.stderr
