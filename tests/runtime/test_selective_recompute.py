@@ -196,3 +196,20 @@ def test_selective_recompute_with_tensor_parallelism_is_refused_before_launch(pr
     assert proc.returncode == 1, proc.stderr
     assert "selective recompute with tensor parallelism (T=2)" in proc.stderr
     assert "--tensor-parallel 1 or --no-selective-recompute" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.nightly
+def test_a_selective_plan_of_hugging_face_gpt2_passes_the_check_with_dropout(tmp_path: Path) -> None:
+    """Hugging Face's GPT-2 (eager attention, dropout on in its config): profile, plan with
+    selective recompute, ``run --check`` with Adam."""
+    from pipeplan.cli import main
+
+    model = "examples.hf:gpt2"
+    prof = tmp_path / "gpt2.json"
+    assert main(["profile", "--model", model, "--microbatch-sizes", "1,2", "--time-budget", "2", "-q", "-o", str(prof)]) == 0
+    layers = json.loads(prof.read_text())["layers"]
+    assert sum(bool(x.get("selective_recompute_bytes")) for x in layers) >= 2  # the blocks it drops scores of
+    plan = _plan(prof, tmp_path / "sel.json", "--stages", "2")
+    proc, _ = run_cli(["run", "--plan", str(plan), "--model", model, "--steps", "2", "--check", "--timeout", "90"], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "check PASSED" in proc.stdout
