@@ -857,6 +857,31 @@ class PlanOptions(_Model):
     )
     time_limit_s: Annotated[float, Field(gt=0, le=MAX_TIME_LIMIT_S, allow_inf_nan=False)] = 5.0
 
+    @model_validator(mode="after")
+    def _one_recompute_flag_per_stage(self) -> PlanOptions:
+        problem = recompute_count_problem(self)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+
+def recompute_count_problem(options: PlanOptions) -> str | None:
+    """Why ``options.recompute``, a list, does not give one flag per stage (``stages`` times
+    ``virtual_stages``, or one per explicit range), or None."""
+    if not isinstance(options.recompute, list):
+        return None
+    count = len(options.recompute)
+    if isinstance(options.stages, list) and count != len(options.stages):
+        return f"recompute lists {count} flags for {len(options.stages)} stages: give one per stage"
+    v = options.virtual_stages or 1
+    if isinstance(options.stages, int) and count != options.stages * v:
+        return (
+            f"recompute lists {count} flags but stages={options.stages}"
+            + (f" x virtual_stages={v}" if v > 1 else "")
+            + f" make {options.stages * v}: give one per stage"
+        )
+    return None
+
 
 class MemoryParts(_Model):
     """The parts of a device's predicted peak (``StagePlan.memory_parts``), in bytes."""

@@ -32,6 +32,7 @@ from planner.schema import (
     Schedule,
     TrainingSetup,
     check_coverage,
+    recompute_count_problem,
 )
 
 #: largest number of chunks per device tried for interleaved-1f1b when v is free
@@ -172,16 +173,9 @@ def enumerate_configs(
                 + f": choose M dividing {g // (options.data_parallel or 1)}, e.g. "
                 f"{_divisors(g // (options.data_parallel or 1))[:10]}"
             )
-    if isinstance(options.recompute, list):
-        count = len(options.recompute)
-        if ranges is not None and count != len(ranges):
-            raise InputError(
-                f"recompute lists {count} flags for {len(ranges)} stages: give one per stage"
-            )
-        if isinstance(options.stages, int) and count != options.stages * (v_opt or 1):
-            raise InputError(
-                f"recompute lists {count} flags but stages={options.stages}: give one per stage"
-            )
+    problem = recompute_count_problem(options)  # (options changed by model_copy are not validated again)
+    if problem:
+        raise InputError(problem)
     # micro-batches larger than twice the largest measured size would be extrapolated far
     max_b = MAX_EXTRAPOLATION * profile.microbatch_sizes[-1]
     schedules: tuple[Schedule, ...] = (options.schedule,) if options.schedule else SCHEDULES

@@ -49,3 +49,16 @@ def test_default_profile_and_no_heavy_imports() -> None:
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)
     assert plan["model"] == "gpt-48l-10b"
+
+
+def test_a_recompute_list_of_the_wrong_length_is_refused_with_the_count_it_needs(capsys) -> None:  # type: ignore[no-untyped-def]
+    """Interleaved stages take one flag per chunk (K x v).  With T > 1 the mesh search used to
+    swallow the mismatch and end in 'no memory size makes this model fit'."""
+    for extra in ([], ["--tensor-parallel", "2", "--data-parallel", "1"]):
+        rc = main(["plan", str(ROOT / "examples/profiles/tiny.json"), "--devices", "4", "--memory", "1GiB",
+                   "--batch-size", "8", "--stages", "4", "--virtual-stages", "2", "--schedule", "interleaved-1f1b",
+                   "--recompute", "1,1", *extra])  # fmt: skip
+        assert rc == 1
+        err = capsys.readouterr().err
+        assert "recompute lists 2 flags but stages=2 x virtual_stages=2 make 4: give one per stage" in err, err
+        assert "no memory size" not in err
