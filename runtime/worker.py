@@ -50,7 +50,11 @@ from pathlib import Path
 from typing import Any
 
 from planner.errors import InputError, PipeplanError
+from runtime.fault_injection import FAULT_MODES as FAULT_MODES
+from runtime.fault_injection import Fault, drop_gradient, layer_to_skip
 from runtime.faults import CheckFailedError, RankStatus, error_summary, write_status
+from runtime.stage_timing import bucket_rows, comm_step, fold_loss, last_backward, sync, time_stage
+from runtime.stage_timing import fold_loss as _fold_loss  # noqa: F401 (tests import it from here)
 
 #: exit code of a rank whose --check failed (other failures exit 1)
 EXIT_CHECK_FAILED = 3
@@ -199,35 +203,6 @@ def tolerance(args: argparse.Namespace, dtype: str) -> float:
     from runtime.training import DEFAULT_TOLERANCES
 
     return float(args.tolerance) if args.tolerance is not None else DEFAULT_TOLERANCES[dtype]
-
-
-#: --inject-fault modes (test-only): raise, exit and hang stop the rank mid-step (the launcher's
-#: diagnosis); drop-grad zeroes the gradient of the rank's first parameter at that step, before
-#: any reduction (a lost gradient); skip-layer skips, from that step on, the rank's first layer
-#: whose outputs are shaped like its inputs (a wrong split); wrong-expert (E > 1) sends, from that
-#: step on, the rank's tokens to the next rank's experts (runtime/experts.py); no-kv-gather (C > 1)
-#: attends to the rank's own keys and values only (runtime/context_parallel.py): --check must fail
-FAULT_MODES = ("raise", "exit", "hang", "drop-grad", "skip-layer", "wrong-expert", "no-kv-gather")
-
-
-@dataclass(frozen=True)
-class Fault:
-    """``--inject-fault RANK:STEP:MODE`` (:data:`FAULT_MODES`), for tests."""
-
-    rank: int
-    step: int
-    mode: str
-
-    @staticmethod
-    def parse(text: str) -> Fault:
-        try:
-            rank, step, mode = text.split(":")
-            fault = Fault(int(rank), int(step), mode)
-        except ValueError:
-            raise InputError(f"--inject-fault {text!r}: write RANK:STEP:MODE, e.g. 1:1:raise") from None
-        if fault.mode not in FAULT_MODES:
-            raise InputError(f"--inject-fault mode {fault.mode!r}: choose one of {', '.join(FAULT_MODES)}")
-        return fault
 
 
 @dataclass
@@ -447,7 +422,7 @@ def _train(
     )
     from runtime.modules import stage_examples
     from runtime.report import current_rss_bytes, peak_rss_bytes, reset_peak_rss
-    from runtime.steplog import StepLog
+    from runtime.steplog import StepLog, log_step
     from runtime.training import (
         LossScaler,
         autocast,
@@ -507,7 +482,7 @@ def _train(
         split, local_examples(entry.example_inputs, plan, replica), plan.microbatch_size, device, dtype=opts.dtype
     )
     my_fault = fault if fault is not None and fault.rank == rank else None
-    skipped_unit = _layer_to_skip(plan, my_stages, examples, my_fault) if my_fault is not None else None
+    skipped_unit = layer_to_skip(plan, my_stages, examples, my_fault) if my_fault is not None else None
     # context and expert parallelism (runtime/axes.py): built on every rank (their meshes are collectives)
     axes = new_axes(plan, replica=replica, example_inputs=entry.example_inputs, device_type=device.type,
                     step_box=step_box, fault=my_fault)  # fmt: skip
@@ -578,7 +553,7 @@ def _train(
             group=pp_group,
         )
         stops = my_fault if my_fault is not None and my_fault.mode in ("raise", "exit", "hang") else None
-        _time_stage(stage, timings[s], step_box, device, stops, status, streams)
+        time_stage(stage, timings[s], step_box, device, stops, status, streams)
         stages.append(stage)
     del examples
 
@@ -591,8 +566,8 @@ def _train(
         with autocast(device, opts.dtype):
             value = entry.loss(out, target) if entry.takes_target else entry.loss(out)
         if last_record is not None:  # the profile counts the loss in the last layer's forward: so do we
-            _sync(device)
-            _fold_loss(last_record, step_box[0], t0, time.perf_counter())
+            sync(device)
+            fold_loss(last_record, step_box[0], t0, time.perf_counter())
         return value * scaler.scale if scaler.enabled else value
 
     # what runs is the plan's action list (planner/schedules.py made it; the prediction timed
@@ -709,7 +684,7 @@ def _train(
         write_status(args.run_dir, status)
         progress.beat = time.monotonic()
         dist.barrier()
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         losses: list[Any] = []
         scale = scaler.scale
@@ -722,9 +697,9 @@ def _train(
             if k_deg > 1:
                 timers.enter_context(timed_transfers(transfer_clock))
             schedule.step(*inputs, target=target, losses=losses)
-        _sync(device)
+        sync(device)
         t_schedule = time.perf_counter()
-        comm.append(_comm_step(before, (tp_clock, fsdp_clock, transfer_clock)))
+        comm.append(comm_step(before, (tp_clock, fsdp_clock, transfer_clock)))
         buckets = [e for c in clocks for e in c.take()]  # DDP's, during the schedule's last backwards
         ddp_step = step_reduction(buckets)
         # DDP (find_unused_parameters=False) never reduces a bucket holding a weight left without a
@@ -741,7 +716,7 @@ def _train(
             if p.grad is not None:
                 p.grad.div_(m)  # mean over micro-batches, once per tensor
         if my_fault is not None and my_fault.mode == "drop-grad" and step == my_fault.step:
-            _drop_gradient(params)
+            drop_gradient(params)
         # the flat all-reduce, for what neither FSDP2 (ZeRO 2/3: what it shards) nor DDP (by_ddp)
         # averaged: kept for T > 1 and the split-backward schedules (runtime.mesh.gradient_reduction
         # says why), and under DDP for the weights it leaves out (two stages' of one rank)
@@ -756,13 +731,13 @@ def _train(
                 if _is_dtensor(p.grad):  # tensor-parallel shards: one all-reduce of the local shard each
                     all_reduce_grad(p, dp_group, divide=d_deg)
         axes.reduce_gradients()
-        _sync(device)
+        sync(device)
         t_allreduce = time.perf_counter()
         for pg, p in tied:
             if p.grad is None:  # every holder must join the all-reduce
                 p.grad = torch.zeros_like(p)
             all_reduce_grad(p, pg)
-        _sync(device)
+        sync(device)
         t_tied = time.perf_counter()
         grads = [p.grad for p in params if p.grad is not None]
         skip = False
@@ -795,7 +770,7 @@ def _train(
             opt.step()
         if opt is not None:
             opt.zero_grad(set_to_none=True)
-        _sync(device)
+        sync(device)
         t_end = time.perf_counter()
         if args.checkpoint and ((args.every and (step + 1) % args.every == 0) or step + 1 == args.steps):
             from runtime.checkpoint import save_checkpoint
@@ -823,13 +798,13 @@ def _train(
             tied_weights_ms=phases[-1][3] * 1e3,
         )
         if buckets:
-            last_buckets = (buckets, _last_backward(timings, step))
+            last_buckets = (buckets, last_backward(timings, step))
         mean_loss = sum(float(x.detach()) for x in losses) / len(losses) / scale if has_last and losses else None
         local_losses.append(mean_loss)
         grad_norms.append(norm)
         skipped.append(skip)
         if args.log_file:
-            _log_step(log, step, mean_loss, step_ms[-1], lr, norm, scaler.scale if scaler.enabled else None, skip,
+            log_step(log, step, mean_loss, step_ms[-1], lr, norm, scaler.scale if scaler.enabled else None, skip,
                       plan.global_batch_size, world, device)  # fmt: skip
     if log is not None:
         log.close()
@@ -865,7 +840,7 @@ def _train(
             "dp_bucket_mb": bucket_mb,
             "dp_ddp_tensors": len(by_ddp),
             "dp_left": {why: len(ids) for why, ids in left_to_us.items()},
-            "dp_last_buckets": _bucket_rows(*last_buckets),
+            "dp_last_buckets": bucket_rows(*last_buckets),
             **axes.report(),  # context- and expert-parallel layers (runtime/axes.py)
         },
         "pipeline_rank": pp_rank,
@@ -902,44 +877,6 @@ def _train(
     # the report and the single-process reference need no other rank: stop the watchdog
     progress.done = True
     return _finish(args, plan, entry, split, gathered, backend, device, opts, source)
-
-
-def _log_step(
-    log: Any,
-    step: int,
-    loss: float | None,
-    ms: float,
-    lr: float,
-    norm: float | None,
-    loss_scale: float | None,
-    skipped: bool,
-    global_batch: int,
-    world: int,
-    device: Any,
-) -> None:
-    """Every rank sends (loss, has loss, step ms); rank 0 writes the step's line: the mean loss
-    of the replicas and the slowest rank's time."""
-    import torch
-    import torch.distributed as dist
-
-    mine = torch.tensor([loss or 0.0, 1.0 if loss is not None else 0.0, ms], dtype=torch.float64, device=device)
-    every = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine)
-    if log is None:
-        return
-    rows = [t.tolist() for t in every]
-    count = sum(r[1] for r in rows)
-    step_ms = max(r[2] for r in rows)
-    log.write(
-        step=step,
-        loss=sum(r[0] for r in rows) / count if count else None,
-        lr=lr,
-        step_ms=step_ms,
-        samples_per_s=global_batch / (step_ms / 1e3) if step_ms > 0 else None,
-        grad_norm=norm,
-        loss_scale=loss_scale,
-        skipped=skipped,
-    )
 
 
 def _finish(
@@ -1269,23 +1206,6 @@ def _bucket_note(gathered: list[Any]) -> str:
     )
 
 
-def _comm_step(before: tuple[Any, Any, Any], after: tuple[Any, Any, Any]) -> dict[str, float]:
-    """One step's communication inside the schedule, from the clocks before and after it
-    (:data:`runtime.report.COMM_KEYS`; the report's ``collectives per step:`` note and
-    ``collectives`` field are made from every rank's, :func:`runtime.report.collective_times`)."""
-    (tp0, fs0, tr0), (tp1, fs1, tr1) = before, after
-    return {
-        "tensor_parallel_ms": (tp1.seconds - tp0.seconds) * 1e3,
-        "tensor_parallel_calls": tp1.calls - tp0.calls,
-        "fsdp_all_gather_ms": (fs1.all_gather_s - fs0.all_gather_s) * 1e3,
-        "fsdp_reduce_scatter_ms": (fs1.reduce_scatter_s - fs0.reduce_scatter_s) * 1e3,
-        "fsdp_calls": fs1.all_gathers + fs1.reduce_scatters - fs0.all_gathers - fs0.reduce_scatters,
-        "transfer_send_ms": (tr1.post_s + tr1.send_wait_s - tr0.post_s - tr0.send_wait_s) * 1e3,
-        "transfer_receive_ms": (tr1.recv_wait_s - tr0.recv_wait_s) * 1e3,
-        "transfer_calls": tr1.posted - tr0.posted,
-    }
-
-
 def _training_note(opts: Any, gathered: list[Any]) -> str:
     """One line: dtype, learning-rate schedule, clipping (and how often it clipped), loss scaling."""
     parts = [
@@ -1334,43 +1254,6 @@ def _local(p: Any) -> Any:
     return p.to_local() if _is_dtensor(p) else p
 
 
-def _sync(device: Any) -> None:
-    if device.type == "cuda":
-        import torch
-
-        torch.cuda.synchronize(device)
-
-
-def _last_backward(timings: dict[int, dict[str, list[list[Any]]]], step: int) -> tuple[float, float] | None:
-    """``(start, end)`` of this rank's last backward action (``B`` or ``W``) of ``step``."""
-    last = None
-    for record in timings.values():
-        events = record["events"][step] if step < len(record["events"]) else []
-        for op, _, t0, t1 in events:
-            if op in ("B", "W") and (last is None or t1 > last[1]):
-                last = (t0, t1)
-    return last
-
-
-def _bucket_rows(events: list[Any], backward: tuple[float, float] | None) -> dict[str, Any] | None:
-    """The report's record of one step's DDP buckets (``runtime._ddp.BucketEvent``), times in ms
-    from the start of the rank's last backward (``backward``): when each bucket was launched
-    (its last gradient ready) and done, and when that backward ended."""
-    if not events or backward is None:
-        return None
-    t0, t1 = backward
-    rows = []
-    for e in sorted(events, key=lambda e: e.launched):
-        rows.append({
-            "index": e.index,
-            "layers": list(dict.fromkeys(e.names)),
-            "bytes": e.nbytes,
-            "launched_ms": (e.launched - t0) * 1e3,
-            "done_ms": ((e.done if e.done is not None else e.launched) - t0) * 1e3,
-        })  # fmt: skip
-    return {"backward_ms": (t1 - t0) * 1e3, "buckets": rows}
-
-
 def _allreduce_mean(grads: list[Any], group: Any, replicas: int) -> None:
     """Average gradients over the data-parallel group, in one flat buffer, after the schedule:
     the path of the plans torch's DDP cannot reduce (:func:`runtime.mesh.gradient_reduction`)."""
@@ -1388,134 +1271,12 @@ def _allreduce_mean(grads: list[Any], group: Any, replicas: int) -> None:
         offset += g.numel()
 
 
-def _time_stage(
-    stage: Any,
-    record: dict[str, list[list[Any]]],
-    step_box: list[int],
-    device: Any,
-    fault: Fault | None,
-    status: RankStatus,
-    streams: Any = None,
-) -> None:
-    """Time this stage's actions per micro-batch (and inject a fault when asked); tell the RNG
-    streams which micro-batch a forward runs.  ``record["events"][step]`` keeps each action as
-    ``(op, micro-batch, start, end)`` on ``time.perf_counter``'s clock, ``op`` one of ``F``,
-    ``B``, ``I`` (input gradient) and ``W`` (weight gradient); ``record["backward"][step]``
-    has one backward time per micro-batch, ``I + W`` for a split backward."""
-    forward, backward, weight = (
-        stage.forward_one_chunk,
-        stage.backward_one_chunk,
-        stage.backward_weight_one_chunk,
-    )
-    calls = [0]
-    #: (step, micro-batch) -> index of its backward time, where its W adds to its I
-    slot_of: dict[tuple[int, int], int] = {}
-
-    def _slot(kind: str) -> list[Any]:
-        rows = record[kind]
-        while len(rows) <= step_box[0]:
-            rows.append([])
-        return rows[step_box[0]]
-
-    def timed_forward(*a: Any, **kw: Any) -> Any:
-        if streams is not None:
-            streams.microbatch = int(a[0] if a else kw["fwd_chunk_id"])
-        if fault is not None and step_box[0] == fault.step:
-            calls[0] += 1
-            if calls[0] == 2:  # mid-step: after one micro-batch went through
-                _inject(fault, status)
-        _sync(device)
-        t0 = time.perf_counter()
-        out = forward(*a, **kw)
-        _sync(device)
-        t1 = time.perf_counter()
-        _slot("forward").append((t1 - t0) * 1e3)
-        _slot("events").append(("F", int(a[0] if a else kw["fwd_chunk_id"]), t0, t1))
-        return out
-
-    def timed_backward(*a: Any, **kw: Any) -> Any:
-        mb = int(a[0] if a else kw["bwd_chunk_id"])
-        op = "B" if kw.get("full_backward", True) else "I"
-        _sync(device)
-        t0 = time.perf_counter()
-        out = backward(*a, **kw)
-        _sync(device)
-        t1 = time.perf_counter()
-        rows = _slot("backward")
-        slot_of[(step_box[0], mb)] = len(rows)
-        rows.append((t1 - t0) * 1e3)
-        _slot("events").append((op, mb, t0, t1))
-        return out
-
-    def timed_weight(*a: Any, **kw: Any) -> Any:
-        mb = int(a[0] if a else kw["bwd_chunk_id"])
-        _sync(device)
-        t0 = time.perf_counter()
-        out = weight(*a, **kw)
-        _sync(device)
-        t1 = time.perf_counter()
-        index = slot_of.pop((step_box[0], mb), None)
-        if index is not None:
-            _slot("backward")[index] += (t1 - t0) * 1e3
-        _slot("events").append(("W", mb, t0, t1))
-        return out
-
-    stage.forward_one_chunk = timed_forward
-    stage.backward_one_chunk = timed_backward
-    stage.backward_weight_one_chunk = timed_weight
-
-
-def _fold_loss(record: dict[str, list[list[Any]]], step: int, t0: float, t1: float) -> None:
-    """Count the loss, computed by the schedule right after the last stage's forward, in that
-    forward (duration and end), as the profile counts it in the last layer's."""
-    if step < len(record["events"]) and record["events"][step]:
-        op, mb, start, _ = record["events"][step][-1]
-        record["events"][step][-1] = (op, mb, start, t1)
-        record["forward"][step][-1] += (t1 - t0) * 1e3
-
-
 def check_grad_steps(first_step: int, steps: int) -> tuple[int, ...]:
     """The steps whose whole gradients ``--check`` keeps and compares: the first this run trains
     (the same weights in both runs: what the split, the schedule and the reductions compute)
     and the last; the other steps compare per-tensor gradient norms (memory: two copies of the
     gradients on CPU, not one per step)."""
     return tuple(sorted({first_step, steps - 1}))
-
-
-def _layer_to_skip(plan: Any, my_stages: list[int], examples: Any, fault: Fault) -> int | None:
-    """``--inject-fault R:S:skip-layer``: this rank's first layer whose outputs are shaped like
-    its inputs, which :class:`runtime.modules.SkipFrom` will skip (a layer lost from step S on);
-    None for the other modes."""
-    if fault.mode != "skip-layer":
-        return None
-
-    def shapes(values: Any) -> list[Any]:
-        return [(tuple(t.shape), t.dtype) for t in values]
-
-    for s in my_stages:
-        for u in range(plan.stages[s].start, plan.stages[s].stop):
-            if shapes(examples[u][0]) == shapes(examples[u][1]):
-                return u
-    raise InputError(
-        f"--inject-fault {fault.rank}:{fault.step}:skip-layer: rank {fault.rank} has no layer whose outputs "
-        "are shaped like its inputs; inject it on another rank"
-    )
-
-
-def _drop_gradient(params: list[Any]) -> None:
-    """``--inject-fault R:S:drop-grad``: zero this rank's first gradient (a lost gradient)."""
-    for p in params:
-        if p.grad is not None:
-            p.grad.zero_()
-            return
-
-
-def _inject(fault: Fault, status: RankStatus) -> None:
-    if fault.mode == "raise":
-        raise RuntimeError(f"injected fault on rank {fault.rank} at step {fault.step}")
-    if fault.mode == "exit":
-        os._exit(17)
-    time.sleep(10**6)  # hang
 
 
 if __name__ == "__main__":
