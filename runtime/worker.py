@@ -45,14 +45,15 @@ import threading
 import time
 import traceback
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from planner.errors import InputError, PipeplanError
 from runtime.fault_injection import FAULT_MODES as FAULT_MODES
 from runtime.fault_injection import Fault, drop_gradient, layer_to_skip
 from runtime.faults import CheckFailedError, RankStatus, error_summary, write_status
+from runtime.rank_check import check_grad_steps as check_grad_steps
+from runtime.rank_check import tolerance as tolerance
+from runtime.rank_state import Coords, Job, Progress
 from runtime.stage_timing import bucket_rows, comm_step, fold_loss, last_backward, sync, time_stage
 from runtime.stage_timing import fold_loss as _fold_loss  # noqa: F401 (tests import it from here)
 
@@ -198,23 +199,6 @@ def train_options(args: argparse.Namespace, plan: Any, optimizer: str) -> Any:
     )
 
 
-def tolerance(args: argparse.Namespace, dtype: str) -> float:
-    """``--tolerance``, or the default for ``dtype``."""
-    from runtime.training import DEFAULT_TOLERANCES
-
-    return float(args.tolerance) if args.tolerance is not None else DEFAULT_TOLERANCES[dtype]
-
-
-@dataclass
-class Progress:
-    """Last sign of life of the main thread, for the watchdog."""
-
-    beat: float = field(default_factory=time.monotonic)
-    done: bool = False
-    #: False until the first step: start-up (imports, model building, rendezvous) gets longer
-    training: bool = False
-
-
 def _watchdog(progress: Progress, status: RankStatus, run_dir: str | None, timeout_s: float) -> None:
     """End this process if the main thread makes no progress (a hang no peer would see).
 
@@ -348,44 +332,16 @@ def _run(args: argparse.Namespace, rank: int, status: RankStatus, progress: Prog
     timeout = datetime.timedelta(seconds=args.timeout)
     dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
     try:
-        return _train(
+        return _train(Job(
             args, plan, entry, split, Coords(rank, world, pp_rank, replica, tp_rank, spec, shardings),
             my_stages, device, backend, opts, fault, status, progress, rss_before_model=rss_before_model,
-        )  # fmt: skip
+        ))  # fmt: skip
     finally:
         progress.done = True
         dist.destroy_process_group()
 
 
-@dataclass(frozen=True)
-class Coords:
-    """Where this rank sits in the plan's mesh, and the tensor-parallel shardings to apply."""
-
-    rank: int
-    world: int
-    pp_rank: int
-    replica: int
-    tp_rank: int
-    spec: Any  # runtime.mesh.MeshSpec
-    shardings: Any  # unit index -> runtime.mesh.UnitSharding
-
-
-def _train(
-    args: argparse.Namespace,
-    plan: Any,
-    entry: Any,
-    split: Any,
-    coords: Coords,
-    my_stages: list[int],
-    device: Any,
-    backend: str,
-    opts: Any,
-    fault: Fault | None,
-    status: RankStatus,
-    progress: Progress,
-    *,
-    rss_before_model: int | None = None,
-) -> int:
+def _train(job: Job) -> int:
     import torch
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage
@@ -422,6 +378,7 @@ def _train(
     )
     from runtime.modules import stage_examples
     from runtime.report import current_rss_bytes, peak_rss_bytes, reset_peak_rss
+    from runtime.results import finish
     from runtime.steplog import StepLog, log_step
     from runtime.training import (
         LossScaler,
@@ -431,6 +388,9 @@ def _train(
         unique_parameters,
     )
 
+    args, plan, entry, split, coords, my_stages = job.args, job.plan, job.entry, job.split, job.coords, job.my_stages
+    device, opts, fault, status, progress = job.device, job.opts, job.fault, job.status, job.progress
+    rss_before_model = job.rss_before_model
     rank, world, pp_rank, replica, tp_rank = coords.rank, coords.world, coords.pp_rank, coords.replica, coords.tp_rank
     spec = coords.spec
 
@@ -876,360 +836,13 @@ def _train(
         return 0
     # the report and the single-process reference need no other rank: stop the watchdog
     progress.done = True
-    return _finish(args, plan, entry, split, gathered, backend, device, opts, source)
-
-
-def _finish(
-    args: argparse.Namespace,
-    plan: Any,
-    entry: Any,
-    split: Any,
-    gathered: list[Any],
-    backend: str,
-    device: Any,
-    opts: Any,
-    source: Any,
-) -> int:
-    import torch
-
-    from runtime.report import (
-        RankRecord,
-        RssRow,
-        build_report,
-        check_failed_message,
-        check_report,
-        collective_times,
-        collectives_note,
-        render_lines,
-        rss_note,
-    )
-    from runtime.training import compare, grad_tolerance, train_reference
-
-    steps = args.steps
-    first_step = gathered[0]["first_step"]  # > 0 when resumed from a checkpoint
-    run_steps = steps - first_step
-    step_ms = [max(g["step_ms"][i] for g in gathered) for i in range(run_steps)]
-    losses: list[float | None] = []
-    for i in range(run_steps):
-        vals = [g["losses"][i] for g in gathered if g["losses"][i] is not None]
-        losses.append(sum(vals) / len(vals) if vals else None)
-    fwd: dict[int, list[list[float]]] = {}
-    bwd: dict[int, list[list[float]]] = {}
-    peak: dict[int, int | None] = {}
-    for g in gathered:
-        if g["tp_rank"] != 0:  # the other tensor-parallel ranks ran the same actions at the same time
-            if g["peak"] is not None:
-                for s in g["stages"]:
-                    peak[s] = max(peak.get(s) or 0, g["peak"])
-            continue
-        for s in g["stages"]:
-            t = g["timings"][s]
-            # replicas of one stage: keep every replica's samples
-            for i, per in enumerate(t["forward"]):
-                fwd.setdefault(s, [[] for _ in t["forward"]])[i].extend(per)
-            for i, per in enumerate(t["backward"]):
-                bwd.setdefault(s, [[] for _ in t["backward"]])[i].extend(per)
-            if g["peak"] is not None:
-                peak[s] = max(peak.get(s) or 0, g["peak"])
-    notes = [_training_note(opts, gathered)]
-    if first_step:
-        notes.append(
-            f"resumed from {args.resume} at step {first_step}: this run trained steps {first_step}..{steps - 1}, "
-            f"numbered from 0 in the tables"
-        )
-    t_deg = plan.tensor_parallel_degree
-    mesh_line = _mesh_note(plan, split, gathered)
-    if mesh_line:
-        notes.append(mesh_line)
-    bucket_line = _bucket_note(gathered)
-    if bucket_line:
-        notes.append(bucket_line)
-    collectives = collective_times(plan, [g["comm"] for g in gathered])
-    comm_line = collectives_note(plan, collectives)
-    if comm_line:
-        notes.append(comm_line)
-    rss = [RssRow(g["rank"], tuple(g["stages"]), *g["rss"]) for g in gathered if g["rss"][0] is not None]
-    if rss:
-        notes.append(rss_note(rss))
-    if t_deg > 1:
-        notes.append(
-            f"tensor parallelism T = {t_deg}: the per-rank rows and the timeline show tensor-parallel rank 0 of "
-            f"each (stage, replica), numbered k * D + d (its global rank is that number x {t_deg}); the other "
-            "tensor-parallel ranks run the same actions in step with it"
-        )
-    if entry.has_data:
-        readers = [g["rank"] for g in gathered if g["reads"]]
-        notes.append(
-            f"{source.describe(plan.data_parallel_degree)}; read by rank(s) "
-            f"{', '.join(map(str, readers))} (the first stage's inputs"
-            + (", the last stage's targets" if entry.takes_target else "")
-            + "; no other rank reads data)"
-        )
-    notes.extend(f"warning: {w}" for w in gathered[0]["warnings"])  # every rank judged the same reports
-    if any(isinstance(mod, torch.nn.Dropout) and mod.p > 0 for mod in entry.model.modules()):
-        notes.append(
-            "dropout: every layer draws from its own random stream, seeded by (seed, step, replica, "
-            "micro-batch, layer), in the pipelined run and in the --check reference alike"
-        )
-    report = build_report(
-        plan,
-        model=args.model,
-        step_ms=step_ms,
-        losses=losses,
-        stage_forward_ms=fwd,
-        stage_backward_ms=bwd,
-        peak_memory=peak,
-        backend=backend,
-        device=str(device.type),
-        optimizer=opts.optimizer,
-        lr=args.lr,
-        seed=args.seed,
-        threads_per_rank=gathered[0]["threads"],
-        notes=notes,
-        ranks=[
-            RankRecord(
-                # T > 1: tensor-parallel rank 0 of each (stage, replica), numbered k * D + d (see the note)
-                # C > 1: context-parallel rank 0 of each, numbered the same way ((k * D + d) * C * T is its rank)
-                rank=g["rank"] // t_deg // plan.context_parallel_degree,
-                pipeline_rank=g["pipeline_rank"],
-                replica=g["replica"],
-                host=g["host"],
-                stages=g["stages"],
-                allreduce_bytes=g["allreduce_bytes"],
-                phases=g["phases"],
-                events={s: g["timings"][s]["events"] for s in g["stages"]},
-            )
-            for g in gathered
-            if g["tp_rank"] == 0 and g["cp_rank"] == 0  # context-parallel ranks: in step with rank c = 0
-        ],
-        collectives=collectives,
-    )
-    failed = None
-    if args.check:
-        from profiler.loading import load_entrypoint
-        from runtime.data import DataSource
-
-        tol = tolerance(args, opts.dtype)
-        torch.manual_seed(args.seed)
-        ref_entry = load_entrypoint(args.model)
-        reference = train_reference(
-            ref_entry.model,
-            ref_entry.example_inputs,
-            ref_entry.loss,
-            keywords=ref_entry.keywords,
-            seed_hooks=split.seed_hooks,
-            steps=steps,
-            global_batch_size=plan.global_batch_size,
-            microbatch_size=plan.microbatch_size,
-            replicas=plan.data_parallel_degree,
-            optimizer=opts.optimizer,
-            lr=opts.lr,
-            seed=args.seed,
-            device=device,
-            source=DataSource.of(ref_entry, global_batch_size=plan.global_batch_size, steps=steps, seed=args.seed),
-            options=opts,
-            grad_steps=check_grad_steps(first_step, steps),
-        )
-        params: dict[str, Any] = {}
-        check_norms: dict[int, dict[str, float]] = {}
-        check_grads: dict[int, dict[str, Any]] = {}
-        for g in gathered:
-            if g["params"]:
-                params.update(g["params"])
-                for step, norms in g["check_norms"].items():
-                    check_norms.setdefault(step, {}).update(norms)
-                for step, grads in g["check_grads"].items():
-                    check_grads.setdefault(step, {}).update(grads)
-        got_losses = [x if x is not None else float("nan") for x in losses]
-        if first_step:  # resumed: the reference trained every step from the seed's weights
-            reference = dataclasses.replace(reference, losses=reference.losses[first_step:])
-            report.notes.append(
-                f"check after --resume: the unsplit reference trains all {steps} steps from the seed's initial "
-                f"weights and is compared at steps {first_step}..{steps - 1} and at the end; it holds when the "
-                "checkpoint came from a run with the same --seed, data, learning-rate schedule and batch"
-            )
-        cmp = compare(got_losses, params, reference, grads=check_grads, grad_norms=check_norms, tolerance=tol)
-        grad_tol = grad_tolerance(tol, opts.dtype)
-        passed = cmp.passed(tol, grad_tolerance=grad_tol)
-        check = check_report(
-            passed=passed,
-            tolerance=tol,
-            grad_tolerance=grad_tol,
-            max_loss_rel_diff=cmp.max_loss_rel_diff,
-            max_param_rel_diff=cmp.max_param_rel_diff,
-            worst_param=cmp.worst_param,
-            params_compared=cmp.params_compared,
-            losses_pipelined=got_losses,
-            losses_reference=reference.losses,
-            max_grad_rel_diff=cmp.max_grad_rel_diff,
-            worst_grad=cmp.worst_grad,
-            categories=cmp.categories,
-        )
-        report = report.model_copy(update={"check": check})
-        if opts.mixed:
-            report.notes.append(
-                f"check in {opts.dtype}: the reference runs the unsplit model under the same autocast; "
-                f"tolerance {tol:g} (16-bit rounding of the same operations, grouped differently), {grad_tol:g} for "
-                "gradients (a weight whose 16-bit cast tipped changes the gradients of every layer it feeds)"
-            )
-        if reference.noise is not None:
-            report.notes.append(
-                f"check with {opts.optimizer}: it divides each update by the root of the squared-gradient average, "
-                "so a parameter element whose true gradient is zero (an attention key bias) moves by up to about lr "
-                "per step on rounding noise alone, differently in two runs that sum the same terms in another "
-                "order; the check compares the gradients themselves, and allows a parameter element the move "
-                f"{opts.optimizer} can make on noise where its gradient is rounding noise (and that move scaled by "
-                "its gradients' relative disagreement elsewhere); the check's categories name the tensors that "
-                "needed it"
-            )
-        if not passed:
-            failed = check_failed_message(check)
-    text = report.to_json()
-    if args.report:
-        Path(args.report).write_text(text + "\n", encoding="utf-8")
-    if args.run_dir:
-        Path(args.run_dir, "report.json").write_text(text + "\n", encoding="utf-8")
-    print("\n".join(render_lines(report)), flush=True)
-    if args.report:
-        print(f"report written to {args.report}", flush=True)
-    if args.log_file:
-        print(f"per-step log written to {args.log_file}", flush=True)
-    if failed:
-        raise CheckFailedError(failed)
-    return 0
+    return finish(job, source, gathered)
 
 
 def _is_fsdp(module: Any) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(module, FSDPModule)
-
-
-def _mesh_note(plan: Any, split: Any, gathered: list[Any]) -> str:
-    """One line on what the mesh axes did (empty for a K x D plan with ZeRO 0)."""
-    from runtime.mesh import MeshSpec
-
-    spec = MeshSpec.of(plan)
-    parts = []
-    if spec.tensor_parallel_degree > 1:
-        from runtime.mesh import profiled_kinds
-
-        sharded = sorted({u for g in gathered for u in g["mesh"]["tp_layers"]})
-        kinds = profiled_kinds(split)
-        whole = [
-            split.names[u] + (f" (priced as {kinds[u]}-sharded by the plan: its memory is above the prediction)"
-                              if kinds[u] != "replicated" else "")
-            for u in range(len(split.names))
-            if u not in sharded
-        ]  # fmt: skip
-        parts.append(
-            f"tensor parallelism T = {spec.tensor_parallel_degree} on {len(sharded)} layer(s) "
-            f"({', '.join(split.names[u] for u in sharded)})"
-            + (f"; run whole on every tensor-parallel rank: {', '.join(whole)}" if whole else "")
-        )
-        if spec.sequence_parallel:
-            from runtime.mesh import KIND_RULES, sequence_parallel_note
-
-            # the embedding and head shard over T but run on the whole sequence
-            parts.append(sequence_parallel_note(spec, sum(kinds[u] not in KIND_RULES for u in sharded)))
-    if spec.zero_stage and spec.data_parallel_degree > 1:
-        if spec.zero_stage >= 2:
-            first = [g for g in gathered if g["replica"] == 0 and g["tp_rank"] == 0]
-            n = sum(g["mesh"]["fsdp"] for g in first)
-            layers = sum(g["mesh"]["fsdp_layers"] for g in first)
-            parts.append(
-                f"ZeRO {spec.zero_stage}: FSDP2 fully_shard over the {spec.data_parallel_degree} replicas of each "
-                f"stage, layer by layer ({layers} layer group(s), then each stage's rest; "
-                f"{n} parameter tensor(s) sharded, reshard after forward: "
-                f"{'yes' if spec.reshard_after_forward() else 'no'}; tied weights across stages stay whole)"
-            )
-        else:
-            kinds = sorted({str(g["mesh"]["optimizer"]) for g in gathered})
-            parts.append(
-                f"ZeRO 1: optimizer state sharded over the {spec.data_parallel_degree} replicas ({', '.join(kinds)})"
-            )
-    parts += _data_parallel_note(spec, gathered, context=plan.context_parallel_degree)
-    from runtime.axes import axes_note
-
-    parts += axes_note(plan, [g["mesh"] for g in gathered if g["replica"] == 0 and g["tp_rank"] == 0 and g["cp_rank"] == 0])
-    return "mesh: " + "; ".join(parts) if parts else ""
-
-
-def _data_parallel_note(spec: Any, gathered: list[Any], *, context: int = 1) -> list[str]:
-    """The mesh note's part on which path reduced the data-parallel gradients (empty for D = 1
-    and ZeRO 2/3, whose note says FSDP2); ``context``: C, folded into the data axis."""
-    meshes = [g["mesh"] for g in gathered]
-    path = meshes[0].get("dp_path", "none")
-    if path == "ddp":
-        left: dict[str, int] = {}
-        for m in (g["mesh"] for g in gathered if g["replica"] == 0 and g["tp_rank"] == 0 and g["cp_rank"] == 0):
-            for why, n in m["dp_left"].items():
-                left[why] = left.get(why, 0) + n
-        tensors = sum(g["mesh"]["dp_ddp_tensors"] for g in gathered if g["replica"] == 0 and g["tp_rank"] == 0
-                      and g["cp_rank"] == 0)  # fmt: skip
-        n = spec.data_parallel_degree
-        over = f"ranks of each stage's data axis (D x C = {n // context} x {context})" if context > 1 else "replicas of each stage"
-        left_note = ", ".join(f"{k} tensor(s) {why}" for why, k in sorted(left.items()))
-        return [
-            f"data-parallel gradients: torch DDP over the {n} {over} ({tensors} tensor(s)), bucketed "
-            f"({meshes[0]['dp_bucket_mb']:g} MiB buckets, built on the first step's gradient order: the first step "
-            "reduces one bucket) and all-reduced during each stage's last micro-batch's backward"
-            + (f"; left to the runtime's reductions after the schedule: {left_note}" if left else "")
-        ]
-    if path == "all-reduce":
-        return [f"data-parallel gradients: the runtime's flat all-reduce after the schedule ({meshes[0]['dp_why']})"]
-    return []
-
-
-def _bucket_note(gathered: list[Any]) -> str:
-    """The report's note on the DDP buckets of each rank's last step: when each was launched and
-    done, in ms from the start of the rank's last backward, beside that backward's end (the
-    evidence that the reduction ran during the backward)."""
-    parts = []
-    for g in gathered:
-        if g["tp_rank"] != 0 or g["cp_rank"] != 0:
-            continue
-        rec = g["mesh"].get("dp_last_buckets")
-        if not rec:
-            continue
-        buckets = "; ".join(
-            f"#{b['index']} [{', '.join(b['layers'])}] {b['bytes']} B launched {b['launched_ms']:.3f} done "
-            f"{b['done_ms']:.3f}"
-            for b in rec["buckets"]
-        )
-        parts.append(f"rank {g['rank']}: {buckets}; backward ended {rec['backward_ms']:.3f}")
-    if not parts:
-        return ""
-    return (
-        "data-parallel buckets of the last step (ms from the start of the rank's last backward; a bucket is "
-        "launched when its last gradient is ready): " + " | ".join(parts)
-    )
-
-
-def _training_note(opts: Any, gathered: list[Any]) -> str:
-    """One line: dtype, learning-rate schedule, clipping (and how often it clipped), loss scaling."""
-    parts = [
-        "float32"
-        if not opts.mixed
-        else f"{opts.dtype} autocast with float32 master weights, gradients and optimizer state"
-        + (" and dynamic loss scaling" if opts.dtype == "float16" else "")
-    ]
-    lr = f"lr {opts.lr:g}"
-    if opts.warmup_steps:
-        lr += f" after {opts.warmup_steps} linear warm-up step(s)"
-    if opts.lr_schedule == "cosine":
-        lr += f", cosine decay to {opts.min_lr:g}"
-    parts.append(lr)
-    if opts.clip_grad_norm is not None:
-        norms = [n for n in gathered[0]["grad_norms"] if n is not None]
-        clipped = sum(1 for n in norms if n > opts.clip_grad_norm)
-        parts.append(
-            f"gradients clipped to global norm {opts.clip_grad_norm:g} (norm above it on {clipped} of {len(norms)} steps)"
-        )
-    skipped = sum(gathered[0]["skipped"])
-    if skipped:
-        parts.append(f"{skipped} step(s) skipped for inf/NaN gradients")
-    return "training: " + ", ".join(parts)
 
 
 def _wrap_stage(mod: Any, opts: Any, device: Any, split_backward: bool) -> Any:
@@ -1269,14 +882,6 @@ def _allreduce_mean(grads: list[Any], group: Any, replicas: int) -> None:
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
-
-
-def check_grad_steps(first_step: int, steps: int) -> tuple[int, ...]:
-    """The steps whose whole gradients ``--check`` keeps and compares: the first this run trains
-    (the same weights in both runs: what the split, the schedule and the reductions compute)
-    and the last; the other steps compare per-tensor gradient norms (memory: two copies of the
-    gradients on CPU, not one per step)."""
-    return tuple(sorted({first_step, steps - 1}))
 
 
 if __name__ == "__main__":
