@@ -1,7 +1,9 @@
 """What one rank holds while it trains: the dataclasses the worker's steps pass on.
 
 :class:`Job` is what :func:`runtime.worker._run` hands to the training (flags, plan, model,
-where this rank sits).
+where this rank sits); :func:`runtime.stages.join_mesh` turns it into a :class:`RankState`
+(the mesh and its groups), :func:`runtime.stages.build_stages` adds the :class:`StageSet`
+(this rank's pipeline stages and how their gradients are reduced).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 
 from runtime.fault_injection import Fault
 from runtime.faults import RankStatus
+from runtime.stage_timing import Timings
 
 
 @dataclass
@@ -55,3 +58,52 @@ class Job:
     status: RankStatus
     progress: Progress
     rss_before_model: int | None = None
+
+
+@dataclass
+class RankState:
+    """The job and this rank's DeviceMesh ``("pp", "dp_replicate", "dp_shard", "tp")``: its
+    ``"pp"`` group links the stages of one (replica, tensor-parallel rank), its data axis the
+    replicas of one (stage, tensor-parallel rank)."""
+
+    job: Job
+    mesh: Any
+    pp_group: Any
+    dp_group: Any | None  # None for D = 1
+    #: the step running now, [step], read by the timing hooks and the test faults
+    step_box: list[int]
+    streams: Any  # profiler.split.RngStreams: dropout's random streams
+    #: the fault this rank injects (None on the others)
+    my_fault: Fault | None
+
+    @property
+    def plan(self) -> Any:
+        return self.job.plan
+
+    @property
+    def spec(self) -> Any:
+        return self.job.coords.spec
+
+
+@dataclass
+class StageSet:
+    """This rank's pipeline stages, as :func:`runtime.stages.build_stages` built them, and how
+    their data-parallel gradients are reduced."""
+
+    axes: Any  # runtime.axes.NewAxes: context and expert parallelism
+    #: the stage modules as split (before tensor parallelism, FSDP2 and DDP wrapped them)
+    modules: list[Any]
+    stages: list[Any]  # torch's PipelineStage, one per stage of this rank
+    timings: Timings
+    #: (process group, parameter) of each tied weight whose copies sit on several pipeline ranks
+    tied: list[tuple[Any, Any]]
+    #: ids of the tied copies another pipeline rank counts in the gradient norm
+    not_mine_in_norm: set[int]
+    reduction: Any  # runtime.mesh.GradientReduction
+    bucket_mb: float
+    clocks: list[Any] = field(default_factory=list)  # one runtime._ddp.BucketClock per DDP stage
+    by_ddp: set[int] = field(default_factory=set)  # ids of the parameters DDP reduces
+    #: why a parameter of a DDP stage is not DDP's -> their ids
+    left_to_us: dict[str, set[int]] = field(default_factory=dict)
+    #: a weight by the first layer holding it (a tied embedding: the embedding)
+    layer_of: dict[int, str] = field(default_factory=dict)

@@ -49,12 +49,12 @@ from typing import Any
 
 from planner.errors import InputError, PipeplanError
 from runtime.fault_injection import FAULT_MODES as FAULT_MODES
-from runtime.fault_injection import Fault, drop_gradient, layer_to_skip
+from runtime.fault_injection import Fault, drop_gradient
 from runtime.faults import CheckFailedError, RankStatus, error_summary, write_status
 from runtime.rank_check import check_grad_steps as check_grad_steps
 from runtime.rank_check import tolerance as tolerance
 from runtime.rank_state import Coords, Job, Progress
-from runtime.stage_timing import bucket_rows, comm_step, fold_loss, last_backward, sync, time_stage
+from runtime.stage_timing import bucket_rows, comm_step, fold_loss, last_backward, sync
 from runtime.stage_timing import fold_loss as _fold_loss  # noqa: F401 (tests import it from here)
 
 #: exit code of a rank whose --check failed (other failures exit 1)
@@ -344,41 +344,31 @@ def _run(args: argparse.Namespace, rank: int, status: RankStatus, progress: Prog
 def _train(job: Job) -> int:
     import torch
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage
 
     from planner.cost import plan_orders
-    from planner.schedules import SPLIT_BACKWARD, format_actions, schedule_actions, stage_ranks
-    from profiler.split import RngStreams
+    from planner.schedules import format_actions, schedule_actions
     from runtime._comm_timing import (
         FsdpClock,
         TransferClock,
         timed_fsdp_collectives,
         timed_transfers,
     )
-    from runtime._ddp import step_reduction, wrap_ddp
+    from runtime._ddp import step_reduction
     from runtime._dtensor_timing import CollectiveClock, timed_redistributions
     from runtime._torch_schedule import build_schedule
-    from runtime.axes import local_examples, new_axes
     from runtime.data import DataReport, DataSource, judge, loads_data
     from runtime.mesh import (
-        DEFAULT_BUCKET_MB,
-        GradientReduction,
         all_reduce_grad,
-        apply_mesh,
-        build_mesh,
-        data_mesh,
         full_gradients,
         full_parameters,
         gradient_norms,
-        gradient_reduction,
         make_sharded_optimizer,
         reduces_data_gradients,
         squared_grad_norm,
-        stage_shardings,
     )
-    from runtime.modules import stage_examples
     from runtime.report import current_rss_bytes, peak_rss_bytes, reset_peak_rss
     from runtime.results import finish
+    from runtime.stages import build_stages, join_mesh
     from runtime.steplog import StepLog, log_step
     from runtime.training import (
         LossScaler,
@@ -389,7 +379,7 @@ def _train(job: Job) -> int:
     )
 
     args, plan, entry, split, coords, my_stages = job.args, job.plan, job.entry, job.split, job.coords, job.my_stages
-    device, opts, fault, status, progress = job.device, job.opts, job.fault, job.status, job.progress
+    device, opts, status, progress = job.device, job.opts, job.status, job.progress
     rss_before_model = job.rss_before_model
     rank, world, pp_rank, replica, tp_rank = coords.rank, coords.world, coords.pp_rank, coords.replica, coords.tp_rank
     spec = coords.spec
@@ -404,118 +394,13 @@ def _train(job: Job) -> int:
     k_deg, d_deg, t_deg = plan.pipeline_degree, spec.data_parallel_degree, spec.tensor_parallel_degree
     num_stages = len(plan.stages)
     m = plan.num_microbatches
-    # the DeviceMesh ("pp", "dp_replicate", "dp_shard", "tp"); its "pp" group links the stages of
-    # one (replica, tensor-parallel rank), its data axis the replicas of one (stage, tp rank)
-    mesh = build_mesh(spec, device_type=device.type)
-    pp_group = mesh["pp"].get_group()
-    dp_group = data_mesh(mesh, spec).get_group() if d_deg > 1 else None
-
-    # ---- tied parameters whose copies land on different pipeline ranks: one group per replica.
-    # The lowest pipeline rank holding a copy counts it in the gradient norm.
-    rank_of_stage = stage_ranks(plan.placement, k_deg, plan.virtual_stages)
-    stage_of_unit = {u: st.index for st in plan.stages for u in range(st.start, st.stop)}
-    tied: list[tuple[Any, torch.nn.Parameter]] = []
-    not_mine_in_norm: set[int] = set()
-    for group in split.shared_parameters():
-        ranks_k = sorted({rank_of_stage[stage_of_unit[u]] for u, _ in group})
-        if len(ranks_k) < 2:
-            continue  # all copies on one rank: one tensor, gradients already summed
-        for d, t in [(d, t) for d in range(d_deg) for t in range(t_deg)]:  # every rank creates every group
-            pg = dist.new_group([spec.rank_of(kk, d, t) for kk in ranks_k])
-            if d == replica and t == tp_rank and pp_rank in ranks_k:
-                u, name = next(
-                    (u, n) for u, n in group if rank_of_stage[stage_of_unit[u]] == pp_rank
-                )
-                param = split.units[u].get_parameter(name)
-                tied.append((pg, param))
-                if pp_rank != ranks_k[0]:
-                    not_mine_in_norm.add(id(param))
-
-    # ---- stages, built from real example activations at the micro-batch size (their dtypes,
-    # integer ranges and requires_grad flags are the training run's, autocast included)
-    timings: dict[int, dict[str, list[list[Any]]]] = {s: {"forward": [], "backward": [], "events": []} for s in my_stages}
-    step_box = [0]
-    streams = RngStreams(seed=args.seed, replica=replica)
-    stages: list[Any] = []
-    modules = []
-    examples = stage_examples(
-        split, local_examples(entry.example_inputs, plan, replica), plan.microbatch_size, device, dtype=opts.dtype
-    )
-    my_fault = fault if fault is not None and fault.rank == rank else None
-    skipped_unit = layer_to_skip(plan, my_stages, examples, my_fault) if my_fault is not None else None
-    # context and expert parallelism (runtime/axes.py): built on every rank (their meshes are collectives)
-    axes = new_axes(plan, replica=replica, example_inputs=entry.example_inputs, device_type=device.type,
-                    step_box=step_box, fault=my_fault)  # fmt: skip
-    # the data-parallel gradients: torch DDP (bucketed, during each stage's last backward) where
-    # runtime.mesh.gradient_reduction allows it, else the flat all-reduce after the schedule
-    reduction = gradient_reduction(spec)
-    if args.dp_reduction == "flat" and reduction.path == "ddp":
-        reduction = GradientReduction("all-reduce", "asked for with --dp-reduction flat")
-    bucket_mb = args.dp_bucket_mb if args.dp_bucket_mb is not None else DEFAULT_BUCKET_MB
-    if bucket_mb <= 0:
-        raise InputError(f"--dp-bucket-mb {bucket_mb:g}: give a bucket size above 0 MiB (DDP's default is 25)")
-    clocks: list[Any] = []  # one runtime._ddp.BucketClock per DDP-wrapped stage
-    by_ddp: set[int] = set()  # ids of the parameters DDP reduces
-    left_to_us: dict[str, set[int]] = {}  # why a parameter of a DDP stage is not DDP's -> their ids
-    layer_of: dict[int, str] = {}  # a weight by the first layer holding it (a tied embedding: the embedding)
-    for s in my_stages:
-        for u in range(plan.stages[s].start, plan.stages[s].stop):
-            for p in split.units[u].parameters():
-                layer_of.setdefault(id(p), split.names[u])
-    # a weight held by two stages of this rank (a tied embedding and head under a V schedule):
-    # two DDP reducers would each average it; the flat all-reduce does it once
-    holders: dict[int, int] = {}
-    for s in my_stages:
-        for i in {id(p) for u in range(plan.stages[s].start, plan.stages[s].stop) for p in split.units[u].parameters()}:
-            holders[i] = holders.get(i, 0) + 1
-    for s in my_stages:
-        sp = plan.stages[s]
-        mod: Any = split.stage_module(sp.start, sp.stop, pipeline=True)
-        mod.rng = streams
-        if skipped_unit is not None and sp.start <= skipped_unit < sp.stop and my_fault is not None:
-            from runtime.modules import SkipFrom
-
-            i = skipped_unit - sp.start
-            mod.units[i] = SkipFrom(mod.units[i], step_box, my_fault.step)
-        modules.append(mod)
-        axes.apply(mod)
-        # tensor parallelism, recompute, autocast (and the split-backward view guard), then FSDP2
-        # outermost (ZeRO 2/3), so that PipelineStage sees the FSDP module; tied weights stay whole
-        mod = apply_mesh(
-            mod,
-            spec,
-            mesh,
-            checkpointed_layers=sp.checkpointed_layers,
-            shardings=stage_shardings(coords.shardings, sp.start, sp.stop),
-            wrap=lambda inner: _wrap_stage(inner, opts, device, plan.schedule in SPLIT_BACKWARD),
-            keep_whole=[p for _, p in tied],
-        )
-        if reduction.path == "ddp":
-            ignore = []
-            for p in {id(p): p for p in mod.parameters()}.values():
-                why = "expert-parallel (reduced over its own groups)" if axes.owns(p) else (
-                    "held by two stages of one rank (flat all-reduce)" if holders.get(id(p), 1) > 1 else "")  # fmt: skip
-                if why:
-                    ignore.append(p)
-                    left_to_us.setdefault(why, set()).add(id(p))
-            mine_ddp = [p for p in mod.parameters() if p.requires_grad and all(p is not q for q in ignore)]
-            if mine_ddp:  # DDP refuses a module with nothing to reduce (a Tanh alone)
-                mod, clock = wrap_ddp(mod, dp_group, bucket_mb=bucket_mb, ignore=ignore, labels=layer_of)
-                clocks.append(clock)
-                by_ddp.update(id(p) for p in mine_ddp)
-        stage = PipelineStage(
-            mod,
-            s,
-            num_stages,
-            device,
-            input_args=examples[sp.start][0],
-            output_args=examples[sp.stop - 1][1],
-            group=pp_group,
-        )
-        stops = my_fault if my_fault is not None and my_fault.mode in ("raise", "exit", "hang") else None
-        time_stage(stage, timings[s], step_box, device, stops, status, streams)
-        stages.append(stage)
-    del examples
+    rank_state = join_mesh(job)  # the DeviceMesh and this rank's pipeline and data groups
+    built = build_stages(rank_state)  # this rank's PipelineStage(s), one parallelize step per axis
+    mesh, pp_group, dp_group = rank_state.mesh, rank_state.pp_group, rank_state.dp_group
+    step_box, streams, my_fault = rank_state.step_box, rank_state.streams, rank_state.my_fault
+    axes, stages, modules, timings = built.axes, built.stages, built.modules, built.timings
+    tied, not_mine_in_norm, reduction, bucket_mb = built.tied, built.not_mine_in_norm, built.reduction, built.bucket_mb
+    clocks, by_ddp, left_to_us, layer_of = built.clocks, built.by_ddp, built.left_to_us, built.layer_of
 
     scaler = LossScaler(opts.dtype == "float16")
     last_record = timings.get(num_stages - 1)
@@ -843,17 +728,6 @@ def _is_fsdp(module: Any) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(module, FSDPModule)
-
-
-def _wrap_stage(mod: Any, opts: Any, device: Any, split_backward: bool) -> Any:
-    """Autocast for a 16-bit run; the view guard of the split-backward schedules."""
-    from runtime.modules import Autocast, NoViewOutputs
-
-    if opts.mixed:
-        mod = Autocast(mod, device.type, opts.torch_dtype)
-    if split_backward:
-        mod = NoViewOutputs(mod)
-    return mod
 
 
 def _is_dtensor(t: Any) -> bool:
