@@ -3,7 +3,9 @@
 :class:`Job` is what :func:`runtime.worker._run` hands to the training (flags, plan, model,
 where this rank sits); :func:`runtime.stages.join_mesh` turns it into a :class:`RankState`
 (the mesh and its groups), :func:`runtime.stages.build_stages` adds the :class:`StageSet`
-(this rank's pipeline stages and how their gradients are reduced).
+(this rank's pipeline stages and how their gradients are reduced), :func:`runtime.loop.prepare`
+the :class:`Training` (loss, schedule, optimizer, data), and every step appends to the
+:class:`StepRecords` that rank 0 gathers (:mod:`runtime.results`).
 """
 
 from __future__ import annotations
@@ -107,3 +109,52 @@ class StageSet:
     left_to_us: dict[str, set[int]] = field(default_factory=dict)
     #: a weight by the first layer holding it (a tied embedding: the embedding)
     layer_of: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass
+class Training:
+    """What every step uses beyond the stages: built by :func:`runtime.loop.prepare`."""
+
+    schedule: Any
+    params: list[Any]  # this rank's parameters, each once
+    opt: Any | None  # None when the rank's stages hold no parameter
+    #: this rank's parameters by the model's names (a tied weight's copies on this rank: one entry)
+    named: list[tuple[str, Any]]
+    scaler: Any  # runtime.training.LossScaler
+    first_step: int  # > 0 when resumed
+    source: Any  # runtime.data.DataSource
+    reads: bool  # whether this rank reads data
+    data_replica: int
+    reader: Any | None
+    dummy_target: Any
+    log: Any | None  # runtime.steplog.StepLog, rank 0's
+    #: DTensor's, FSDP2's and the pipeline's collective clocks (runtime._comm_timing)
+    clocks: tuple[Any, Any, Any]
+    fsdp: bool  # ZeRO 2/3 over D > 1
+    #: the steps whose whole gradients --check keeps (runtime.rank_check.check_grad_steps)
+    grad_steps: tuple[int, ...]
+
+
+@dataclass
+class StepRecords:
+    """What each step measured on this rank, for the report and the check."""
+
+    step_ms: list[float] = field(default_factory=list)
+    #: per step: start on the host's clock, then schedule, data-parallel all-reduce,
+    #: tied-weight all-reduce, optimizer (s)
+    phases: list[list[float]] = field(default_factory=list)
+    comm: list[dict[str, float]] = field(default_factory=list)  # per step: runtime.report.COMM_KEYS
+    losses: list[float | None] = field(default_factory=list)
+    grad_norms: list[float | None] = field(default_factory=list)
+    skipped: list[bool] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    #: DDP's buckets of the last step that had some, and that step's last backward
+    last_buckets: tuple[list[Any], tuple[float, float] | None] = ([], None)
+    #: --check: every step's per-tensor gradient norms, and the whole gradients of the first and
+    #: last steps (runtime.training.compare), on CPU
+    check_norms: dict[int, dict[str, float]] = field(default_factory=dict)
+    check_grads: dict[int, dict[str, Any]] = field(default_factory=dict)
+    #: the resident set with the model, its stages and the process group built; the peak from then on
+    rss_first_step: int | None = None
+    #: whether the peak resident set could be reset at the first step (runtime.report.reset_peak_rss)
+    peak_in_training: bool = False

@@ -43,41 +43,41 @@ def join_mesh(job: Job) -> RankState:
     )
 
 
-def build_stages(rank: RankState) -> StageSet:
+def build_stages(state: RankState) -> StageSet:
     """This rank's stages (see the module's docstring for the order of the steps)."""
     from runtime.axes import local_examples, new_axes
     from runtime.modules import stage_examples
 
-    job, plan = rank.job, rank.plan
-    tied, not_mine_in_norm = tied_parameters(rank)
+    job, plan = state.job, state.plan
+    tied, not_mine_in_norm = tied_parameters(state)
     # stages are built from real example activations at the micro-batch size (their dtypes,
     # integer ranges and requires_grad flags are the training run's, autocast included)
     examples = stage_examples(
         job.split, local_examples(job.entry.example_inputs, plan, job.coords.replica), plan.microbatch_size,
         job.device, dtype=job.opts.dtype,
     )  # fmt: skip
-    skipped_unit = layer_to_skip(plan, job.my_stages, examples, rank.my_fault) if rank.my_fault is not None else None
+    skipped_unit = layer_to_skip(plan, job.my_stages, examples, state.my_fault) if state.my_fault is not None else None
     # context and expert parallelism (runtime/axes.py): built on every rank (their meshes are collectives)
     axes = new_axes(plan, replica=job.coords.replica, example_inputs=job.entry.example_inputs,
-                    device_type=job.device.type, step_box=rank.step_box, fault=rank.my_fault)  # fmt: skip
-    reduction, bucket_mb = data_reduction(job.args, rank.spec)
+                    device_type=job.device.type, step_box=state.step_box, fault=state.my_fault)  # fmt: skip
+    reduction, bucket_mb = data_reduction(job.args, state.spec)
     built = StageSet(
         axes=axes, modules=[], stages=[], timings={s: {"forward": [], "backward": [], "events": []} for s in job.my_stages},
         tied=tied, not_mine_in_norm=not_mine_in_norm, reduction=reduction, bucket_mb=bucket_mb,
     )  # fmt: skip
-    holders = _layer_owners(rank, built)
+    holders = _layer_owners(state, built)
     for s in job.my_stages:
-        mod = stage_module(rank, s, skipped_unit)
+        mod = stage_module(state, s, skipped_unit)
         built.modules.append(mod)
         axes.apply(mod)
-        mod = parallelize(rank, built, s, mod)
+        mod = parallelize(state, built, s, mod)
         if reduction.path == "ddp":
-            mod = wrap_data_parallel(rank, built, mod, holders)
-        built.stages.append(pipeline_stage(rank, built, s, mod, examples))
+            mod = wrap_data_parallel(state, built, mod, holders)
+        built.stages.append(pipeline_stage(state, built, s, mod, examples))
     return built
 
 
-def tied_parameters(rank: RankState) -> tuple[list[tuple[Any, Any]], set[int]]:
+def tied_parameters(state: RankState) -> tuple[list[tuple[Any, Any]], set[int]]:
     """Tied parameters whose copies land on different pipeline ranks: one group per replica
     (and tensor-parallel rank), and this rank's copy in it.  The lowest pipeline rank holding a
     copy counts it in the gradient norm: the ids of the others' are the second value."""
@@ -85,7 +85,7 @@ def tied_parameters(rank: RankState) -> tuple[list[tuple[Any, Any]], set[int]]:
 
     from planner.schedules import stage_ranks
 
-    plan, split, spec, c = rank.plan, rank.job.split, rank.spec, rank.job.coords
+    plan, split, spec, c = state.plan, state.job.split, state.spec, state.job.coords
     rank_of_stage = stage_ranks(plan.placement, plan.pipeline_degree, plan.virtual_stages)
     stage_of_unit = {u: st.index for st in plan.stages for u in range(st.start, st.stop)}
     tied: list[tuple[Any, Any]] = []
@@ -122,50 +122,50 @@ def data_reduction(args: argparse.Namespace, spec: Any) -> tuple[Any, float]:
     return reduction, bucket_mb
 
 
-def _layer_owners(rank: RankState, built: StageSet) -> dict[int, int]:
+def _layer_owners(state: RankState, built: StageSet) -> dict[int, int]:
     """Fill ``built.layer_of`` (a weight by the first layer holding it); return how many of this
     rank's stages hold each weight (two: a tied embedding and head under a V schedule; two DDP
     reducers would each average it, the flat all-reduce does it once)."""
-    plan, split = rank.plan, rank.job.split
-    for s in rank.job.my_stages:
+    plan, split = state.plan, state.job.split
+    for s in state.job.my_stages:
         for u in range(plan.stages[s].start, plan.stages[s].stop):
             for p in split.units[u].parameters():
                 built.layer_of.setdefault(id(p), split.names[u])
     holders: dict[int, int] = {}
-    for s in rank.job.my_stages:
+    for s in state.job.my_stages:
         for i in {id(p) for u in range(plan.stages[s].start, plan.stages[s].stop) for p in split.units[u].parameters()}:
             holders[i] = holders.get(i, 0) + 1
     return holders
 
 
-def stage_module(rank: RankState, s: int, skipped_unit: int | None) -> Any:
+def stage_module(state: RankState, s: int, skipped_unit: int | None) -> Any:
     """Stage ``s``'s units from the splitter, drawing dropout from the rank's streams; the unit
     ``--inject-fault R:S:skip-layer`` skips is wrapped in :class:`runtime.modules.SkipFrom`."""
-    sp = rank.plan.stages[s]
-    mod: Any = rank.job.split.stage_module(sp.start, sp.stop, pipeline=True)
-    mod.rng = rank.streams
-    if skipped_unit is not None and sp.start <= skipped_unit < sp.stop and rank.my_fault is not None:
+    sp = state.plan.stages[s]
+    mod: Any = state.job.split.stage_module(sp.start, sp.stop, pipeline=True)
+    mod.rng = state.streams
+    if skipped_unit is not None and sp.start <= skipped_unit < sp.stop and state.my_fault is not None:
         from runtime.modules import SkipFrom
 
         i = skipped_unit - sp.start
-        mod.units[i] = SkipFrom(mod.units[i], rank.step_box, rank.my_fault.step)
+        mod.units[i] = SkipFrom(mod.units[i], state.step_box, state.my_fault.step)
     return mod
 
 
-def parallelize(rank: RankState, built: StageSet, s: int, mod: Any) -> Any:
+def parallelize(state: RankState, built: StageSet, s: int, mod: Any) -> Any:
     """Tensor parallelism, recompute, autocast (and the split-backward view guard), then FSDP2
     outermost (ZeRO 2/3), so that PipelineStage sees the FSDP module; tied weights stay whole."""
     from planner.schedules import SPLIT_BACKWARD
     from runtime.mesh import apply_mesh, stage_shardings
 
-    job, sp = rank.job, rank.plan.stages[s]
+    job, sp = state.job, state.plan.stages[s]
     return apply_mesh(
         mod,
-        rank.spec,
-        rank.mesh,
+        state.spec,
+        state.mesh,
         checkpointed_layers=sp.checkpointed_layers,
         shardings=stage_shardings(job.coords.shardings, sp.start, sp.stop),
-        wrap=lambda inner: wrap_stage(inner, job.opts, job.device, rank.plan.schedule in SPLIT_BACKWARD),
+        wrap=lambda inner: wrap_stage(inner, job.opts, job.device, state.plan.schedule in SPLIT_BACKWARD),
         keep_whole=[p for _, p in built.tied],
     )
 
@@ -181,7 +181,7 @@ def wrap_stage(mod: Any, opts: Any, device: Any, split_backward: bool) -> Any:
     return mod
 
 
-def wrap_data_parallel(rank: RankState, built: StageSet, mod: Any, holders: dict[int, int]) -> Any:
+def wrap_data_parallel(state: RankState, built: StageSet, mod: Any, holders: dict[int, int]) -> Any:
     """Wrap the stage in torch DDP over the data axis, leaving out the expert-parallel weights
     and those two stages of this rank hold (recorded in ``built``)."""
     from runtime._ddp import wrap_ddp
@@ -195,27 +195,27 @@ def wrap_data_parallel(rank: RankState, built: StageSet, mod: Any, holders: dict
             built.left_to_us.setdefault(why, set()).add(id(p))
     mine_ddp = [p for p in mod.parameters() if p.requires_grad and all(p is not q for q in ignore)]
     if mine_ddp:  # DDP refuses a module with nothing to reduce (a Tanh alone)
-        mod, clock = wrap_ddp(mod, rank.dp_group, bucket_mb=built.bucket_mb, ignore=ignore, labels=built.layer_of)
+        mod, clock = wrap_ddp(mod, state.dp_group, bucket_mb=built.bucket_mb, ignore=ignore, labels=built.layer_of)
         built.clocks.append(clock)
         built.by_ddp.update(id(p) for p in mine_ddp)
     return mod
 
 
-def pipeline_stage(rank: RankState, built: StageSet, s: int, mod: Any, examples: Any) -> Any:
+def pipeline_stage(state: RankState, built: StageSet, s: int, mod: Any, examples: Any) -> Any:
     """Torch's ``PipelineStage`` of ``mod``, its actions timed into ``built.timings[s]`` (and
     stopped by ``--inject-fault R:S:raise|exit|hang``)."""
     from torch.distributed.pipelining import PipelineStage
 
-    job, sp, fault = rank.job, rank.plan.stages[s], rank.my_fault
+    job, sp, fault = state.job, state.plan.stages[s], state.my_fault
     stage = PipelineStage(
         mod,
         s,
-        len(rank.plan.stages),
+        len(state.plan.stages),
         job.device,
         input_args=examples[sp.start][0],
         output_args=examples[sp.stop - 1][1],
-        group=rank.pp_group,
+        group=state.pp_group,
     )
     stops = fault if fault is not None and fault.mode in ("raise", "exit", "hang") else None
-    time_stage(stage, built.timings[s], rank.step_box, job.device, stops, job.status, rank.streams)
+    time_stage(stage, built.timings[s], state.step_box, job.device, stops, job.status, state.streams)
     return stage
