@@ -67,3 +67,41 @@ def read_log(path: str | Path) -> list[dict[str, Any]]:
                 rec[k] = float(v)
         out.append(rec)
     return out
+
+
+def log_step(
+    log: Any,
+    step: int,
+    loss: float | None,
+    ms: float,
+    lr: float,
+    norm: float | None,
+    loss_scale: float | None,
+    skipped: bool,
+    global_batch: int,
+    world: int,
+    device: Any,
+) -> None:
+    """Every rank sends (loss, has loss, step ms); rank 0 writes the step's line: the mean loss
+    of the replicas and the slowest rank's time."""
+    import torch
+    import torch.distributed as dist
+
+    mine = torch.tensor([loss or 0.0, 1.0 if loss is not None else 0.0, ms], dtype=torch.float64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    if log is None:
+        return
+    rows = [t.tolist() for t in every]
+    count = sum(r[1] for r in rows)
+    step_ms = max(r[2] for r in rows)
+    log.write(
+        step=step,
+        loss=sum(r[0] for r in rows) / count if count else None,
+        lr=lr,
+        step_ms=step_ms,
+        samples_per_s=global_batch / (step_ms / 1e3) if step_ms > 0 else None,
+        grad_norm=norm,
+        loss_scale=loss_scale,
+        skipped=skipped,
+    )
