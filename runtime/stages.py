@@ -70,7 +70,7 @@ def build_stages(state: RankState) -> StageSet:
         mod = stage_module(state, s, skipped_unit)
         built.modules.append(mod)
         axes.apply(mod)
-        mod = parallelize(state, built, s, mod, examples)
+        mod = parallelize(state, built, s, mod, examples, holders)
         if reduction.path == "ddp":
             mod = wrap_data_parallel(state, built, mod, holders)
         built.stages.append(pipeline_stage(state, built, s, mod, examples))
@@ -152,10 +152,14 @@ def stage_module(state: RankState, s: int, skipped_unit: int | None) -> Any:
     return mod
 
 
-def parallelize(state: RankState, built: StageSet, s: int, mod: Any, examples: Any) -> Any:
+def parallelize(state: RankState, built: StageSet, s: int, mod: Any, examples: Any, holders: dict[int, int]) -> Any:
     """Megatron's selective recompute (the attention cores, found on the units' ``examples``),
     tensor parallelism, recompute, autocast (and the split-backward view guard), then FSDP2
-    outermost (ZeRO 2/3), so that PipelineStage sees the FSDP module; tied weights stay whole."""
+    outermost (ZeRO 2/3), so that PipelineStage sees the FSDP module.  Tied weights stay whole
+    (averaged by the flat all-reduce): those whose copies sit on several pipeline ranks, and
+    those two stages of this rank hold (a tied embedding and head under a V schedule: two FSDP2
+    groups sharding one parameter gave the head a third of its gradient wrong, measured by the
+    runtime matrix, ``tests/runtime/test_matrix.py``)."""
     from planner.schedules import SPLIT_BACKWARD
     from runtime.mesh import apply_mesh, stage_shardings
 
@@ -168,7 +172,7 @@ def parallelize(state: RankState, built: StageSet, s: int, mod: Any, examples: A
         selective_inputs=[examples[u][0] for u in range(sp.start, sp.stop)] if state.plan.selective_recompute else None,
         shardings=stage_shardings(job.coords.shardings, sp.start, sp.stop),
         wrap=lambda inner: wrap_stage(inner, job.opts, job.device, state.plan.schedule in SPLIT_BACKWARD),
-        keep_whole=[p for _, p in built.tied],
+        keep_whole=[p for _, p in built.tied] + [p for p in mod.parameters() if holders.get(id(p), 1) > 1],
     )
 
 
