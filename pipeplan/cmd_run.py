@@ -72,12 +72,6 @@ def run(args: argparse.Namespace) -> int:
     if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
         raise InputError(f"--node-rank {args.node_rank} with --nnodes {args.nnodes}: need 0 <= node rank < nnodes")
     plan = _load_plan(args.plan)
-    if getattr(plan, "selective_recompute", False) and plan.tensor_parallel_degree > 1:
-        raise InputError(
-            f"{args.plan} uses selective recompute with tensor parallelism (T={plan.tensor_parallel_degree}), "
-            "which pipeplan run does not execute yet (selective recompute runs with T = 1): replan with "
-            "--tensor-parallel 1 or --no-selective-recompute, or export it to Megatron-LM or torchtitan"
-        )
     optimizer = args.optimizer or plan.training.optimizer
     check_optimizer_supported(optimizer)
     opts = train_options(args, plan, optimizer)

@@ -149,6 +149,15 @@ def recompute_attention(unit: fx.GraphModule, inputs: Sequence[Any]) -> fx.Graph
     out = graph.graph_copy(unit.graph, env)
     graph.output(out)
     new = fx.GraphModule(unit, graph, class_name=type(unit).__name__)
+    # share the original's modules, not only its parameters: GraphModule copies the attributes
+    # the graph reads into fresh containers, and tensor parallelism and FSDP2 replace parameters
+    # in their modules, which the runtime then reads through the original (by the model's names)
+    for name, child in unit.named_children():
+        new._modules[name] = child
+    for name, p in unit.named_parameters(recurse=False):
+        new._parameters[name] = p
+    for name, b in unit.named_buffers(recurse=False):
+        new._buffers[name] = b
     for k, region in enumerate(attention_regions(graph, {env[n] for n in scores})):
         _extract(new, graph, region, f"selective_{k}")
     graph.lint()

@@ -1,0 +1,175 @@
+"""The runtime's matrix: every combination of axes the planner can emit for the zoo GPT
+(``examples.gpt:tiny``: embedding, 4 blocks, head) on up to 4 gloo ranks, each planned with its
+axes forced (``pipeplan plan``), then ``pipeplan run --check`` with the default optimizer (Adam)
+against the unsplit model.
+
+The axes: the mesh shape (D, T, K with D·T·K from 2 to 4), sequence parallelism (T > 1), the
+ZeRO stage (D > 1), the schedule family (K > 1: GPipe, 1F1B, interleaved 1F1B, the zero-bubble
+ZB-H1 and ZBV; the interleaved and V-shaped ones where the six layers make 2K chunks), and the
+recompute kind (none, every layer, the first layer of each stage, Megatron's selective).  A
+combination the runtime refuses before training must be a listed refusal (:data:`REFUSED`,
+also in the README) and is checked to be refused with that reason; no other may fail.  For the
+zoo GPT the list is empty.
+
+Each combination is one launch of 2 to 4 ranks for 2 steps (10-30 s on the 2-core CI machine),
+so the default test command runs a few that together take every value of every axis
+(:data:`DEFAULT`), and the rest are marked ``nightly`` (``bash scripts/test.sh -m nightly``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.runtime.helpers import run_cli
+
+MODEL = "examples.gpt:tiny"
+LAYERS = 6
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")
+#: schedules with two chunks per pipeline rank
+CHUNKED = {"interleaved-1f1b": 2, "zbv": 2}
+RECOMPUTE = ("none", "full", "first", "selective")
+
+
+@dataclass(frozen=True)
+class Combo:
+    d: int
+    t: int
+    k: int
+    sp: bool
+    zero: int
+    schedule: str
+    recompute: str
+
+    @property
+    def id(self) -> str:
+        parts = [f"D{self.d}", f"T{self.t}" + ("sp" if self.sp else ""), f"K{self.k}"]
+        if self.d > 1:
+            parts.append(f"z{self.zero}")
+        if self.k > 1:
+            parts.append(self.schedule)
+        parts.append(f"rc-{self.recompute}")
+        return "-".join(parts)
+
+
+def combos() -> list[Combo]:
+    """Every combination the planner can emit on up to 4 ranks (see the module doc)."""
+    out = []
+    for d, t, k in itertools.product((1, 2, 4), repeat=3):
+        if not 2 <= d * t * k <= 4:
+            continue
+        for sp, zero, schedule, recompute in itertools.product(
+            (False, True) if t > 1 else (False,),
+            (0, 1, 2, 3) if d > 1 else (0,),
+            SCHEDULES if k > 1 else ("1f1b",),
+            RECOMPUTE,
+        ):
+            if k * CHUNKED.get(schedule, 1) > LAYERS:
+                continue  # 2K chunks need 2K layers
+            out.append(Combo(d, t, k, sp, zero, schedule, recompute))
+    return out
+
+
+#: combinations refused before training, with the reason the README lists
+REFUSED: dict[Callable[[Combo], bool], str] = {}
+
+
+def refusal(c: Combo) -> str | None:
+    return next((why for test, why in REFUSED.items() if test(c)), None)
+
+
+#: the default run's combinations: together they take every value of every axis
+DEFAULT = {
+    Combo(2, 1, 2, False, 3, "zbv", "first"),
+    Combo(1, 2, 2, True, 0, "interleaved-1f1b", "full"),
+    Combo(2, 2, 1, True, 2, "1f1b", "selective"),
+    Combo(1, 1, 2, False, 0, "gpipe", "selective"),
+    Combo(4, 1, 1, False, 1, "1f1b", "selective"),
+    Combo(1, 4, 1, False, 0, "1f1b", "first"),
+    Combo(1, 1, 4, False, 0, "zb-h1", "none"),
+    Combo(2, 1, 2, False, 0, "1f1b", "full"),
+}
+
+
+def test_the_default_combinations_take_every_value_of_every_axis() -> None:
+    every = combos()
+    assert DEFAULT <= set(every)
+    for axis in ("d", "t", "k", "sp", "zero", "schedule", "recompute"):
+        assert {getattr(c, axis) for c in DEFAULT} == {getattr(c, axis) for c in every}, axis
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from pipeplan.cli import main
+
+    path = tmp_path_factory.mktemp("matrix") / "profile.json"
+    code = main(["profile", "--model", MODEL, "--microbatch-sizes", "1,2", "--time-budget", "2", "-q", "-o", str(path)])
+    assert code == 0
+    return path
+
+
+def _plan(profile: Path, c: Combo, out: Path) -> dict[str, Any]:
+    """``pipeplan plan`` with every axis of ``c`` forced (in this process: no torch needed)."""
+    from pipeplan.cli import main
+
+    m = max(2, c.k)
+    recompute = {
+        "none": ["--no-recompute"],
+        "full": ["--recompute", ",".join(["1"] * c.k * CHUNKED.get(c.schedule, 1)), "--no-partial-recompute"],
+        "first": ["--recompute", ",".join(["1"] * c.k * CHUNKED.get(c.schedule, 1)), "--no-partial-recompute"],
+        "selective": ["--no-recompute", "--selective-recompute"],
+    }[c.recompute]
+    args = [
+        "plan", str(profile), "--devices", str(c.d * c.t * c.k), "--devices-per-node", str(c.d * c.t * c.k),
+        "--device-type", "cpu", "--interconnect", "loopback", "--batch-size", str(2 * m * c.d),
+        "--microbatches", str(m), "--stages", str(c.k * CHUNKED.get(c.schedule, 1)), "--virtual-stages", str(CHUNKED.get(c.schedule, 1)),
+        "--data-parallel", str(c.d), "--tensor-parallel", str(c.t), "--zero", str(c.zero),
+        "--schedule", c.schedule, "--sequence-parallel" if c.sp else "--no-sequence-parallel", *recompute,
+        "-o", str(out),
+    ]  # fmt: skip
+    if c.recompute != "selective":
+        args.insert(-2, "--no-selective-recompute")
+    assert main(args) == 0, c.id
+    plan: dict[str, Any] = json.loads(out.read_text())
+    if c.recompute == "first":  # Megatron's --recompute-method block: each stage checkpoints its first layer
+        for st in plan["stages"]:
+            st["recompute_layers"] = 1
+        out.write_text(json.dumps(plan))
+    # the planner kept the forced axes
+    assert (plan["data_parallel_degree"], plan["tensor_parallel_degree"]) == (c.d, c.t), c.id
+    assert (plan["zero_stage"], plan["schedule"]) == (c.zero, c.schedule), c.id
+    return plan
+
+
+def _params(c: list[Combo]) -> list[Any]:
+    return [pytest.param(x, id=x.id, marks=() if x in DEFAULT else pytest.mark.nightly) for x in c]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("combo", _params(combos()))
+def test_every_combination_runs_and_matches_the_unsplit_model(combo: Combo, profile: Path, tmp_path: Path) -> None:
+    path = tmp_path / "plan.json"
+    plan = _plan(profile, combo, path)
+    report = tmp_path / "report.json"
+    proc, _ = run_cli(
+        ["run", "--plan", str(path), "--model", MODEL, "--steps", "2", "--check", "--timeout", "120", "--report", str(report)],
+        timeout=300,
+    )
+    why = refusal(combo)
+    if why is not None:
+        assert proc.returncode == 1 and why in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        return
+    assert proc.returncode == 0, combo.id + "\n" + proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(report.read_text())
+    assert data["check"]["passed"] and data["world_size"] == combo.d * combo.t * combo.k
+    # it ran the plan's recompute: the stage table's rc column (y: every layer, 1: the first, s, n)
+    want = {"none": "n", "full": "y", "first": "1", "selective": "s"}[combo.recompute]
+    rows = [r for r in (line.split() for line in proc.stdout.splitlines()) if len(r) > 4 and re.fullmatch(r"\d+:\d+", r[2])]
+    assert len(rows) == len(plan["stages"]) and {r[4] for r in rows} <= {want, "y" if want == "1" else want}, rows
