@@ -71,3 +71,44 @@ class _ImportSkips:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(_ImportSkips(), "pipeplan-import-skips")
+
+
+# --------------------------------------------------------------------------- the nightly tests
+# The slowest end-to-end combinations whose axes a faster test runs by default: marked `nightly`
+# here (besides the runtime matrix's own), so the default test command stays within CI's budget.
+# `bash scripts/test.sh -m nightly` runs them alone (docs/design/development.md).  Each with the
+# test that covers it by default.
+_R = "tests/runtime/"
+NIGHTLY = {
+    _R + "test_check_optimizers.py::test_gpt2_passes_the_check_with_the_default_adam":
+        "GPT-2 with Adam: test_mesh_hf_blocks (T = 2) and the matrix (Adam, every axis)",
+    _R + "test_check_optimizers.py::test_a_dropped_gradient_fails_the_check[sgd]": "the [adam] case",
+    _R + "test_check_optimizers.py::test_a_dropped_gradient_fails_the_check[adamw]": "the [adam] case",
+    _R + "test_zoo_run.py::test_gpt2_through_the_command_line": "test_mesh_hf_blocks[examples.hf:gpt2]",
+    _R + "test_mesh.py::test_zero3_then_tensor_parallel_resumed_from_its_checkpoint":
+        "test_mesh_run.py::test_checkpoint_resumes_under_another_plan",
+    _R + "test_mesh_sp_zero.py::test_hf_layers_run_tensor_parallel_and_match_the_unsplit_model[llama-tp]": "[llama-tp-sp]",
+    _R + "test_mesh_sp_zero.py::test_hf_layers_run_tensor_parallel_and_match_the_unsplit_model[bert-tp]": "[bert-tp-sp]",
+    _R + "test_mesh_sp_zero.py::test_sequence_parallel_and_zero_with_tp_match_the_unsplit_model[D2-T2-zero1]":
+        "[D2-T2-zero2-SP] and the matrix's D2-T2sp-K1-z2",
+    _R + "test_mesh_sp_zero.py::test_sequence_parallel_and_zero_with_tp_match_the_unsplit_model[D2-T2-zero3]":
+        "[D2-T2-zero2-SP] and the matrix's D2-T2sp-K1-z2",
+    **{
+        _R + f"test_run_schedules.py::test_schedule_runs_and_matches_the_unsplit_model[{case}]": "the matrix's default run"
+        for case in ("gpt-gpipe-K2", "gpt-1f1b-K2", "gpt-interleaved-1f1b-K2", "gpt-zb-h1-K2", "gpt-zbv-K2",
+                     "seq_model-zb-h1-K4")
+    },
+    **{
+        _R + f"test_run_schedules.py::test_schedule_runs_and_matches_the_unsplit_model[{case}]":
+            "the zoo GPT's case, or the matrix's (gpipe)"
+        for case in ("seq_model-gpipe-K2", "seq_model-interleaved-zb-K2", "seq_model-dualpipev-K2")
+    },
+    "tests/profiler/test_repeat.py::test_tracing_one_block_of_each_kind_gives_the_whole_trace[gemma2-9b]": "[deepseek-v3]",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before the `-m 'not nightly'` of pyproject's addopts deselects
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid in NIGHTLY:
+            item.add_marker(pytest.mark.nightly)
