@@ -96,6 +96,7 @@ def train(state: RankState, built: StageSet, training: Training) -> StepRecords:
 def _loss_fn(state: RankState, built: StageSet, scaler: Any) -> Any:
     """The schedule's loss: the model's loss of the rebuilt output, under autocast, times the
     float16 loss scale; timed into the last stage's forward."""
+    from runtime.mesh import vocab_parallel_loss
     from runtime.training import autocast
 
     job, step_box = state.job, state.step_box
@@ -104,9 +105,15 @@ def _loss_fn(state: RankState, built: StageSet, scaler: Any) -> Any:
 
     def loss_fn(output: Any, target: Any) -> Any:
         t0 = time.perf_counter()
-        out = split.rebuild_output(output if isinstance(output, tuple) else (output,))
-        with autocast(device, opts.dtype):
-            value = entry.loss(out, target) if entry.takes_target else entry.loss(out)
+
+        def loss_of(stage_output: Any) -> Any:
+            out = split.rebuild_output(stage_output if isinstance(stage_output, tuple) else (stage_output,))
+            with autocast(device, opts.dtype):
+                return entry.loss(out, target) if entry.takes_target else entry.loss(out)
+
+        # vocabulary-parallel where the head keeps its logits sharded
+        value, sharded = vocab_parallel_loss(loss_of, output)
+        built.vocab_parallel_losses += sharded
         if last_record is not None:  # the profile counts the loss in the last layer's forward: so do we
             sync(device)
             fold_loss(last_record, step_box[0], t0, time.perf_counter())

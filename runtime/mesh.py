@@ -816,7 +816,12 @@ def _whole_randomness(unit: Any) -> None:
 
 
 def apply_tensor_parallel(
-    stage_module: Any, shardings: Mapping[int, UnitSharding], tp_mesh: Any, *, sequence_parallel: bool = False
+    stage_module: Any,
+    shardings: Mapping[int, UnitSharding],
+    tp_mesh: Any,
+    *,
+    sequence_parallel: bool = False,
+    sharded_logits: bool = False,
 ) -> Any:
     """Shard the units of ``stage_module`` (a ``StageModule``) listed in ``shardings`` (by unit
     index *within the stage*) over ``tp_mesh``; returns ``stage_module``.
@@ -824,7 +829,11 @@ def apply_tensor_parallel(
     ``sequence_parallel``: Megatron's sequence parallelism on top (:func:`_make_sequence_parallel`):
     each sharded unit runs its norms, dropout and residual adds on sequence shards; between two
     consecutive sharded units of the stage the activations stay sequence-sharded DTensors, and
-    they are gathered whole where the stage ends or a unit without a rule follows."""
+    they are gathered whole where the stage ends or a unit without a rule follows.
+
+    ``sharded_logits`` (the stage ends the model): a column-parallel head that is the stage's last
+    unit hands its logits on sharded along the vocabulary (a ``Shard(-1)`` DTensor), for the
+    vocabulary-parallel loss (:func:`vocab_parallel_loss`), as Megatron does; else it gathers them."""
     import torch
     from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 
@@ -874,8 +883,49 @@ def apply_tensor_parallel(
             stage_module.units[i] = cls(unit, tp_mesh, sequence_dim=sharding.sequence_dim, keep_sharded=keep)
         else:
             _reduce_row_outputs(unit, sharding)
-            stage_module.units[i] = cls(unit, tp_mesh)
+            last_head = sharded_logits and sharding.rule == KIND_RULES["column-head"] and i == len(stage_module.units) - 1
+            stage_module.units[i] = cls(unit, tp_mesh, keep_sharded=last_head)
     return stage_module
+
+
+def vocab_parallel_loss(loss_of: Callable[[Any], Any], output: Any) -> tuple[Any, bool]:
+    """``loss_of(output)`` of the last stage's ``output``, and whether it ran vocabulary-parallel.
+
+    Where the logits in ``output`` are sharded along the vocabulary (:func:`apply_tensor_parallel`'s
+    ``sharded_logits``), torch's ``loss_parallel`` computes the cross-entropy on them (each rank's
+    log-softmax over its share of the vocabulary, the maximum and the sum of exponentials
+    all-reduced, as Megatron's vocabulary-parallel cross-entropy: the full logits are never
+    gathered), and the loss is returned as a plain tensor.  A loss DTensor cannot run on sharded
+    logits (an operator without a sharding rule) gets them gathered instead, on every
+    tensor-parallel rank alike.  It must run inside :func:`loss_parallel_context`, which the
+    backward needs too (``loss_parallel`` is not reentrant: an inner one would switch it off on
+    exit)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    leaves = output if isinstance(output, tuple) else (output,)
+    if not any(isinstance(t, DTensor) for t in leaves):
+        return loss_of(output), False
+    try:
+        value = loss_of(output)
+    except (RuntimeError, NotImplementedError):
+        whole = tuple(
+            t.redistribute(t.device_mesh, [Replicate()] * t.device_mesh.ndim).to_local() if isinstance(t, DTensor) else t
+            for t in leaves
+        )
+        return loss_of(whole if isinstance(output, tuple) else whole[0]), False
+    return (value.full_tensor() if isinstance(value, DTensor) else value), True
+
+
+def loss_parallel_context(spec: MeshSpec) -> Any:
+    """The context a pipeline step runs in: torch's ``loss_parallel`` under tensor parallelism
+    (the vocabulary-parallel loss's backward needs it), else nothing."""
+    import contextlib
+
+    if spec.tensor_parallel_degree == 1:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
 
 
 def reduce_row_output(y: Any) -> Any:
@@ -948,8 +998,10 @@ def apply_mesh(
     shardings: Mapping[int, UnitSharding] | None = None,
     wrap: Callable[[Any], Any] | None = None,
     keep_whole: Iterable[Any] = (),
+    sharded_logits: bool = False,
 ) -> Any:
-    """The module a ``PipelineStage`` runs for one stage: Megatron's selective recompute
+    """The module a ``PipelineStage`` runs for one stage (``sharded_logits``: it ends the model,
+    see :func:`apply_tensor_parallel`): Megatron's selective recompute
     (``selective_inputs``: each unit's example inputs; the units past the checkpointed ones that
     make attention scores get their attention core checkpointed, :mod:`runtime.selective`),
     tensor parallelism (``shardings``,
@@ -968,7 +1020,9 @@ def apply_mesh(
 
         recompute_selectively(stage_module, selective_inputs, skip=checkpointed_layers)
     if spec.tensor_parallel_degree > 1 and shardings:
-        apply_tensor_parallel(stage_module, shardings, mesh["tp"], sequence_parallel=spec.sequence_parallel)
+        apply_tensor_parallel(
+            stage_module, shardings, mesh["tp"], sequence_parallel=spec.sequence_parallel, sharded_logits=sharded_logits
+        )
     if checkpointed_layers:
         checkpoint_layers(stage_module, checkpointed_layers)
     if wrap is not None:

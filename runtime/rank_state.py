@@ -109,6 +109,8 @@ class StageSet:
     left_to_us: dict[str, set[int]] = field(default_factory=dict)
     #: a weight by the first layer holding it (a tied embedding: the embedding)
     layer_of: dict[int, str] = field(default_factory=dict)
+    #: losses computed vocabulary-parallel (the head's logits sharded, runtime.mesh.vocab_parallel_loss)
+    vocab_parallel_losses: int = 0
 
 
 @dataclass

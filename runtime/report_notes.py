@@ -86,6 +86,11 @@ def mesh_note(plan: Any, split: Any, gathered: list[Any]) -> str:
             f"({', '.join(split.names[u] for u in sharded)})"
             + (f"; run whole on every tensor-parallel rank: {', '.join(whole)}" if whole else "")
         )
+        if any(g["mesh"].get("vocab_parallel_losses") for g in gathered):
+            parts.append(
+                "vocabulary-parallel loss: the head's logits stay sharded along the vocabulary into the "
+                "cross-entropy (torch's loss_parallel; no rank gathers them, as Megatron's vocab-parallel loss)"
+            )
         if spec.sequence_parallel:
             from runtime.mesh import KIND_RULES, sequence_parallel_note
 

@@ -57,6 +57,7 @@ def rank_results(state: RankState, built: StageSet, training: Training, records:
             "dp_ddp_tensors": len(built.by_ddp),
             "dp_left": {why: len(ids) for why, ids in built.left_to_us.items()},
             "dp_last_buckets": bucket_rows(*records.last_buckets),
+            "vocab_parallel_losses": built.vocab_parallel_losses,
             **built.axes.report(),  # context- and expert-parallel layers (runtime/axes.py)
         },
         "pipeline_rank": c.pp_rank,

@@ -173,6 +173,7 @@ def parallelize(state: RankState, built: StageSet, s: int, mod: Any, examples: A
         shardings=stage_shardings(job.coords.shardings, sp.start, sp.stop),
         wrap=lambda inner: wrap_stage(inner, job.opts, job.device, state.plan.schedule in SPLIT_BACKWARD),
         keep_whole=[p for _, p in built.tied] + [p for p in mod.parameters() if holders.get(id(p), 1) > 1],
+        sharded_logits=sp.stop == len(job.split),
     )
 
 

@@ -140,6 +140,7 @@ def run_schedule(state: RankState, training: Training, inputs: list[Any], target
     Returns the last stage's losses."""
     from runtime._comm_timing import timed_fsdp_collectives, timed_transfers
     from runtime._dtensor_timing import timed_redistributions
+    from runtime.mesh import loss_parallel_context
 
     tp_clock, fsdp_clock, transfer_clock = training.clocks
     losses: list[Any] = []
@@ -150,6 +151,7 @@ def run_schedule(state: RankState, training: Training, inputs: list[Any], target
             timers.enter_context(timed_fsdp_collectives(fsdp_clock))
         if state.plan.pipeline_degree > 1:
             timers.enter_context(timed_transfers(transfer_clock))
+        timers.enter_context(loss_parallel_context(state.spec))  # the vocabulary-parallel loss, forward and backward
         training.schedule.step(*inputs, target=target, losses=losses)
     return losses
 

@@ -260,6 +260,10 @@ def test_hf_layers_run_tensor_parallel_and_match_the_unsplit_model(model: str, s
             "run on 1/2" in note) == sp, note  # fmt: skip
     # nothing the plan priced as sharded runs whole
     assert "priced as" not in note, note
+    # Llama's untied column-parallel head keeps its logits sharded into the vocabulary-parallel
+    # loss (torch's loss_parallel), as Megatron; BERT's tied head runs whole, ViT's classifier is
+    # not a column-parallel head
+    assert ("vocabulary-parallel loss: the head's logits stay sharded" in note) == (model == "examples.hf:llama"), note
 
 
 def _inspect_llama(rank: int, port: int, out_dir: str) -> None:
