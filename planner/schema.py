@@ -877,8 +877,8 @@ def recompute_count_problem(options: PlanOptions) -> str | None:
     if isinstance(options.stages, int) and count != options.stages * v:
         return (
             f"recompute lists {count} flags but stages={options.stages}"
-            + (f" x virtual_stages={v}" if v > 1 else "")
-            + f" make {options.stages * v}: give one per stage"
+            + (f" x virtual_stages={v} make {options.stages * v}" if v > 1 else "")
+            + ": give one per stage"
         )
     return None
 

@@ -141,7 +141,6 @@ def test_fixed_options_are_respected() -> None:
         (PlanOptions(stages=9), "stages=9 needs 9 devices"),
         (PlanOptions(data_parallel=3), "does not divide the global batch 16"),
         (PlanOptions(num_microbatches=5), "num_microbatches=5"),
-        (PlanOptions(stages=2, recompute=[True, False, True]), "recompute lists 3 flags"),
         (PlanOptions(stages=[StageRange(start=0, stop=5), StageRange(start=6, stop=12)]), "leaves layers 5:6"),
         (PlanOptions(schedule="1f1b", virtual_stages=2), "does not suit schedule '1f1b'.*choose interleaved-1f1b"),
         (PlanOptions(schedule="zbv", virtual_stages=3), "does not suit schedule 'zbv', which runs two stages"),
@@ -152,6 +151,17 @@ def test_contradictory_options(options: PlanOptions, needle: str) -> None:
     profile = random_profile(5, 12)
     with pytest.raises(InputError, match=needle):
         solve(profile, cluster(8, "1GiB"), TrainingSetup(global_batch_size=16), options)
+
+
+def test_a_recompute_list_of_the_wrong_length_is_refused_when_the_options_are_read() -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="recompute lists 3 flags but stages=2: give one per stage"):
+        PlanOptions(stages=2, recompute=[True, False, True])
+    with pytest.raises(ValidationError, match="recompute lists 2 flags for 3 stages: give one per stage"):
+        PlanOptions(stages=[StageRange(start=0, stop=4), StageRange(start=4, stop=8), StageRange(start=8, stop=12)],
+                    recompute=[True, False])  # fmt: skip
+    PlanOptions(stages=2, virtual_stages=2, recompute=[True, False, True, False])  # one per chunk: fine
 
 
 def test_heterogeneous_slow_device_gets_half_the_work() -> None:
