@@ -101,6 +101,15 @@ LLAMA_VIRTUAL = 8
 LLAMA_ZERO = 1
 
 
+def training_of(batch: int, *, fused: bool = True) -> TrainingSetup:
+    """The training every source ran: Adam in bfloat16 with float32 master weights, its step in
+    fused kernels.  Megatron-LM (the SC'21 and Korthikanti rows) steps with Transformer Engine's
+    FusedAdam, apex's as the fallback (``megatron/core/optimizer/__init__.py``); torchtitan, Meta's
+    open training stack, defaults to ``optimizer.implementation = "fused"`` (its job config).
+    ``fused=False``: torch's foreach kernels, whose step holds a float32 copy of the parameters."""
+    return TrainingSetup(global_batch_size=batch, optimizer="adam", dtype="bfloat16", fused_optimizer=fused)
+
+
 @dataclass(frozen=True)
 class Case:
     """One published configuration that ran, and its measured step."""
@@ -169,7 +178,7 @@ READERS: dict[str, Callable[[Path], list[Case]]] = {
 OWN_TABLE = frozenset({LLAMA_SOURCE})
 
 
-def plan_of(case: Case, constants: DeviceConstants | None) -> Plan:
+def plan_of(case: Case, constants: DeviceConstants | None, *, fused: bool = True) -> Plan:
     """``pipeplan synth`` + ``pipeplan estimate`` of the configuration the paper ran."""
     profile = synth_transformer(
         layers=case.layers, hidden=case.hidden, heads=case.heads, seq=SEQ, vocab=VOCAB,
@@ -177,7 +186,7 @@ def plan_of(case: Case, constants: DeviceConstants | None) -> Plan:
         name=f"gpt-{case.model}", attention="materialized", constants=constants,
     )
     cluster = Cluster.model_validate({"devices": case.gpus, "device_type": case.device_type})
-    training = TrainingSetup(global_batch_size=case.batch, optimizer="adam", dtype="bfloat16")
+    training = training_of(case.batch, fused=fused)
     sel = case.recompute == "seq+sel"
     return estimate(
         profile, cluster, training,
@@ -211,10 +220,10 @@ class Result:
         return self.peak_bytes <= 80 * GiB
 
 
-def run(cases: Sequence[Case], constants: DeviceConstants | None) -> list[Result]:
+def run(cases: Sequence[Case], constants: DeviceConstants | None, *, fused: bool = True) -> list[Result]:
     out = []
     for c in cases:
-        plan = plan_of(c, constants)
+        plan = plan_of(c, constants, fused=fused)
         peak = max(s.device_bytes for s in plan.stages)
         out.append(Result(c, plan.predicted.step_time_ms / 1e3, peak, min(s.memory_limit_bytes for s in plan.stages)))
     return out
@@ -406,7 +415,7 @@ def llama_estimate(case: LlamaCase, profile: Profile, blocks: int) -> Plan:
     per = ranges[0][1] - ranges[0][0]
     counts = [min(per, max(0, blocks - (i // case.p) * per)) for i in range(len(ranges))]
     cluster = Cluster.model_validate({"devices": case.gpus, "device_type": case.device_type})
-    training = TrainingSetup(global_batch_size=case.d * case.batch_per_dp, optimizer="adam", dtype="bfloat16")
+    training = training_of(case.d * case.batch_per_dp)
     return estimate(
         profile, cluster, training,
         Layout(
@@ -496,7 +505,7 @@ def describe(plan: Plan) -> str:
 def llama_plans(case: LlamaCase, profile: Profile, limit_s: float) -> tuple[tuple[str, float, float, str], ...]:
     """The planner on the row's GPUs, batch and sequence: every axis free, then T and C fixed."""
     cluster = Cluster.model_validate({"devices": case.gpus, "device_type": case.device_type})
-    training = TrainingSetup(global_batch_size=case.d * case.batch_per_dp, optimizer="adam", dtype="bfloat16")
+    training = training_of(case.d * case.batch_per_dp)
     out = []
     for fixed, extra in (("free", {}), (f"T={case.t} C={case.c}", {"tensor_parallel": case.t,
                                                                     "context_parallel": case.c})):
@@ -617,8 +626,11 @@ def main() -> int:
                                   f"(default {h100.memory_efficiency:.3f})")
         if args.plan_limit > 0:
             planner_table(llama_default, args.plan_limit)
+    foreach = run(cases, None, fused=False)
     print("\nsummary")
     summary(defaults, "defaults")
+    print(f"  (with torch's foreach optimizer kernels instead of the fused ones the sources ran, "
+          f"{sum(not r.fits for r in foreach)} of {len(foreach)} of these rows would be predicted not to fit)")
     llama_summary(llama_default, "defaults")
     summary(fitted, "fitted", args.fit)
     llama_summary(llama_fitted, "fitted", held_out=True)

@@ -61,6 +61,12 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--training", metavar="FILE", help="training setup JSON (instead of the flags below)")
     g.add_argument("--batch-size", type=int, help="global batch size (default 32)")
     g.add_argument("--optimizer", help="sgd, sgd-momentum, adam, adamw, or a -mixed variant (default adam)")
+    g.add_argument(
+        "--fused-optimizer", action="store_true", default=None,
+        help="the optimizer step runs fused kernels (torch fused=True, apex/Transformer Engine FusedAdam as in "
+        "Megatron-LM and DeepSpeed): no temporaries; default: torch's foreach kernels, whose Adam step holds a "
+        "float32 copy of the rank's parameters (pipeplan run uses the kernels the plan says)",
+    )
     g.add_argument("--memory-margin", type=float, help="fraction of memory kept free (default 0.1)")
     g.add_argument(
         "--dtype",
@@ -223,9 +229,11 @@ def cluster_from_args(args: argparse.Namespace, profile: Profile | None) -> Clus
 
 def training_from_args(args: argparse.Namespace) -> TrainingSetup:
     if args.training:
-        if any(getattr(args, f) is not None for f in ("batch_size", "optimizer", "memory_margin", "dtype")):
+        if any(getattr(args, f, None) is not None
+               for f in ("batch_size", "optimizer", "fused_optimizer", "memory_margin", "dtype")):
             raise InputError(
-                "give either --training FILE or --batch-size/--optimizer/--memory-margin/--dtype, not both"
+                "give either --training FILE or --batch-size/--optimizer/--fused-optimizer/--memory-margin/--dtype, "
+                "not both"
             )
         loaded: TrainingSetup = load_document("training", args.training)
         return loaded
@@ -235,6 +243,8 @@ def training_from_args(args: argparse.Namespace) -> TrainingSetup:
         data["global_batch_size"] = args.batch_size
     if args.optimizer is not None:
         data["optimizer"] = args.optimizer
+    if getattr(args, "fused_optimizer", None):
+        data["fused_optimizer"] = True
     if args.memory_margin is not None:
         data["memory_margin"] = args.memory_margin
     if args.dtype is not None:

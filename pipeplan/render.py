@@ -78,8 +78,11 @@ def memory_table(plan: Plan) -> Table | None:
     # allocator's fragmentation, and what the device then holds in all
     outside = any(s.memory_parts.context or s.memory_parts.fragmentation for s in plan.stages if s.memory_parts)
     extra = ("context", "fragmentation", "device") if outside else ()
-    for col in ("rank", "stages", "parameters", "gradients", "optimizer", "activations", "ZeRO-3 gathered", "peak",
-                *extra):
+    # the optimizer step's temporaries, where they (not the activations) make a device's peak
+    at_step = any(s.memory_parts.optimizer_step for s in plan.stages if s.memory_parts)
+    step_col = ("optimizer step",) if at_step else ()
+    for col in ("rank", "stages", "parameters", "gradients", "optimizer", "activations", *step_col,
+                "ZeRO-3 gathered", "peak", *extra):
         table.add_column(col, justify="left" if col == "stages" else "right")
     k, v = plan.pipeline_degree, plan.virtual_stages
     from planner.schedules import stage_rank
@@ -93,7 +96,8 @@ def memory_table(plan: Plan) -> Table | None:
         assert parts is not None
         table.add_row(
             str(r), ",".join(map(str, ranks[r])), format_bytes(parts.parameters), format_bytes(parts.gradients),
-            format_bytes(parts.optimizer), format_bytes(parts.activations), format_bytes(parts.gathered),
+            format_bytes(parts.optimizer), format_bytes(parts.activations),
+            *((format_bytes(parts.optimizer_step),) if at_step else ()), format_bytes(parts.gathered),
             format_bytes(st.memory_bytes),
             *((format_bytes(parts.context), format_bytes(parts.fragmentation),
                format_bytes(st.device_bytes)) if outside else ()),

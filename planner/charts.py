@@ -52,6 +52,7 @@ MEMORY_COLOURS: Mapping[str, str] = MappingProxyType({
     "gradients": "#aec7e8",
     "optimizer state": "#ff7f0e",
     "activations": "#2ca02c",
+    "optimizer step": "#ffbb78",
 })
 #: above this many compute boxes the micro-batch numbers are not written in the boxes
 MAX_LABELLED_BOXES = 400
@@ -266,7 +267,8 @@ def _rank_label(plan: Plan, rank: int) -> str:
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """One device's predicted peak, split in four (bytes)."""
+    """One device's predicted peak, split in five (bytes): its static parts, and its activations
+    or, when the peak is the optimizer step, that step's temporaries."""
 
     rank: int
     stages: tuple[int, ...]
@@ -275,10 +277,11 @@ class MemoryBreakdown:
     optimizer_state: float
     activations: float
     limit: int
+    optimizer_step: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.parameters + self.gradients + self.optimizer_state + self.activations
+        return self.parameters + self.gradients + self.optimizer_state + self.activations + self.optimizer_step
 
 
 def memory_breakdown(plan: Plan) -> list[MemoryBreakdown]:
@@ -286,7 +289,8 @@ def memory_breakdown(plan: Plan) -> list[MemoryBreakdown]:
 
     ``memory_bytes`` of a stage is the peak of the device that runs it (for interleaved
     plans, the whole device with all its chunks), so the static parts sum the parameters of
-    every chunk on the device and the activations are what remains of that peak.
+    every chunk on the device and the activations are what remains of that peak (or the
+    optimizer step's temporaries, where the plan's ``memory_parts`` say the peak is the step).
     """
     k = plan.pipeline_degree
     grad_f = plan.training.gradient_bytes_per_param_byte
@@ -297,6 +301,8 @@ def memory_breakdown(plan: Plan) -> list[MemoryBreakdown]:
         params = float(sum(s.param_bytes for s in own))
         peak = float(max(s.memory_bytes for s in own))
         static = params * (1 + grad_f + opt_f)
+        parts = own[0].memory_parts
+        at_step = parts is not None and parts.optimizer_step > 0
         out.append(
             MemoryBreakdown(
                 rank=r,
@@ -304,8 +310,9 @@ def memory_breakdown(plan: Plan) -> list[MemoryBreakdown]:
                 parameters=params,
                 gradients=params * grad_f,
                 optimizer_state=params * opt_f,
-                activations=max(0.0, peak - static),
+                activations=0.0 if at_step else max(0.0, peak - static),
                 limit=min(s.memory_limit_bytes for s in own),
+                optimizer_step=max(0.0, peak - static) if at_step else 0.0,
             )
         )
     return out
@@ -332,6 +339,7 @@ def memory_figure(
         ("gradients", "gradients"),
         ("optimizer state", "optimizer_state"),
         ("activations", "activations"),
+        ("optimizer step", "optimizer_step"),
     ):
         values = [getattr(p, attr) / unit for p in parts]
         ax.bar(xs, values, bottom=bottom, color=MEMORY_COLOURS[label], label=label, width=0.7)

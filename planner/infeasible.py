@@ -209,7 +209,8 @@ def diagnose(
         i, nbytes = layer
         lines.append(
             f"Layer {profile.layers[i].name!r} (index {i}) alone needs at least {format_bytes(nbytes)} "
-            "on one device (parameters, gradients, optimizer state and one micro-batch of activations), "
+            "on one device (parameters, gradients, optimizer state, and one micro-batch of activations or, "
+            "when larger, the optimizer step's temporaries), "
             "so no number of these devices helps."
         )
     if found is None:
@@ -235,8 +236,9 @@ def diagnose(
     relaxed = _relaxations(profile, cluster, training, options, deadline=deadline)
     if relaxed:
         lines.append("It would also fit if you " + " or ".join(relaxed) + ".")
+    fused = " or fused optimizer kernels (--fused-optimizer: no step temporaries)" if training.optimizer_step_factor else ""
     lines.append(
-        "Other fixes: a smaller global batch or a lighter optimizer (--optimizer sgd) shrink the "
+        f"Other fixes: a smaller global batch or a lighter optimizer (--optimizer sgd){fused} shrink the "
         "memory per device."
     )
     details = {

@@ -582,10 +582,14 @@ def mesh_problem(
                 "is not modelled (gradients larger than twice the parameters): use a smaller factor"
             )
         layers = [x.model_copy(update={"param_bytes": round(x.param_bytes * a)}) for x in layers]
+        # the optimizer step's temporaries are the optimizer shard's (/D from ZeRO-1), per byte of
+        # the folded parameters
+        step = training.optimizer_step_factor / (d if z >= 1 and d > 1 else 1)
         new_training = training.model_copy(
             update={
                 "optimizer": "sgd",
                 "optimizer_state_bytes_per_param_byte": 0.0,
+                "optimizer_step_bytes_per_param_byte": step / a,
                 "gradient_bytes_per_param_byte": comm / a,
             }
         )

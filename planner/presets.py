@@ -255,5 +255,29 @@ OPTIMIZERS: Mapping[str, float] = MappingProxyType(
 )
 
 
+# What the optimizer step allocates while it runs, per parameter byte of the rank's optimizer
+# shard (its temporaries; the state above is held).  torch's foreach kernels, its default on
+# GPUs: Adam and AdamW take the square root of every second moment at once
+# (``torch._foreach_sqrt(exp_avg_sqs)`` in ``torch/optim/adam.py``'s ``_multi_tensor_adam``), one
+# float32 temporary per parameter (4 bytes per 2-byte parameter of a -mixed preset); SGD updates
+# in place.  Measured with ``torch.distributed._tools.MemTracker`` on torch 2.13: foreach Adam
+# peaks at 5.0x the float32 parameter bytes during ``step()`` against 4.0x held, fused Adam
+# (``fused=True``; apex's and Transformer Engine's FusedAdam likewise) at 4.0x, SGD with and
+# without momentum allocates nothing (``tests/runtime/test_optimizer_memory.py`` checks these
+# against torch).  ``TrainingSetup.fused_optimizer`` sets it to 0.
+OPTIMIZER_STEP_TEMPORARIES: Mapping[str, float] = MappingProxyType(
+    {
+        "sgd": 0.0,
+        "sgd-momentum": 0.0,
+        "adam": 1.0,
+        "adamw": 1.0,
+        "sgd-mixed": 0.0,
+        "sgd-momentum-mixed": 0.0,
+        "adam-mixed": 2.0,
+        "adamw-mixed": 2.0,
+    }
+)
+
+
 def unknown_preset(kind: str, name: str, known: Mapping[str, object]) -> ValueError:
     return ValueError(f"unknown {kind} {name!r}: choose one of {', '.join(sorted(known))}")

@@ -44,7 +44,13 @@ from planner.limits import (
     loads_strict,
     too_large,
 )
-from planner.presets import DEVICES, INTERCONNECTS, OPTIMIZERS, unknown_preset
+from planner.presets import (
+    DEVICES,
+    INTERCONNECTS,
+    OPTIMIZER_STEP_TEMPORARIES,
+    OPTIMIZERS,
+    unknown_preset,
+)
 from planner.units import parse_bytes
 
 SCHEMA_VERSION: Literal[5] = 5
@@ -728,6 +734,19 @@ class TrainingSetup(_Model):
     optimizer_state_bytes_per_param_byte: NonNegFloat | None = Field(
         default=None, description="overrides the optimizer preset"
     )
+    fused_optimizer: bool = Field(
+        default=False,
+        description="the optimizer step runs fused kernels (torch's fused=True; apex's and Transformer "
+        "Engine's FusedAdam, as Megatron-LM and DeepSpeed use): it allocates nothing beyond its state.  "
+        "False: torch's foreach kernels, its default on GPUs, whose Adam/AdamW step holds a float32 "
+        "temporary the size of the rank's parameters (pipeplan run uses the kernels this says)",
+    )
+    optimizer_step_bytes_per_param_byte: NonNegFloat | None = Field(
+        default=None,
+        description="what the optimizer step allocates while it runs (its temporaries), per parameter "
+        "byte of the rank's optimizer shard; overrides the optimizer preset and fused_optimizer "
+        "(default: the preset's, 0 for an optimizer without one)",
+    )
     gradient_bytes_per_param_byte: NonNegFloat = 1.0
     memory_margin: Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)] = Field(
         default=0.10, description="fraction of each device's memory reserved for workspace"
@@ -781,6 +800,17 @@ class TrainingSetup(_Model):
         if self.optimizer_state_bytes_per_param_byte is not None:
             return self.optimizer_state_bytes_per_param_byte
         return OPTIMIZERS[self.optimizer]
+
+    @property
+    def optimizer_step_factor(self) -> float:
+        """Bytes the optimizer step's temporaries take per parameter byte of its shard (the
+        activations are freed by then): ``optimizer_step_bytes_per_param_byte``, else 0 for fused
+        kernels, else the preset's (:data:`planner.presets.OPTIMIZER_STEP_TEMPORARIES`)."""
+        if self.optimizer_step_bytes_per_param_byte is not None:
+            return self.optimizer_step_bytes_per_param_byte
+        if self.fused_optimizer:
+            return 0.0
+        return OPTIMIZER_STEP_TEMPORARIES.get(self.optimizer, 0.0)
 
 
 # --------------------------------------------------------------------------- plan
@@ -895,6 +925,11 @@ class MemoryParts(_Model):
         "logits and loss are the head's activations)"
     )
     gathered: NonNegInt = Field(default=0, description="ZeRO-3's gathered parameters (the running and the prefetched layer)")
+    optimizer_step: NonNegInt = Field(
+        default=0,
+        description="the optimizer step's temporaries, when the peak is the step (the activations are freed "
+        "by then, so activations is 0): TrainingSetup.optimizer_step_factor of the optimizer shard",
+    )
     context: NonNegInt = Field(
         default=0,
         description="the CUDA context and the communication buffers, outside the allocator (Device.context_bytes)",

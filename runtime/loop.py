@@ -37,7 +37,9 @@ def prepare(state: RankState, built: StageSet) -> Training:
     params = unique_parameters(built.modules)
     # a rank whose stages hold no parameter (a Tanh alone) has nothing to update; ZeRO 1: each
     # replica keeps the optimizer state of its share
-    opt = make_sharded_optimizer(opts.optimizer, params, lr=opts.lr, spec=spec, mesh=state.mesh) if params else None
+    opt = make_sharded_optimizer(
+        opts.optimizer, params, lr=opts.lr, spec=spec, mesh=state.mesh, fused=opts.fused_optimizer
+    ) if params else None
     # this rank's parameters by the model's names (a tied weight's copies on this rank: one entry)
     named = list(
         {

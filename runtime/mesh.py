@@ -1048,31 +1048,26 @@ def stage_shardings(all_shardings: Mapping[int, UnitSharding], start: int, stop:
     return {u - start: s for u, s in all_shardings.items() if start <= u < stop}
 
 
-def make_sharded_optimizer(name: str, params: Iterable[Any], *, lr: float, spec: MeshSpec, mesh: Any) -> Any:
+def make_sharded_optimizer(
+    name: str, params: Iterable[Any], *, lr: float, spec: MeshSpec, mesh: Any, fused: bool = False
+) -> Any:
     """The optimizer for ``spec``: ZeRO 1 (D > 1): each replica keeps the state of its share of
     the parameters and broadcasts its updated share over "dp_replicate" --
     ``ZeroRedundancyOptimizer`` for plain parameters, :class:`DTensorZeroOptimizer` when some
-    are tensor-parallel DTensors (T > 1); otherwise :func:`runtime.training.make_optimizer`."""
-    import torch
-
-    from runtime.training import make_optimizer
+    are tensor-parallel DTensors (T > 1); otherwise :func:`runtime.training.make_optimizer`.
+    ``fused``: the kernels (:func:`runtime.training.optimizer_class`)."""
+    from runtime.training import make_optimizer, optimizer_class
 
     plist = list(params)
     if spec.zero_stage != 1 or spec.data_parallel_degree == 1:
-        return make_optimizer(name, plist, lr=lr)
+        return make_optimizer(name, plist, lr=lr, fused=fused)
     from torch.distributed.tensor import DTensor
 
     if any(isinstance(p, DTensor) for p in plist):
-        return DTensorZeroOptimizer(name, plist, lr=lr, group=mesh["dp_replicate"].get_group())
+        return DTensorZeroOptimizer(name, plist, lr=lr, group=mesh["dp_replicate"].get_group(), fused=fused)
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    kinds: dict[str, tuple[Any, dict[str, Any]]] = {
-        "sgd": (torch.optim.SGD, {}),
-        "sgd-momentum": (torch.optim.SGD, {"momentum": 0.9}),
-        "adam": (torch.optim.Adam, {}),
-        "adamw": (torch.optim.AdamW, {}),
-    }
-    cls, extra = kinds[name]
+    cls, extra = optimizer_class(name, fused=fused)
     return ZeroRedundancyOptimizer(
         plist, optimizer_class=cls, process_group=mesh["dp_replicate"].get_group(), lr=lr, **extra
     )
@@ -1096,7 +1091,7 @@ class DTensorZeroOptimizer:
     whole (averaged by the runtime's all-reduce, as ZeRO 1 does).  The optimizers here are
     elementwise, so stepping a shard is stepping that part of the parameter."""
 
-    def __init__(self, name: str, params: Sequence[Any], *, lr: float, group: Any) -> None:
+    def __init__(self, name: str, params: Sequence[Any], *, lr: float, group: Any, fused: bool = False) -> None:
         import torch
         import torch.distributed as dist
 
@@ -1114,7 +1109,7 @@ class DTensorZeroOptimizer:
         self.sources = [dist.get_global_rank(group, r) for r in range(size)]
         self.mine = [p for p, r in zip(self.params, self.owner, strict=True) if r == me]
         # a replica with no share still needs param_groups (the runtime sets the learning rate)
-        self.optim = make_optimizer(name, self.mine or [torch.zeros(0, requires_grad=True)], lr=lr)
+        self.optim = make_optimizer(name, self.mine or [torch.zeros(0, requires_grad=True)], lr=lr, fused=fused)
         self.param_groups = self.optim.param_groups
 
     def step(self) -> None:

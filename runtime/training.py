@@ -81,17 +81,30 @@ def replica_shard(batch: Sequence[Tensor], replica: int, replicas: int) -> tuple
     return tuple(t[replica * n : (replica + 1) * n] for t in batch)
 
 
-def make_optimizer(name: str, params: Iterable[nn.Parameter], *, lr: float) -> torch.optim.Optimizer:
-    """``sgd``, ``sgd-momentum`` (0.9), ``adam``, ``adamw`` (torch defaults otherwise)."""
+def optimizer_class(name: str, *, fused: bool = False) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    """The torch optimizer of ``name`` (``sgd``, ``sgd-momentum`` (0.9), ``adam``, ``adamw``; torch
+    defaults otherwise) and its keyword arguments, with the kernels the plan's memory counts
+    (``TrainingSetup.fused_optimizer``): fused Adam/AdamW, which allocate nothing in their step,
+    or foreach kernels, torch's default on GPUs, whose Adam/AdamW step holds one temporary the size
+    of the parameters (``planner.presets.OPTIMIZER_STEP_TEMPORARIES``).  Asked for explicitly,
+    so a CPU run (torch's default there: one tensor at a time) holds what the plan says."""
     check_optimizer_supported(name)
-    plist = list(params)
+    kernels: dict[str, Any] = {"fused": True} if fused and name in ("adam", "adamw") else {"foreach": True}
     if name == "sgd":
-        return torch.optim.SGD(plist, lr=lr)
+        return torch.optim.SGD, kernels
     if name == "sgd-momentum":
-        return torch.optim.SGD(plist, lr=lr, momentum=0.9)
+        return torch.optim.SGD, {"momentum": 0.9, **kernels}
     if name == "adam":
-        return torch.optim.Adam(plist, lr=lr)
-    return torch.optim.AdamW(plist, lr=lr)
+        return torch.optim.Adam, kernels
+    return torch.optim.AdamW, kernels
+
+
+def make_optimizer(
+    name: str, params: Iterable[nn.Parameter], *, lr: float, fused: bool = False
+) -> torch.optim.Optimizer:
+    """The optimizer :func:`optimizer_class` says, over ``params``."""
+    cls, extra = optimizer_class(name, fused=fused)
+    return cls(list(params), **{"lr": lr, **extra})
 
 
 LR_SCHEDULES = ("constant", "cosine")
@@ -133,6 +146,8 @@ class TrainOptions:
     clip_grad_norm: float | None = None
     #: compute dtype: float32, or bfloat16/float16 under autocast with float32 master weights
     dtype: str = "float32"
+    #: fused Adam/AdamW kernels (the plan's ``TrainingSetup.fused_optimizer``); else foreach
+    fused_optimizer: bool = False
 
     def lr_at(self, step: int) -> float:
         """The learning rate of ``step`` (0-based): linear warm-up over ``warmup_steps``, then
@@ -331,7 +346,7 @@ def train_reference(
     names_of: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(p), []).append(name)
-    opt = make_optimizer(opts.optimizer, params, lr=opts.lr)
+    opt = make_optimizer(opts.optimizer, params, lr=opts.lr, fused=opts.fused_optimizer)
     keep = set(grad_steps)
     grads_at: dict[int, dict[str, Tensor]] = {}
     tensor_norms: list[dict[str, float]] = []

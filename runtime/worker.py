@@ -206,6 +206,7 @@ def train_options(args: argparse.Namespace, plan: Any, optimizer: str) -> Any:
         min_lr=args.min_lr,
         clip_grad_norm=args.clip_grad_norm,
         dtype=RUN_DTYPES[args.dtype] if args.dtype else plan.training.run_dtype,
+        fused_optimizer=plan.training.fused_optimizer,
     )
 
 

@@ -130,7 +130,8 @@ def test_inter_node_links_cost_more() -> None:
 def test_memory_per_schedule_and_recompute() -> None:
     params, act, out = 10_000, 1000, 100
     p = uniform_profile(8, act=act, out=out, params=params)
-    train = TrainingSetup(global_batch_size=8, optimizer="adam", memory_margin=0.0)
+    # (fused kernels: the walk's activations, not the optimizer step's temporaries, make the peaks)
+    train = TrainingSetup(global_batch_size=8, optimizer="adam", memory_margin=0.0, fused_optimizer=True)
     ranges = [(0, 2), (2, 4), (4, 6), (6, 8)]
     static = static_bytes(2 * params, train)
     assert static == 2 * params * (1 + 1 + 2)
@@ -322,7 +323,9 @@ def _zb_plan(schedule: str, *, k: int = 2, m: int = 8, recompute: bool = False, 
     profile = random_profile(11, layers, split_backward=split)
     bounds = [round(i * layers / n) for i in range(n + 1)]
     plan = estimate(
-        profile, cluster(k, "8GiB"), TrainingSetup(global_batch_size=2 * m),
+        # fused optimizer kernels: the memory tests below check the walk, which foreach Adam's
+        # step temporaries (larger than these random layers' activations) would hide
+        profile, cluster(k, "8GiB"), TrainingSetup(global_batch_size=2 * m, fused_optimizer=True),
         Layout(
             [(bounds[i], bounds[i + 1]) for i in range(n)],
             num_microbatches=m,

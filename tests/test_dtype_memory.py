@@ -38,8 +38,12 @@ def _profile(dtype: str = "float32") -> Profile:
 CLUSTER = parse_document("cluster", {"devices": 2, "memory": "1GiB"})
 
 
-def _training(dtype: str | None, optimizer: str = "adam") -> TrainingSetup:
-    return TrainingSetup(global_batch_size=4, optimizer=optimizer, dtype=dtype)  # type: ignore[arg-type]
+def _training(dtype: str | None, optimizer: str = "adam", *, fused: bool = True) -> TrainingSetup:
+    # fused optimizer kernels by default: the peaks below are the walk's activations, which the
+    # foreach step's temporaries (a float32 copy of the parameters) would otherwise exceed here
+    return TrainingSetup(
+        global_batch_size=4, optimizer=optimizer, dtype=dtype, fused_optimizer=fused  # type: ignore[arg-type]
+    )
 
 
 def _plan(profile: Profile, training: TrainingSetup):  # type: ignore[no-untyped-def]
@@ -109,6 +113,10 @@ def test_bf16_run_of_a_bf16_profile_counts_fp32_master_weights_like_the_mixed_pr
     with_dtype = _plan(p, _training("bfloat16", "adam"))
     assert with_dtype.stages[0].param_bytes == 2 * plain.stages[0].param_bytes
     assert [s.memory_bytes for s in with_dtype.stages] == [s.memory_bytes for s in mixed_preset.stages]
+    # foreach kernels: the step's float32 temporaries are the same in both descriptions too
+    foreach = [_plan(p, _training(d, o, fused=False)) for d, o in (("bfloat16", "adam"), (None, "adam-mixed"))]
+    assert foreach[0].stages[0].memory_parts.optimizer_step == foreach[1].stages[0].memory_parts.optimizer_step > 0
+    assert [s.memory_bytes for s in foreach[0].stages] == [s.memory_bytes for s in foreach[1].stages]
     static_16bit = static_bytes(plain.stages[0].param_bytes, _training(None, "adam"))
     assert with_dtype.stages[0].memory_bytes - plain.stages[0].memory_bytes == pytest.approx(static_16bit, abs=1)
 

@@ -36,6 +36,7 @@ from planner.cost.memory import (
     rank_memory_from_terms,
     rank_memory_terms,
     static_bytes,
+    step_temporary_bytes,
     usable_bytes,
 )
 from planner.cost.step import (
@@ -105,6 +106,7 @@ __all__ = [
     "split_backward",
     "stage_times",
     "static_bytes",
+    "step_temporary_bytes",
     "structure_sha",
     "transfer_ms",
     "usable_bytes",

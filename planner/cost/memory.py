@@ -13,6 +13,12 @@ layer, whose activations are live only then (:meth:`~planner.cost.layers.LayerCo
 the largest layer of the chunk, one at a time).  A chunk may checkpoint only its first layers
 (Megatron's ``--recompute-method block``): the others keep their activations.
 
+The optimizer step comes after the last backward, when every activation is freed, and its
+temporaries live only while it runs (torch's foreach Adam: one float32 copy of the parameters,
+``TrainingSetup.optimizer_step_factor``; fused kernels: none).  A rank's peak is therefore its
+static bytes plus the larger of its walk's peak and those temporaries
+(:func:`rank_memory_from_terms`).
+
 What the allocator cannot hand to tensors (:func:`usable_bytes`, :func:`outside_allocator`): each
 process holds its CUDA context and communication buffers outside the allocator
 (``Device.context_bytes``), and the caching allocator reserves more than the tensors it holds
@@ -55,19 +61,27 @@ def static_bytes(param_bytes: float, training: TrainingSetup) -> float:
     return param_bytes * (1.0 + training.gradient_bytes_per_param_byte + training.optimizer_state_factor)
 
 
+def step_temporary_bytes(param_bytes: float, training: TrainingSetup) -> float:
+    """What the optimizer step allocates while it runs, for ``param_bytes`` of parameters (its
+    shard): ``param_bytes x training.optimizer_step_factor``."""
+    return param_bytes * training.optimizer_step_factor
+
+
 @dataclass(frozen=True)
 class RankTerms:
     """What a rank's memory reads of its stages (chunks in increasing stage order): its static
     bytes, and per chunk the activations it keeps without recompute, what it keeps when it
     recomputes (its checkpointed layers' inputs and the other layers' activations), the bytes
     live during a recomputing chunk's backward (its largest checkpointed layer) and the bytes
-    held for the weight gradient."""
+    held for the weight gradient; and the optimizer step's temporaries (``step``), held when no
+    activation is."""
 
     static: float
     acts: tuple[float, ...]
     checkpoints: tuple[float, ...]
     lives: tuple[float, ...]
     weight_grads: tuple[float, ...]
+    step: float = 0.0
 
 
 def rank_memory_terms(
@@ -88,6 +102,7 @@ def rank_memory_terms(
         tuple(costs.checkpoint_bytes(a, b, n) for (a, b), n in zip(ranges, counts, strict=True)),
         tuple(costs.rematerialised_bytes(a, b, n) for (a, b), n in zip(ranges, counts, strict=True)),
         tuple(costs.prefix_weight_grad[b] - costs.prefix_weight_grad[a] for a, b in ranges),
+        step_temporary_bytes(params, training),
     )
 
 
@@ -103,9 +118,10 @@ def held_bytes(terms: RankTerms, recompute: Sequence[bool]) -> tuple[list[float]
 
 def rank_memory_from_terms(terms: RankTerms, recompute: Sequence[bool], points: Iterable[MemoryPoint]) -> float:
     """Peak bytes of a rank: its static bytes plus the peak of its walk
-    (:func:`planner.schedules.peak_bytes` of its memory points)."""
+    (:func:`planner.schedules.peak_bytes` of its memory points) or, when larger, the optimizer
+    step's temporaries."""
     hf, hw, live = held_bytes(terms, recompute)
-    return terms.static + peak_bytes(points, hf, hw, live)
+    return terms.static + max(peak_bytes(points, hf, hw, live), terms.step)
 
 
 def rank_memory_bytes(
@@ -125,9 +141,10 @@ def memory_lower_bound(terms: RankTerms, recompute: Sequence[bool], counts: Sequ
     """A lower bound of the rank's peak from the closed-form ``counts`` of
     :func:`planner.schedules.first_backward_counts` (a moment of its walk, when it starts its
     first backward): static + counts x held bytes, plus the live bytes of the chunk that
-    backward runs on (a recomputing one-chunk rank) - what the solver's bounds use."""
+    backward runs on (a recomputing one-chunk rank), or the optimizer step's temporaries when
+    larger - what the solver's bounds use."""
     hf, _, live = held_bytes(terms, recompute)
-    total = terms.static + sum(c * h for c, h in zip(counts, hf, strict=True))
+    held = sum(c * h for c, h in zip(counts, hf, strict=True))
     if len(counts) == 1:
-        total += live[0]
-    return total
+        held += live[0]
+    return terms.static + max(held, terms.step)

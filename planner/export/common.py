@@ -90,6 +90,8 @@ class Decisions:
     context_parallel: int = 1
     context_attention: str = "all-gather"
     expert_parallel: int = 1
+    #: the optimizer step's kernels the plan's memory counts (``TrainingSetup.fused_optimizer``)
+    fused_optimizer: bool = False
 
     def __post_init__(self) -> None:
         if not self.checkpointed_layers:
@@ -114,6 +116,7 @@ class Decisions:
             context_parallel=int(getattr(plan, "context_parallel_degree", 1) or 1),
             context_attention=str(getattr(plan, "context_attention", "all-gather") or "all-gather"),
             expert_parallel=int(getattr(plan, "expert_parallel_degree", 1) or 1),
+            fused_optimizer=plan.training.fused_optimizer,
         )
 
     def replace(self, **changes: object) -> Decisions:

@@ -208,8 +208,9 @@ def settings(
     csv_path: str = "",
     experts: Sequence[ExpertLayer] | None = None,
 ) -> dict[str, dict[str, object]]:
-    """The TOML tables as a dict: ``parallelism``, ``training``, ``activation_checkpoint``
-    (``csv_path``: where the plan's action list is written, when it has one; ``experts``: a
+    """The TOML tables as a dict: ``parallelism``, ``training``, ``activation_checkpoint`` and
+    ``optimizer`` (its ``implementation``: the step's kernels the plan's memory counts, fused or
+    torch's foreach) (``csv_path``: where the plan's action list is written, when it has one; ``experts``: a
     model with mixture-of-experts layers gets ``expert_parallel_degree``, the plan's E, which is
     also written for E > 1 without them; C > 1 adds ``context_parallel_degree``)."""
     stack = decoder_stack(names)
@@ -244,13 +245,14 @@ def settings(
             {"mode": "selective", "selective_ac_option": "op"} if d.selective_recompute
             else {"mode": "full" if any(c is not None and c.whole for c in decoder_checkpoints(d, stack)) else "none"}
         ),
+        "optimizer": {"implementation": "fused" if d.fused_optimizer else "foreach"},
     }
 
 
 def cli_overrides(tables: dict[str, dict[str, object]]) -> list[str]:
     """torchtitan 0.3's command-line form of the same settings."""
     args: list[str] = []
-    for section in ("parallelism", "training"):
+    for section in ("parallelism", "training", "optimizer"):
         for key, value in tables[section].items():
             args.append(f"--{section}.{key}")
             if isinstance(value, bool):  # tyro's flag form

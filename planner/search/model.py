@@ -30,6 +30,7 @@ from planner.cost import (
     rank_memory_terms,
     stage_times,
     static_bytes,
+    step_temporary_bytes,
 )
 from planner.schedules import (
     SPLIT_BACKWARD,
@@ -220,7 +221,7 @@ class StageModel:
                 held = pw[b] - pw[a]
             if held > per:
                 per = held
-        return static_bytes(params, self.training) + most * per + live
+        return static_bytes(params, self.training) + max(most * per + live, step_temporary_bytes(params, self.training))
 
     def memory(self, a: int, b: int, rc: bool, rank: int) -> float:
         """Exact peak of a one-chunk rank holding stage [a, b) (v = 1)."""
@@ -236,16 +237,18 @@ class StageModel:
         acts = max(0.0, self.costs.prefix_activation[b] - self.costs.prefix_activation[a] - self.costs.activation_slack)
         n = self.count[stage]
         stash = self.pmin_input[a]
+        # the optimizer step's temporaries, held when the activations are not (monotone too)
+        step = step_temporary_bytes(params, self.training)
         if rc:
             # checkpointed layer by layer: it keeps at least its input, and its backward
             # re-materialises its largest layer (monotone in both ends, as the range)
             live = self.costs.max_activation(a, b)
             if self.cfg.virtual_stages == 1:
-                return static_bytes(params, self.training) + n * stash + live
+                return static_bytes(params, self.training) + max(n * stash + live, step)
             # several chunks: the first-backward moment may be another chunk's backward; the
             # stage's own backward holds its micro-batch's input and the live layer
-            return static_bytes(params, self.training) + max(n * stash, stash + live)
-        return static_bytes(params, self.training) + n * acts
+            return static_bytes(params, self.training) + max(n * stash, stash + live, step)
+        return static_bytes(params, self.training) + max(n * acts, step)
 
 
 @dataclass(frozen=True)
@@ -339,9 +342,9 @@ def schedule_points(cfg: Config) -> RankPoints:
 def planned_memory(terms: RankTerms, rc: bool) -> float:
     """What a ``planned`` one-chunk rank needs at least and, by construction, at most when it
     fits: one micro-batch (its forward's bytes plus its backward's live bytes, or what its
-    weight gradient holds)."""
+    weight gradient holds), or the optimizer step's temporaries when larger."""
     hf, hw, live = held_bytes(terms, [rc])
-    return terms.static + max(hf[0] + live[0], hw[0])
+    return terms.static + max(hf[0] + live[0], hw[0], terms.step)
 
 
 def work_total(costs: LayerCosts) -> float:

@@ -702,3 +702,15 @@ def test_the_replan_hint_gives_plans_the_target_can_express() -> None:
         assert f"or make a new plan within {target}'s rules: pipeplan plan PROFILE ... {flag}" in str(err.value)
         again = solve(profile, plan.cluster, plan.training, options)
         assert not problems(again, target)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_torchtitan_runs_the_optimizer_kernels_the_plan_counts(fused: bool) -> None:
+    """The plan's memory counts the optimizer step's temporaries of torch's foreach kernels, or
+    none for fused ones: the torchtitan export asks for the same implementation."""
+    plan = _golden_plans()["tiny-1f1b"]
+    plan = plan.model_copy(update={"training": plan.training.model_copy(update={"fused_optimizer": fused})})
+    export, _ = export_plan(plan, "torchtitan")
+    want = "fused" if fused else "foreach"
+    assert f'[optimizer]\nimplementation = "{want}"' in export.files[0].text
+    assert f"--optimizer.implementation {want}" in export.files[0].text
