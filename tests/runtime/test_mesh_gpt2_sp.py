@@ -1,0 +1,219 @@
+"""Sequence parallelism on Hugging Face GPT-2 blocks.  Their projections are ``Conv1D``, which
+flattens batch and sequence around its ``aten.addmm`` (``x.view(-1, x.size(-1))``, then
+``.view(size_out)``), so the runtime gathers the sequence before the flattening view and
+reduce-scatters after the restoring one; the blocks take the attention mask as their first
+input, which stays replicated while the hidden states are split.
+
+The runs are ``examples.hf:gpt2`` (tiny, random, dropout 0.1) on 2 or 4 gloo ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib.util
+import json
+import os
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+GPT2 = "examples.hf:gpt2"
+BLOCKS = [f"transformer.h.{i}" for i in range(4)]
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+
+
+def _split(model: str = GPT2) -> Any:
+    from profiler.loading import load_entrypoint
+    from profiler.split import split_model
+
+    entry = load_entrypoint(model)
+    return entry, split_model(entry.model, entry.example_inputs, keywords=entry.keywords)
+
+
+def test_gpt2_blocks_are_no_longer_refused_and_a_block_without_its_views_is() -> None:
+    """The GPT-2 rule has a sequence dimension: T = 2 with sequence parallelism passes the checks
+    made before training.  A block whose Conv1D is not between the flattening views (here: the
+    restoring view removed) is still refused, naming the projection and the fix, and so is a
+    rule without a sequence dimension."""
+    import torch
+
+    from planner.errors import InputError
+    from runtime.mesh import (
+        MeshSpec,
+        _sequence_parallel_problem,
+        profiled_kinds,
+        refuse_unexecutable,
+        split_sharding,
+    )
+
+    sp = MeshSpec(tensor_parallel_degree=2, sequence_parallel=True)
+    _, split = _split()
+    kinds = dict(zip(split.names, profiled_kinds(split), strict=True))
+    refuse_unexecutable(split.units, split.names, sp, layer_kinds=kinds)
+    shardings = split_sharding(split, sp)
+    first = split.names.index("transformer.h.0")
+    block, sharding = split.units[first], shardings[first]
+    assert sharding.sequence_dim == 1 and _sequence_parallel_problem(block, sharding) == ""
+
+    # the fault: c_proj's addmm output used as it is (no view restoring batch and sequence)
+    block = copy.deepcopy(block)
+    weight = next(n for n in block.graph.nodes if n.op == "get_attr" and n.target == "transformer.h.0.attn.c_proj.weight")
+    addmm = next(iter(weight.users))
+    restore = next(iter(addmm.users))
+    assert restore.target is torch.ops.aten.view.default
+    restore.replace_all_uses_with(addmm)
+    block.graph.erase_node(restore)
+    block.recompile()
+    assert _sequence_parallel_problem(block, sharding) == (
+        "transformer.h.0.attn.c_proj's aten.addmm is not between a view flattening its input and one view "
+        "restoring the sequence dimension 1 of its output (Conv1D's x.view(-1, x.size(-1)) ... .view(size_out))"
+    )
+    units = list(split.units)
+    units[first] = block
+    with pytest.raises(InputError, match=r"(?s)layer 3 'transformer.h.0' \(GPT-2 block.*c_proj's aten.addmm.*"
+                                         r"fix: replan with --no-sequence-parallel"):  # fmt: skip
+        refuse_unexecutable(units, split.names, sp, layer_kinds=kinds)
+    # a rule without a sequence dimension is refused as before
+    no_rule = dataclasses.replace(sharding, sequence_dim=None)
+    assert "no sequence-parallel rule" in _sequence_parallel_problem(split.units[first], no_rule)
+
+
+def test_t5_blocks_with_sequence_parallelism_are_still_refused() -> None:
+    """T5's blocks have no sequence rule: refused before training, each named, the fix given."""
+    from planner.errors import InputError
+    from runtime.mesh import MeshSpec, split_sharding
+
+    _, split = _split("examples.hf:t5")
+    with pytest.raises(InputError) as err:
+        split_sharding(split, MeshSpec(tensor_parallel_degree=2, sequence_parallel=True))
+    message = str(err.value)
+    assert "'encoder.block.0' (T5 encoder block): sequence parallelism: the runtime has no sequence-parallel rule" in message
+    assert "fix: replan with --no-sequence-parallel" in message, message
+
+
+def _described(unit: int, x: Any) -> str:
+    """``unit:type:placements`` of one output of a unit."""
+    placements = [repr(p) for p in x.placements] if hasattr(x, "placements") else ""
+    return f"{unit}:{type(x).__name__}:{placements}"
+
+
+def _inspect_stage(rank: int, port: int, out_dir: str) -> None:
+    """Rank ``rank`` of 2: GPT-2's four blocks as one stage at T = 2 with sequence parallelism,
+    forward and backward against the same stage whole (the same dropout masks), and every
+    DTensor the blocks' graphs make (placements, local and global shapes)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+    import torch.distributed as dist
+    import torch.fx
+    from torch.distributed.tensor import DTensor
+
+    from runtime.mesh import MeshSpec, apply_mesh, build_mesh, split_sharding, stage_shardings
+    from runtime.modules import stage_examples
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        spec = MeshSpec(tensor_parallel_degree=2, sequence_parallel=True)
+        mesh = build_mesh(spec)
+        torch.manual_seed(0)
+        entry, split = _split()
+        first, last = split.names.index(BLOCKS[0]), split.names.index(BLOCKS[-1]) + 1
+        examples = stage_examples(split, entry.example_inputs, 2, torch.device("cpu"))
+        whole = copy.deepcopy(split.stage_module(first, last, pipeline=True))
+        shardings = stage_shardings(split_sharding(split, spec), first, last)
+        sharded = apply_mesh(split.stage_module(first, last, pipeline=True), spec, mesh, shardings=shardings)
+        records: list[dict[str, Any]] = []
+
+        class Recorder(torch.fx.Interpreter):
+            def __init__(self, module: Any, unit: int) -> None:
+                super().__init__(module)
+                self.unit = unit
+
+            def run_node(self, n: torch.fx.Node) -> Any:
+                value = super().run_node(n)
+                for v in value if isinstance(value, (list, tuple)) else [value]:
+                    if isinstance(v, DTensor):
+                        name = n.target.__name__ if isinstance(n.target, types.FunctionType) else str(n.target)
+                        records.append({"unit": self.unit, "target": name,
+                                        "placements": [repr(p) for p in v.placements],
+                                        "local": list(v.to_local().shape), "global": list(v.shape)})  # fmt: skip
+                return value
+
+        outputs: list[list[str]] = []
+        for unit, wrapper in enumerate(sharded.units):
+            inner = wrapper.inner
+            inner.forward = lambda *a, inner=inner, unit=unit: Recorder(inner, unit).run(*a)
+            wrapper.register_forward_hook(lambda m, a, o, unit=unit: outputs.append([_described(unit, x) for x in o]))
+
+        def run(mod: Any) -> tuple[Any, Any]:
+            xs = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in examples[first][0]]
+            torch.manual_seed(7)  # the same dropout masks in both runs
+            out = mod(*xs)
+            out[-1].square().sum().backward()
+            return out[-1], xs[-1].grad
+
+        def rel(a: Any, b: Any) -> float:
+            return float((a.detach() - b.detach()).abs().max() / max(float(b.detach().abs().max()), 1e-3))
+
+        ref_out, ref_grad = run(whole)
+        out, grad = run(sharded)
+        worst = max(rel(out, ref_out), rel(grad, ref_grad))
+        ref_params = dict(whole.named_parameters())
+        grads = {}
+        for name, p in sharded.named_parameters():
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            worst = max(worst, rel(g, ref_params[name.replace(".inner", "")].grad))
+            grads[name] = [repr(pl) for pl in p.grad.placements] if isinstance(p.grad, DTensor) else None
+        Path(out_dir, f"rank{rank}.json").write_text(
+            json.dumps({"worst": worst, "records": records, "outputs": outputs, "grads": grads})
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gpt2_blocks_run_on_sequence_shards_and_match_them_whole(tmp_path: Path) -> None:
+    """Inside each block the norms, dropout and residual adds hold half the sequence (``Shard(1)``,
+    8 of 16 positions); each Conv1D's input is gathered whole once, before its flattening view
+    (c_attn and c_fc: 2 gathers), and each row-parallel output reduce-scattered after its
+    restoring view (c_proj twice); attention runs on each rank's heads over the whole sequence;
+    the mask stays replicated; a block hands the next its output sharded (and the mask
+    replicated), the last gathers it;
+    the norms' and row biases' gradients come out summed (replicated); and forward, input and
+    parameter gradients match the stage whole."""
+    import torch.multiprocessing as mp
+
+    from tests.runtime.mesh_job import free_port
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.start_processes(_inspect_stage, args=(free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    for rank in range(2):
+        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert r["worst"] <= 1e-5, r["worst"]
+        for unit in range(4):
+            mine = [x for x in r["records"] if x["unit"] == unit]
+            norms = [x for x in mine if "layer_norm" in x["target"]]
+            adds = [x for x in mine if x["target"] == "aten.add.Tensor" and len(x["global"]) == 3 and x["global"][2] == 32]
+            dropouts = [x for x in mine if x["target"] == "whole_dropout"]
+            gathers = [x for x in mine if x["target"] == "gather_sequence"]
+            scatters = [x for x in mine if x["target"] == "scatter_sequence"]
+            assert (len(norms), len(adds), len(dropouts), len(gathers), len(scatters)) == (2, 2, 2, 2, 2), mine
+            for x in norms + adds + dropouts + scatters:  # sequence-sharded: 8 of the 16 positions
+                assert x["placements"] == ["Shard(dim=1)"] and x["local"][1] == 8 and x["global"][1] == 16, x
+            for x in gathers:  # the Conv1D's input before its view: the whole sequence
+                assert x["placements"] == ["Replicate()"] and x["local"][1] == 16, x
+            addmm = [x for x in mine if x["target"] == "aten.addmm.default"]
+            assert [a["local"] for a in addmm] == [[32, 48], [32, 32], [32, 64], [32, 32]], addmm  # 2 x 16 rows
+            attention = [x for x in mine if x["target"] == "attention_whole_dropout"]
+            assert attention and all(x["placements"] == ["Shard(dim=1)"] and x["local"][1:3] == [2, 16]
+                                     for x in attention), attention  # fmt: skip
+        assert r["outputs"] == [
+            ["0:DTensor:['Replicate()']", "0:DTensor:['Shard(dim=1)']"],
+            ["1:DTensor:['Replicate()']", "1:DTensor:['Shard(dim=1)']"],
+            ["2:DTensor:['Replicate()']", "2:DTensor:['Shard(dim=1)']"],
+            ["3:Tensor:"],  # the stage's end: the hidden states whole (the mask is not handed on)
+        ], r["outputs"]
+        summed = {k: v for k, v in r["grads"].items() if ".ln_" in k or "c_proj.bias" in k}
+        assert len(summed) == 24 and all(v == ["Replicate()"] for v in summed.values()), summed
