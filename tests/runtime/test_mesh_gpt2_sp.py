@@ -217,3 +217,42 @@ def test_gpt2_blocks_run_on_sequence_shards_and_match_them_whole(tmp_path: Path)
         ], r["outputs"]
         summed = {k: v for k, v in r["grads"].items() if ".ln_" in k or "c_proj.bias" in k}
         assert len(summed) == 24 and all(v == ["Replicate()"] for v in summed.values()), summed
+
+
+SP_NOTE = "sequence parallelism on the 4 tensor-parallel layer(s): their norms, dropout and residual adds run on 1/2"
+# case -> (devices, stages, data-parallel degree, global batch)
+RUNS = {"T2-SP": (2, 1, 1, 4), "D2-T2-SP": (4, 1, 2, 8), "K2-T2-SP": (4, 2, 1, 4)}
+
+
+@pytest.mark.parametrize("case", list(RUNS))
+def test_gpt2_with_sequence_parallelism_passes_the_check_with_adam(case: str, tmp_path: Path) -> None:
+    """profile (fake, fast) -> plan with T = 2 and sequence parallelism forced -> ``run --check``
+    with the default optimizer (Adam) and GPT-2's dropout 0.1: the blocks run sequence-parallel
+    (the run's mesh note says so), the position embedding and head shard over T on the whole
+    sequence, and the check holds against the unsplit model."""
+    from pipeplan.cli import main
+    from tests.runtime.helpers import fake_profile_file, run_cli
+
+    devices, stages, d, batch = RUNS[case]
+    profile = fake_profile_file(GPT2, tmp_path / "profile.json", microbatch_sizes=(1, 2))
+    path = tmp_path / f"{case}.json"
+    assert main([
+        "plan", str(profile), "--devices", str(devices), "--devices-per-node", str(devices), "--device-type", "cpu",
+        "--interconnect", "loopback", "--batch-size", str(batch), "--microbatches", "2", "--stages", str(stages),
+        "--no-recompute", "--sequence-parallel", "--tensor-parallel", "2", "--data-parallel", str(d),
+        "--zero", "0", "-o", str(path),
+    ]) == 0  # fmt: skip
+    plan = json.loads(path.read_text())
+    assert (plan["tensor_parallel_degree"], plan["data_parallel_degree"], plan["pipeline_degree"]) == (2, d, stages)
+    assert plan["sequence_parallel"], plan
+    report = tmp_path / "report.json"
+    proc, _ = run_cli(["run", "--plan", str(path), "--model", GPT2, "--steps", "2", "--check",
+                       "--report", str(report), "--timeout", "120"], timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "check PASSED" in proc.stdout and "adam" in proc.stdout, proc.stdout[-2000:]
+    data = json.loads(report.read_text())
+    check = data["check"]
+    assert check["passed"] and check["max_param_rel_diff"] <= 1e-5 and check["max_loss_rel_diff"] <= 1e-5, check
+    note = next(n for n in data["notes"] if n.startswith("mesh: "))
+    assert SP_NOTE in note, note
+    assert "priced as" not in note, note
