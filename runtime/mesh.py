@@ -28,14 +28,15 @@ into what the pipeline stage runs, one function per axis in a fixed order:
    A sharded unit's dropout draws the whole tensor's mask and keeps its shard
    (:func:`whole_dropout`), so it drops what the unsharded model drops.
    With sequence parallelism (the plan's ``sequence_parallel``), Megatron style, for rules
-   with a ``sequence_dim`` (all but T5's blocks): the unit's graph gets an all-gather along the
+   with a ``sequence_dim`` (every block rule): the unit's graph gets an all-gather along the
    sequence before each column-parallel linear and a reduce-scatter after each row-parallel one
    (:func:`_make_sequence_parallel`; around a ``Conv1D``, which flattens batch and sequence,
    before the view that flattens its input and after the view that restores its output), so its
    norms, dropout and residual adds run on 1/T of the sequence; only the hidden states are split
-   on entry (not an attention mask beside them); consecutive sharded units of a stage hand each
-   other sequence shards, and the activations are gathered whole where the stage ends or a unit
-   without a rule follows.
+   on entry (not an attention mask or position bias beside them; T5's decoder blocks also split
+   the encoder's output, gathered for the cross-attention's keys and values); consecutive
+   sharded units of a stage hand each other sequence shards, and the activations are gathered
+   whole where the stage ends or a unit without a rule follows.
 2. recompute: the first ``checkpointed_layers`` units of the stage (``StagePlan.checkpointed_layers``)
    each under its own ``torch.utils.checkpoint`` (:func:`runtime.modules.checkpoint_layers`):
    a checkpointed unit keeps only its input and re-runs its forward in the backward, one unit at
@@ -196,6 +197,7 @@ RULES: tuple[Rule, ...] = (
         column=("layer.0.SelfAttention.q", "layer.0.SelfAttention.k", "layer.0.SelfAttention.v",
                 "layer.1.DenseReluDense.wi"),
         row=("layer.0.SelfAttention.o", "layer.1.DenseReluDense.wo"),
+        sequence_dim=1,
     ),
     Rule(
         "T5 decoder block",
@@ -203,6 +205,7 @@ RULES: tuple[Rule, ...] = (
                 "layer.1.EncDecAttention.q", "layer.1.EncDecAttention.k", "layer.1.EncDecAttention.v",
                 "layer.2.DenseReluDense.wi"),
         row=("layer.0.SelfAttention.o", "layer.1.EncDecAttention.o", "layer.2.DenseReluDense.wo"),
+        sequence_dim=1,
     ),
     Rule(
         "encoder layer (ViT style)",

@@ -1,10 +1,15 @@
-"""Sequence parallelism on Hugging Face GPT-2 blocks.  Their projections are ``Conv1D``, which
-flattens batch and sequence around its ``aten.addmm`` (``x.view(-1, x.size(-1))``, then
-``.view(size_out)``), so the runtime gathers the sequence before the flattening view and
-reduce-scatters after the restoring one; the blocks take the attention mask as their first
-input, which stays replicated while the hidden states are split.
+"""Sequence parallelism on Hugging Face GPT-2 and T5 blocks.
 
-The runs are ``examples.hf:gpt2`` (tiny, random, dropout 0.1) on 2 or 4 gloo ranks.
+GPT-2's projections are ``Conv1D``, which flattens batch and sequence around its
+``aten.addmm`` (``x.view(-1, x.size(-1))``, then ``.view(size_out)``), so the runtime gathers
+the sequence before the flattening view and reduce-scatters after the restoring one; the blocks
+take the attention mask as their first input, which stays replicated while the hidden states are
+split.  T5's decoder blocks take the encoder's output beside their own hidden states: both are
+split (the cross-attention's keys and values gather it), the masks and the relative position
+bias stay replicated.
+
+The runs are ``examples.hf:gpt2`` and ``examples.hf:t5`` (tiny, random, dropout 0.1) on 2 or 4
+gloo ranks.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import pytest
 
 GPT2 = "examples.hf:gpt2"
 BLOCKS = [f"transformer.h.{i}" for i in range(4)]
+T5 = "examples.hf:t5"
+T5_BLOCKS = ["encoder.block.0", "encoder.block.1", "decoder.block.0", "decoder.block.1"]
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
 
 
@@ -81,29 +88,16 @@ def test_gpt2_blocks_are_no_longer_refused_and_a_block_without_its_views_is() ->
     assert "no sequence-parallel rule" in _sequence_parallel_problem(split.units[first], no_rule)
 
 
-def test_t5_blocks_with_sequence_parallelism_are_still_refused() -> None:
-    """T5's blocks have no sequence rule: refused before training, each named, the fix given."""
-    from planner.errors import InputError
-    from runtime.mesh import MeshSpec, split_sharding
-
-    _, split = _split("examples.hf:t5")
-    with pytest.raises(InputError) as err:
-        split_sharding(split, MeshSpec(tensor_parallel_degree=2, sequence_parallel=True))
-    message = str(err.value)
-    assert "'encoder.block.0' (T5 encoder block): sequence parallelism: the runtime has no sequence-parallel rule" in message
-    assert "fix: replan with --no-sequence-parallel" in message, message
-
-
 def _described(unit: int, x: Any) -> str:
     """``unit:type:placements`` of one output of a unit."""
     placements = [repr(p) for p in x.placements] if hasattr(x, "placements") else ""
     return f"{unit}:{type(x).__name__}:{placements}"
 
 
-def _inspect_stage(rank: int, port: int, out_dir: str) -> None:
-    """Rank ``rank`` of 2: GPT-2's four blocks as one stage at T = 2 with sequence parallelism,
-    forward and backward against the same stage whole (the same dropout masks), and every
-    DTensor the blocks' graphs make (placements, local and global shapes)."""
+def _inspect_stage(rank: int, port: int, out_dir: str, model: str, blocks: list[str]) -> None:
+    """Rank ``rank`` of 2: ``model``'s ``blocks`` as one stage at T = 2 with sequence
+    parallelism, forward and backward against the same stage whole (the same dropout masks), and
+    every DTensor the blocks' graphs make (placements, local and global shapes)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
     import torch.distributed as dist
@@ -119,8 +113,8 @@ def _inspect_stage(rank: int, port: int, out_dir: str) -> None:
         spec = MeshSpec(tensor_parallel_degree=2, sequence_parallel=True)
         mesh = build_mesh(spec)
         torch.manual_seed(0)
-        entry, split = _split()
-        first, last = split.names.index(BLOCKS[0]), split.names.index(BLOCKS[-1]) + 1
+        entry, split = _split(model)
+        first, last = split.names.index(blocks[0]), split.names.index(blocks[-1]) + 1
         examples = stage_examples(split, entry.example_inputs, 2, torch.device("cpu"))
         whole = copy.deepcopy(split.stage_module(first, last, pipeline=True))
         shardings = stage_shardings(split_sharding(split, spec), first, last)
@@ -144,23 +138,27 @@ def _inspect_stage(rank: int, port: int, out_dir: str) -> None:
 
         outputs: list[list[str]] = []
         for unit, wrapper in enumerate(sharded.units):
-            inner = wrapper.inner
+            inner = getattr(wrapper, "inner", None)
+            if inner is None:  # a layer without a rule runs whole: nothing to record
+                continue
             inner.forward = lambda *a, inner=inner, unit=unit: Recorder(inner, unit).run(*a)
             wrapper.register_forward_hook(lambda m, a, o, unit=unit: outputs.append([_described(unit, x) for x in o]))
 
-        def run(mod: Any) -> tuple[Any, Any]:
+        def run(mod: Any) -> list[Any]:
+            """The stage's last output and the gradients of its floating-point inputs."""
             xs = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in examples[first][0]]
             torch.manual_seed(7)  # the same dropout masks in both runs
             out = mod(*xs)
             out[-1].square().sum().backward()
-            return out[-1], xs[-1].grad
+            return [out[-1]] + [x.grad for x in xs if x.grad is not None]
 
         def rel(a: Any, b: Any) -> float:
             return float((a.detach() - b.detach()).abs().max() / max(float(b.detach().abs().max()), 1e-3))
 
-        ref_out, ref_grad = run(whole)
-        out, grad = run(sharded)
-        worst = max(rel(out, ref_out), rel(grad, ref_grad))
+        ref = run(whole)
+        got = run(sharded)
+        assert len(got) == len(ref) >= 2, (len(got), len(ref))
+        worst = max(rel(a, b) for a, b in zip(got, ref, strict=True))
         ref_params = dict(whole.named_parameters())
         grads = {}
         for name, p in sharded.named_parameters():
@@ -174,6 +172,18 @@ def _inspect_stage(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+def _inspected(tmp_path: Path, model: str, blocks: list[str]) -> list[dict[str, Any]]:
+    """What :func:`_inspect_stage` recorded on each of the 2 ranks."""
+    import torch.multiprocessing as mp
+
+    from tests.runtime.mesh_job import free_port
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    args = (free_port(), str(tmp_path), model, blocks)
+    mp.start_processes(_inspect_stage, args=args, nprocs=2, join=True, start_method="spawn")
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
 def test_gpt2_blocks_run_on_sequence_shards_and_match_them_whole(tmp_path: Path) -> None:
     """Inside each block the norms, dropout and residual adds hold half the sequence (``Shard(1)``,
     8 of 16 positions); each Conv1D's input is gathered whole once, before its flattening view
@@ -183,14 +193,7 @@ def test_gpt2_blocks_run_on_sequence_shards_and_match_them_whole(tmp_path: Path)
     replicated), the last gathers it;
     the norms' and row biases' gradients come out summed (replicated); and forward, input and
     parameter gradients match the stage whole."""
-    import torch.multiprocessing as mp
-
-    from tests.runtime.mesh_job import free_port
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.start_processes(_inspect_stage, args=(free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
-    for rank in range(2):
-        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    for r in _inspected(tmp_path, GPT2, BLOCKS):
         assert r["worst"] <= 1e-5, r["worst"]
         for unit in range(4):
             mine = [x for x in r["records"] if x["unit"] == unit]
@@ -220,21 +223,26 @@ def test_gpt2_blocks_run_on_sequence_shards_and_match_them_whole(tmp_path: Path)
 
 
 SP_NOTE = "sequence parallelism on the 4 tensor-parallel layer(s): their norms, dropout and residual adds run on 1/2"
-# case -> (devices, stages, data-parallel degree, global batch)
-RUNS = {"T2-SP": (2, 1, 1, 4), "D2-T2-SP": (4, 1, 2, 8), "K2-T2-SP": (4, 2, 1, 4)}
+# case -> (model, devices, stages, data-parallel degree, global batch)
+RUNS = {
+    "T2-SP": (GPT2, 2, 1, 1, 4),
+    "D2-T2-SP": (GPT2, 4, 1, 2, 8),
+    "K2-T2-SP": (GPT2, 4, 2, 1, 4),
+    "t5-T2-SP": (T5, 2, 1, 1, 4),
+}
 
 
 @pytest.mark.parametrize("case", list(RUNS))
-def test_gpt2_with_sequence_parallelism_passes_the_check_with_adam(case: str, tmp_path: Path) -> None:
+def test_hf_blocks_with_sequence_parallelism_pass_the_check_with_adam(case: str, tmp_path: Path) -> None:
     """profile (fake, fast) -> plan with T = 2 and sequence parallelism forced -> ``run --check``
-    with the default optimizer (Adam) and GPT-2's dropout 0.1: the blocks run sequence-parallel
-    (the run's mesh note says so), the position embedding and head shard over T on the whole
-    sequence, and the check holds against the unsplit model."""
+    with the default optimizer (Adam) and the models' dropout 0.1: the blocks run
+    sequence-parallel (the run's mesh note says so), GPT-2's position embedding and head shard
+    over T on the whole sequence, and the check holds against the unsplit model."""
     from pipeplan.cli import main
     from tests.runtime.helpers import fake_profile_file, run_cli
 
-    devices, stages, d, batch = RUNS[case]
-    profile = fake_profile_file(GPT2, tmp_path / "profile.json", microbatch_sizes=(1, 2))
+    model, devices, stages, d, batch = RUNS[case]
+    profile = fake_profile_file(model, tmp_path / "profile.json", microbatch_sizes=(1, 2))
     path = tmp_path / f"{case}.json"
     assert main([
         "plan", str(profile), "--devices", str(devices), "--devices-per-node", str(devices), "--device-type", "cpu",
@@ -246,7 +254,7 @@ def test_gpt2_with_sequence_parallelism_passes_the_check_with_adam(case: str, tm
     assert (plan["tensor_parallel_degree"], plan["data_parallel_degree"], plan["pipeline_degree"]) == (2, d, stages)
     assert plan["sequence_parallel"], plan
     report = tmp_path / "report.json"
-    proc, _ = run_cli(["run", "--plan", str(path), "--model", GPT2, "--steps", "2", "--check",
+    proc, _ = run_cli(["run", "--plan", str(path), "--model", model, "--steps", "2", "--check",
                        "--report", str(report), "--timeout", "120"], timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "check PASSED" in proc.stdout and "adam" in proc.stdout, proc.stdout[-2000:]
@@ -256,3 +264,41 @@ def test_gpt2_with_sequence_parallelism_passes_the_check_with_adam(case: str, tm
     note = next(n for n in data["notes"] if n.startswith("mesh: "))
     assert SP_NOTE in note, note
     assert "priced as" not in note, note
+
+
+def test_t5_blocks_run_on_sequence_shards_and_match_them_whole(tmp_path: Path) -> None:
+    """T5's encoder and decoder blocks (and the layers between them, run whole) as one stage:
+    each block's residual adds and reduce-scatters hold half its sequence (8 of the encoder's
+    16 positions, 4 of the decoder's 8); each activation a column-parallel linear reads is
+    gathered once (the encoder's: self-attention and MLP; the decoder's: self-attention,
+    cross-attention query, MLP, and the encoder's output for the cross-attention's keys and
+    values); the encoder's output is handed from decoder block to decoder block sharded, the
+    masks and the relative position bias replicated; the norms' gradients come out summed; and
+    forward, input and parameter gradients match the stage whole."""
+    for r in _inspected(tmp_path, T5, T5_BLOCKS):
+        assert r["worst"] <= 1e-5, r["worst"]
+        units = sorted({x["unit"] for x in r["records"]})
+        assert units == [0, 1, 6, 7], units  # the encoder's and the decoder's blocks
+        for unit in units:
+            mine = [x for x in r["records"] if x["unit"] == unit]
+            seq = 16 if unit < 2 else 8
+            residual = [x for x in mine if x["target"] == "aten.add.Tensor" and x["global"] == [2, seq, 32]]
+            gathers = [x for x in mine if x["target"] == "gather_sequence"]
+            scatters = [x for x in mine if x["target"] == "scatter_sequence"]
+            assert (len(residual), len(scatters)) == ((2, 2) if unit < 2 else (3, 3)), mine
+            for x in residual + scatters:
+                assert x["placements"] == ["Shard(dim=1)"] and x["local"][1] == seq // 2, x
+            for x in gathers:
+                assert x["placements"] == ["Replicate()"] and x["local"] == x["global"], x
+            assert sorted(x["global"][1] for x in gathers) == ([16, 16] if unit < 2 else [8, 8, 8, 16]), gathers
+        rep, shard = "DTensor:['Replicate()']", "DTensor:['Shard(dim=1)']"
+        assert r["outputs"] == [
+            # the decoder's input ids, the mask, the position bias, the hidden states, two masks
+            [f"0:{rep}", f"0:{rep}", f"0:{rep}", f"0:{shard}", f"0:{rep}", f"0:{rep}"],
+            ["1:Tensor:"] * 4,  # a layer without a rule follows: gathered whole
+            # the encoder's output, masks, the position bias, a constant, the hidden states
+            [f"6:{shard}", f"6:{rep}", f"6:{rep}", f"6:{rep}", "6:Tensor:", f"6:{shard}"],
+            ["7:Tensor:"] * 2,  # the stage's end: whole
+        ], r["outputs"]
+        norms = {k: v for k, v in r["grads"].items() if "layer_norm" in k and ".block." in k}
+        assert len(norms) == 10 and all(v == ["Replicate()"] for v in norms.values()), norms
