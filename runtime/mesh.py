@@ -695,15 +695,17 @@ def _sum_replicated_gradients(unit: Any) -> None:
 
 def _sequence_inputs(graph: Any, activations: Sequence[Any]) -> tuple[int, ...]:
     """Positions (among the graph's placeholders) of the inputs ``activations`` are computed
-    from: the hidden states, not the attention mask or rotary tables beside them (GPT-2's
-    blocks take the mask first)."""
+    from along the sequence-sharded stream: the walk back stops at each reduce-scatter, so what
+    only reaches them through attention or an MLP (masks, rotary tables, position biases) is not
+    counted.  The hidden states, wherever they sit (GPT-2's blocks take the mask first)."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     seen, todo = set(), list(activations)
     while todo:
         node = todo.pop()
         if node not in seen:
             seen.add(node)
-            todo.extend(node.all_input_nodes)
+            if node.target not in (scatter_sequence, gather_sequence):
+                todo.extend(node.all_input_nodes)
     return tuple(i for i, n in enumerate(placeholders) if n in seen)
 
 

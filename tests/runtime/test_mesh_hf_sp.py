@@ -302,3 +302,28 @@ def test_t5_blocks_run_on_sequence_shards_and_match_them_whole(tmp_path: Path) -
         ], r["outputs"]
         norms = {k: v for k, v in r["grads"].items() if "layer_norm" in k and ".block." in k}
         assert len(norms) == 10 and all(v == ["Replicate()"] for v in norms.values()), norms
+
+
+def test_only_the_hidden_states_are_split_on_entry() -> None:
+    """The inputs a sequence-parallel block splits are those its gathered activations are
+    computed from along the residual stream, wherever they sit: GPT-2's hidden states (after
+    the mask), T5's (the position bias computed by the first block is an input of the second:
+    it reaches the MLP only through attention, so it stays whole) and, in a decoder block, the
+    encoder's output beside them (the cross-attention's keys and values gather it).  The graph
+    rewrite runs on the traced block alone, no process group needed."""
+    from runtime.mesh import _make_sequence_parallel, match_rule
+
+    cases = {
+        GPT2: {"transformer.h.0": ["dropout"]},
+        T5: {"encoder.block.1": ["add_8"], "decoder.block.1": ["dropout_7", "add_26"]},
+    }
+    for model, blocks in cases.items():
+        _, split = _split(model)
+        for block, hidden in blocks.items():
+            unit = copy.deepcopy(split.units[split.names.index(block)])
+            names = [n.name for n in unit.graph.nodes if n.op == "placeholder"]
+            sharding = match_rule(unit)
+            assert sharding is not None and sharding.sequence_dim == 1, (block, sharding)
+            positions = _make_sequence_parallel(unit, sharding)
+            assert [names[i] for i in positions] == hidden, (block, names, positions)
+            assert len(names) > len(hidden), names  # the masks, the position bias: not split
