@@ -229,6 +229,8 @@ RUNS = {
     "D2-T2-SP": (GPT2, 4, 1, 2, 8),
     "K2-T2-SP": (GPT2, 4, 2, 1, 4),
     "t5-T2-SP": (T5, 2, 1, 1, 4),
+    # the second stage starts at decoder.block.1, whose position bias and masks arrive as plain inputs
+    "t5-K2-T2-SP": (T5, 4, 2, 1, 4),
 }
 
 
