@@ -28,11 +28,15 @@ into what the pipeline stage runs, one function per axis in a fixed order:
    A sharded unit's dropout draws the whole tensor's mask and keeps its shard
    (:func:`whole_dropout`), so it drops what the unsharded model drops.
    With sequence parallelism (the plan's ``sequence_parallel``), Megatron style, for rules
-   with a ``sequence_dim``: the unit's graph gets an all-gather along the sequence before each
-   column-parallel linear and a reduce-scatter after each row-parallel one
-   (:func:`_make_sequence_parallel`), so its norms, dropout and residual adds run on 1/T of the
-   sequence; consecutive sharded units of a stage hand each other sequence shards, and the
-   activations are gathered whole where the stage ends or a unit without a rule follows.
+   with a ``sequence_dim`` (every block rule): the unit's graph gets an all-gather along the
+   sequence before each column-parallel linear and a reduce-scatter after each row-parallel one
+   (:func:`_make_sequence_parallel`; around a ``Conv1D``, which flattens batch and sequence,
+   before the view that flattens its input and after the view that restores its output), so its
+   norms, dropout and residual adds run on 1/T of the sequence; only the hidden states are split
+   on entry (not an attention mask or position bias beside them; T5's decoder blocks also split
+   the encoder's output, gathered for the cross-attention's keys and values); consecutive
+   sharded units of a stage hand each other sequence shards, and the activations are gathered
+   whole where the stage ends or a unit without a rule follows.
 2. recompute: the first ``checkpointed_layers`` units of the stage (``StagePlan.checkpointed_layers``)
    each under its own ``torch.utils.checkpoint`` (:func:`runtime.modules.checkpoint_layers`):
    a checkpointed unit keeps only its input and re-runs its forward in the backward, one unit at
@@ -184,6 +188,7 @@ RULES: tuple[Rule, ...] = (
         "GPT-2 block (Hugging Face Conv1D)",
         column=("attn.c_attn", "mlp.c_fc"),
         row=("attn.c_proj", "mlp.c_proj"),
+        sequence_dim=1,
         transposed=True,
         fused=(("attn.c_attn", 3),),
     ),
@@ -192,6 +197,7 @@ RULES: tuple[Rule, ...] = (
         column=("layer.0.SelfAttention.q", "layer.0.SelfAttention.k", "layer.0.SelfAttention.v",
                 "layer.1.DenseReluDense.wi"),
         row=("layer.0.SelfAttention.o", "layer.1.DenseReluDense.wo"),
+        sequence_dim=1,
     ),
     Rule(
         "T5 decoder block",
@@ -199,6 +205,7 @@ RULES: tuple[Rule, ...] = (
                 "layer.1.EncDecAttention.q", "layer.1.EncDecAttention.k", "layer.1.EncDecAttention.v",
                 "layer.2.DenseReluDense.wi"),
         row=("layer.0.SelfAttention.o", "layer.1.EncDecAttention.o", "layer.2.DenseReluDense.wo"),
+        sequence_dim=1,
     ),
     Rule(
         "encoder layer (ViT style)",
@@ -556,13 +563,55 @@ def _split_fused_by_heads(unit: Any, fused: Mapping[str, int]) -> None:
 
 def _sequence_parallel_problem(unit: Any, sharding: UnitSharding) -> str:
     """Why ``unit`` cannot run sequence-parallel (empty: it can)."""
+    sites = _sequence_sites(unit, sharding)
+    return sites if isinstance(sites, str) else ""
+
+
+def _sequence_sites(unit: Any, sharding: UnitSharding) -> tuple[list[Any], list[Any]] | str:
+    """Where sequence parallelism rewrites a unit's graph, or why it cannot: the nodes whose
+    first argument (the activation entering a column-parallel linear) is gathered along the
+    sequence, and the nodes whose output (a row-parallel linear's) is reduce-scattered along it.
+    A linear's ``aten.linear`` node for both; a transposed one's (``Conv1D``) flattens batch and
+    sequence around its ``aten.addmm`` (:func:`_flattening_views`): the gather goes before the
+    view that flattens its input, the reduce-scatter after the view that restores its output."""
     if sharding.sequence_dim is None:
         return "the runtime has no sequence-parallel rule for this kind of layer"
-    for names in (sharding.column, sharding.row):
-        sites = _linear_sites(unit, [f"{n}.weight" for n in names])
+    transposed = set(sharding.transposed)
+    out: list[list[Any]] = []
+    for names, end in ((sharding.column, 0), (sharding.row, 1)):
+        sites = _linear_sites(unit, [f"{n}.weight" for n in names], transposed=transposed)
         if isinstance(sites, str):
             return sites
-    return ""
+        nodes = []
+        for name, node in zip(names, sites, strict=True):
+            views = _flattening_views(node, name, sharding.sequence_dim) if name in transposed else (node, node)
+            if isinstance(views, str):
+                return views
+            nodes.append(views[end])
+        out.append(nodes)
+    return out[0], out[1]
+
+
+def _flattening_views(addmm: Any, name: str, sequence_dim: int) -> tuple[Any, Any] | str:
+    """The views around a transposed linear's ``aten.addmm`` (Hugging Face ``Conv1D.forward``:
+    ``x.view(-1, x.size(-1))``, then ``.view(size_out)``): ``(the view flattening its input, the
+    one view of its output)``, or why they are not there."""
+    before, users = addmm.args[1], list(addmm.users)
+    after = users[0] if len(users) == 1 else None
+    if (
+        getattr(before, "op", None) != "call_function"
+        or str(before.target) not in _RESHAPES
+        or after is None
+        or after.op != "call_function"
+        or str(after.target) not in _RESHAPES
+        or not isinstance(after.args[1], (list, tuple))
+        or len(after.args[1]) <= sequence_dim
+    ):
+        return (
+            f"{name}'s aten.addmm is not between a view flattening its input and one view restoring the "
+            f"sequence dimension {sequence_dim} of its output (Conv1D's x.view(-1, x.size(-1)) ... .view(size_out))"
+        )
+    return before, after
 
 
 def gather_sequence(x: Any) -> Any:
@@ -600,16 +649,40 @@ def summed_gradient(w: Any) -> Any:
     return DTensor.from_local(w.to_local(), w.device_mesh, w.placements, run_check=False)
 
 
-def _make_sequence_parallel(unit: Any, sharding: UnitSharding) -> None:
+def _make_sequence_parallel(unit: Any, sharding: UnitSharding) -> tuple[int, ...]:
     """Rewrite a unit's graph for sequence parallelism: the activation entering each
-    column-parallel linear is gathered along the sequence (:func:`gather_sequence`), the
-    output of each row-parallel linear reduce-scattered along it (:func:`scatter_sequence`);
-    everything between (norms, dropout, residual adds) then runs on sequence shards, and the
-    replicated parameters used there get summed gradients (:func:`summed_gradient`)."""
-    column = _linear_sites(unit, [f"{n}.weight" for n in sharding.column])
-    row = _linear_sites(unit, [f"{n}.weight" for n in sharding.row])
-    if isinstance(column, str) or isinstance(row, str) or sharding.sequence_dim is None:
-        raise InputError(f"sequence parallelism: {_sequence_parallel_problem(unit, sharding)}")
+    column-parallel linear is gathered along the sequence (:func:`gather_sequence`, once per
+    activation however many linears read it), the output of each row-parallel linear
+    reduce-scattered along it (:func:`scatter_sequence`); everything between (norms, dropout,
+    residual adds) then runs on sequence shards, and the replicated parameters used there get
+    summed gradients (:func:`summed_gradient`).  Returns the positions of the unit's inputs the
+    gathered activations are computed from (:func:`_sequence_inputs`): the ones to split."""
+    sites = _sequence_sites(unit, sharding)
+    if isinstance(sites, str):
+        raise InputError(f"sequence parallelism: {sites}; fix: --no-sequence-parallel")
+    column, row = sites
+    graph = unit.graph
+    _sum_replicated_gradients(unit)
+    gathered: dict[Any, Any] = {}
+    for node in column:
+        source = node.args[0]
+        if source in gathered.values():  # a view two transposed linears flatten their input with
+            continue
+        if source not in gathered:
+            with graph.inserting_before(node):
+                gathered[source] = graph.call_function(gather_sequence, (source,))
+        node.args = (gathered[source], *node.args[1:])
+    for node in row:
+        with graph.inserting_after(node):
+            scattered = graph.call_function(scatter_sequence, (node, sharding.sequence_dim))
+        node.replace_all_uses_with(scattered, delete_user_cb=lambda user, s=scattered: user is not s)
+    graph.lint()
+    unit.recompile()
+    return _sequence_inputs(graph, list(gathered))
+
+
+def _sum_replicated_gradients(unit: Any) -> None:
+    """Route each replicated DTensor parameter of a unit's graph through :func:`summed_gradient`."""
     graph = unit.graph
     params = dict(unit.named_parameters())
     for node in [n for n in graph.nodes if n.op == "get_attr" and n.target in params]:
@@ -618,16 +691,22 @@ def _make_sequence_parallel(unit: Any, sharding: UnitSharding) -> None:
             with graph.inserting_after(node):
                 summed = graph.call_function(summed_gradient, (node,))
             node.replace_all_uses_with(summed, delete_user_cb=lambda user, s=summed: user is not s)
-    for node in column:
-        with graph.inserting_before(node):
-            whole = graph.call_function(gather_sequence, (node.args[0],))
-        node.args = (whole, *node.args[1:])
-    for node in row:
-        with graph.inserting_after(node):
-            scattered = graph.call_function(scatter_sequence, (node, sharding.sequence_dim))
-        node.replace_all_uses_with(scattered, delete_user_cb=lambda user, s=scattered: user is not s)
-    graph.lint()
-    unit.recompile()
+
+
+def _sequence_inputs(graph: Any, activations: Sequence[Any]) -> tuple[int, ...]:
+    """Positions (among the graph's placeholders) of the inputs ``activations`` are computed
+    from along the sequence-sharded stream: the walk back stops at each reduce-scatter, so what
+    only reaches them through attention or an MLP (masks, rotary tables, position biases) is not
+    counted.  The hidden states, wherever they sit (GPT-2's blocks take the mask first)."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    seen, todo = set(), list(activations)
+    while todo:
+        node = todo.pop()
+        if node not in seen:
+            seen.add(node)
+            if node.target not in (scatter_sequence, gather_sequence):
+                todo.extend(node.all_input_nodes)
+    return tuple(i for i, n in enumerate(placeholders) if n in seen)
 
 
 def _tp_unit_class() -> Any:
@@ -642,20 +721,27 @@ def _tp_unit_class() -> Any:
         replicated DTensors (their gradients are summed over the group on the way back),
         integer inputs too; outputs leave replicated, as plain tensors.
 
-        Sequence-parallel (``sequence_dim`` set): the first input (the hidden states; the
-        others, such as attention masks and rotary tables, stay replicated) is split along the
-        sequence on entry (each rank keeps its slice, no communication); DTensor inputs
+        Sequence-parallel (``sequence_dim`` set): the inputs at ``split_inputs`` (the hidden
+        states; the others, such as attention masks and rotary tables, stay replicated) are split
+        along the sequence on entry (each rank keeps its slice, no communication); DTensor inputs
         (from the previous sequence-parallel unit of the stage) enter as they are.  With
         ``keep_sharded`` (the next unit of the stage is sequence-parallel too) the outputs stay
         DTensors, sharded along the sequence; else they are gathered and leave whole."""
 
         def __init__(
-            self, inner: nn.Module, mesh: Any, *, sequence_dim: int | None = None, keep_sharded: bool = False
+            self,
+            inner: nn.Module,
+            mesh: Any,
+            *,
+            sequence_dim: int | None = None,
+            split_inputs: tuple[int, ...] = (0,),
+            keep_sharded: bool = False,
         ) -> None:
             super().__init__()
             self.inner = inner
             self.tp_mesh = mesh
             self.sequence_dim = sequence_dim
+            self.split_inputs = split_inputs
             self.keep_sharded = keep_sharded
 
         def _enter(self, a: Any, *, split: bool) -> Any:
@@ -668,7 +754,7 @@ def _tp_unit_class() -> Any:
             return d
 
         def forward(self, *args: Any) -> Any:
-            xs = tuple(self._enter(a, split=i == 0) for i, a in enumerate(args))
+            xs = tuple(self._enter(a, split=i in self.split_inputs) for i, a in enumerate(args))
             # constants the graph makes (masks, positions) are replicated; fused attention runs
             # as its math composition, which DTensor shards by heads (it has no sharding rule for
             # the CPU flash kernel, and deriving one by decomposition takes minutes)
@@ -877,10 +963,12 @@ def apply_tensor_parallel(
         _replicated_lookups(unit)
         distribute_module(unit, tp_mesh, partition)
         if sequence_parallel and sharding.sequence_dim is not None:
-            _make_sequence_parallel(unit, sharding)
+            split = _make_sequence_parallel(unit, sharding)
             nxt = shardings.get(i + 1)
             keep = nxt is not None and nxt.sequence_dim is not None and i + 1 < len(stage_module.units)
-            stage_module.units[i] = cls(unit, tp_mesh, sequence_dim=sharding.sequence_dim, keep_sharded=keep)
+            stage_module.units[i] = cls(
+                unit, tp_mesh, sequence_dim=sharding.sequence_dim, split_inputs=split, keep_sharded=keep
+            )
         else:
             _reduce_row_outputs(unit, sharding)
             last_head = sharded_logits and sharding.rule == KIND_RULES["column-head"] and i == len(stage_module.units) - 1

@@ -94,6 +94,18 @@ NIGHTLY = {
     _R + "test_mesh_sp_zero.py::test_sequence_parallel_and_zero_with_tp_match_the_unsplit_model[D2-T2-zero3]":
         "[D2-T2-zero2-SP] and the matrix's D2-T2sp-K1-z2",
     **{
+        _R + f"test_mesh_hf_sp.py::test_hf_blocks_with_sequence_parallelism_pass_the_check_with_adam[{case}]":
+            "[T2-SP] (GPT-2's blocks sequence-parallel), with test_mesh_sp_zero's [D2-T2-zero2-SP] and "
+            "[T2-SP-K2-zbh1] (the axes on the zoo GPT)"
+        for case in ("D2-T2-SP", "K2-T2-SP")
+    },
+    **{
+        _R + f"test_mesh_hf_sp.py::test_hf_blocks_with_sequence_parallelism_pass_the_check_with_adam[{case}]":
+            "test_mesh_hf_sp.py::test_t5_blocks_run_on_sequence_shards_and_match_them_whole (T5's blocks against "
+            "themselves whole), test_only_the_hidden_states_are_split_on_entry and [T2-SP]"
+        for case in ("t5-T2-SP", "t5-K2-T2-SP")
+    },
+    **{
         _R + f"test_run_schedules.py::test_schedule_runs_and_matches_the_unsplit_model[{case}]": "the matrix's default run"
         for case in ("gpt-gpipe-K2", "gpt-1f1b-K2", "gpt-interleaved-1f1b-K2", "gpt-zb-h1-K2", "gpt-zbv-K2",
                      "seq_model-zb-h1-K4")

@@ -3,7 +3,7 @@
 projection ``[Q | K | V]``.  The profiler prices the blocks sharded, the runtime shards them (the
 fused projection by heads of each of Q, K and V), and ``pipeplan run --check`` holds at T = 2
 with the default optimizer (Adam).  A fused projection cut contiguously gives other numbers, and
-the block comparison here sees it.  T5's encoder and decoder blocks run ``--check`` at T = 2 too;
+the block comparison here sees it.  Sequence parallelism on these blocks: tests/runtime/test_mesh_hf_sp.py.  T5's encoder and decoder blocks run ``--check`` at T = 2 too;
 Mixtral's (experts as grouped products) are refused before training, naming the layers.
 
 The runs are examples.hf models (tiny, random) on 2 gloo ranks.
@@ -50,8 +50,8 @@ def _split() -> Any:
 
 def test_the_runtime_shards_the_blocks_the_profiler_prices_sharded() -> None:
     """Both read the blocks by what they hold (Conv1D projections, a norm); the runtime's rule
-    names the fused c_attn (3 projections) and the transposed weights; sequence parallelism on
-    them is refused before training, naming the layer."""
+    names the fused c_attn (3 projections) and the transposed weights, and their sequence
+    dimension (sequence parallelism runs on them)."""
     from planner.errors import InputError
     from runtime.mesh import MeshSpec, profiled_kinds, refuse_unexecutable, split_sharding
 
@@ -65,9 +65,10 @@ def test_the_runtime_shards_the_blocks_the_profiler_prices_sharded() -> None:
     assert s.column == ("transformer.h.0.attn.c_attn", "transformer.h.0.mlp.c_fc")
     assert s.row == ("transformer.h.0.attn.c_proj", "transformer.h.0.mlp.c_proj")
     assert dict(s.fused) == {"transformer.h.0.attn.c_attn": 3} and set(s.transposed) == set(s.column + s.row)
-    with pytest.raises(InputError, match=r"layer 3 'transformer.h.0' \(GPT-2 block.*no sequence-parallel rule"):
-        refuse_unexecutable(split.units, split.names, MeshSpec(tensor_parallel_degree=2, sequence_parallel=True),
-                            layer_kinds=kinds)  # fmt: skip
+    # sequence parallelism on them is executed (tests/runtime/test_mesh_hf_sp.py): not refused
+    assert s.sequence_dim == 1
+    refuse_unexecutable(split.units, split.names, MeshSpec(tensor_parallel_degree=2, sequence_parallel=True),
+                        layer_kinds=kinds)  # fmt: skip
     # 4 heads of 8: T = 3 divides no projection's width
     with pytest.raises(InputError, match=r"c_attn has 3 projections of 32 output features, not divisible by T=3"):
         refuse_unexecutable(split.units, split.names, MeshSpec(tensor_parallel_degree=3), layer_kinds=kinds)
