@@ -102,9 +102,15 @@ def optimizer_class(name: str, *, fused: bool = False) -> tuple[type[torch.optim
 def make_optimizer(
     name: str, params: Iterable[nn.Parameter], *, lr: float, fused: bool = False
 ) -> torch.optim.Optimizer:
-    """The optimizer :func:`optimizer_class` says, over ``params``."""
+    """The optimizer :func:`optimizer_class` says, over ``params``: one parameter group per
+    device mesh (DTensor parameters of a tensor-parallel or FSDP2 mesh) and one for plain
+    tensors, since a foreach or fused kernel runs one group's tensors together and DTensor
+    refuses a list that mixes them."""
     cls, extra = optimizer_class(name, fused=fused)
-    return cls(list(params), **{"lr": lr, **extra})
+    groups: dict[Any, list[nn.Parameter]] = {}
+    for p in params:
+        groups.setdefault(getattr(p, "device_mesh", None), []).append(p)
+    return cls([{"params": ps} for ps in groups.values()], **{"lr": lr, **extra})
 
 
 LR_SCHEDULES = ("constant", "cosine")
