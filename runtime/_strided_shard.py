@@ -6,7 +6,9 @@ contiguous slice of the fused dimension.  ``_StridedShard(dim, split_factor=part
 exactly that layout: the dimension is cut into ``parts`` pieces and each piece is sharded over
 the mesh, so rank ``r`` holds ``[Q_r | K_r | V_r]`` while the DTensor's global value keeps the
 model's own layout (checkpoints, ``--check`` and the optimizer see the unsharded parameter).
-DTensor propagates it through ``addmm`` and ``view`` without communication.  This module is
+DTensor propagates it through ``addmm`` and ``view`` without communication.  FSDP2 (ZeRO 2/3)
+sharding such a parameter again on the same dimension gives placements DTensor's
+``full_tensor`` misreads; :func:`full_tensor` gathers them right (``--check``).  This module is
 the only user of that private name; ``tests/runtime/test_mesh_hf_blocks.py`` fails clearly when
 torch moves or renames it.
 """
