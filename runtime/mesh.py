@@ -1344,10 +1344,12 @@ def full_parameters(named: Iterable[tuple[str, Any]]) -> dict[str, Any]:
     this, with the same parameters), for ``--check``."""
     from torch.distributed.tensor import DTensor
 
+    from runtime._strided_shard import full_tensor
+
     out = {}
     for name, p in named:
         t = p.detach()
-        out[name] = (t.full_tensor() if isinstance(t, DTensor) else t).cpu().clone()
+        out[name] = (full_tensor(t) if isinstance(t, DTensor) else t).cpu().clone()
     return out
 
 
@@ -1356,6 +1358,8 @@ def full_gradients(named: Iterable[tuple[str, Any]]) -> dict[str, Any]:
     every rank of its mesh must call this, with the same parameters), for ``--check``."""
     from torch.distributed.tensor import DTensor
 
+    from runtime._strided_shard import full_tensor
+
     out: dict[str, Any] = {}
     for name, p in named:
         g = p.grad
@@ -1363,7 +1367,7 @@ def full_gradients(named: Iterable[tuple[str, Any]]) -> dict[str, Any]:
             out[name] = None
             continue
         g = g.detach()
-        out[name] = (g.full_tensor() if isinstance(g, DTensor) else g).cpu().clone()
+        out[name] = (full_tensor(g) if isinstance(g, DTensor) else g).cpu().clone()
     return out
 
 

@@ -116,6 +116,12 @@ NIGHTLY = {
         for case in ("seq_model-gpipe-K2", "seq_model-interleaved-zb-K2", "seq_model-dualpipev-K2")
     },
     "tests/profiler/test_repeat.py::test_tracing_one_block_of_each_kind_gives_the_whole_trace[gemma2-9b]": "[deepseek-v3]",
+    **{
+        _R + f"test_strided_full_tensor.py::test_gpt2_with_zero_and_tensor_parallelism_passes_the_check_with_adam[{case}]":
+            "test_strided_full_tensor.py::test_check_gathers_fsdp_sharded_head_split_parameters_whole (the gather "
+            "of GPT-2's c_attn.bias under FSDP2 + T) and test_mesh_sp_zero's [D2-T2-zero2-SP] (the axes on the zoo GPT)"
+        for case in ("zero2", "zero3-SP")  # 80-100 s each
+    },
 }
 
 
