@@ -95,6 +95,18 @@ def train(state: RankState, built: StageSet, training: Training) -> StepRecords:
     return records
 
 
+def own_loss(value: Any) -> Any:
+    """The loss as a tensor of its own, not a view: torch's split-backward schedules (ZB-H1, ZBV)
+    detach the loss in place once the input gradients are taken (``stage_backward_input``),
+    which a view refuses ("Can't detach views in-place").  The vocabulary-parallel loss is one
+    (``full_tensor()`` of the replicated loss DTensor returns a view of its local tensor), so
+    Llama at T > 1 with K > 1 failed its first backward under ZB-H1 and ZBV.  A view is cloned
+    (the loss is a scalar); any other value is returned as it is."""
+    import torch
+
+    return value.clone() if isinstance(value, torch.Tensor) and value._is_view() else value
+
+
 def _loss_fn(state: RankState, built: StageSet, scaler: Any) -> Any:
     """The schedule's loss: the model's loss of the rebuilt output, under autocast, times the
     float16 loss scale; timed into the last stage's forward."""
@@ -115,6 +127,7 @@ def _loss_fn(state: RankState, built: StageSet, scaler: Any) -> Any:
 
         # vocabulary-parallel where the head keeps its logits sharded
         value, sharded = vocab_parallel_loss(loss_of, output)
+        value = own_loss(value)
         built.vocab_parallel_losses += sharded
         if last_record is not None:  # the profile counts the loss in the last layer's forward: so do we
             sync(device)

@@ -68,6 +68,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from planner.errors import InputError
+from runtime.tp_heads import heads_problem
 
 #: mesh dimension names, outermost first (torchtitan's order)
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
@@ -430,6 +431,8 @@ def refuse_unexecutable(
                     site = _fused_split_site(unit, mod, parts)
                     if isinstance(site, str):
                         problems.append(f"layer {i} '{name}' ({sharding.rule}): {site}")
+                elif why := heads_problem(unit, mod, t_deg):  # e.g. Llama's 2 key/value heads at T=4
+                    problems.append(f"layer {i} '{name}': {why}")
             for mod in sharding.row:
                 width = sharding.features(linears, mod)[1]
                 if width % t_deg:
