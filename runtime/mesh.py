@@ -431,8 +431,8 @@ def refuse_unexecutable(
                     site = _fused_split_site(unit, mod, parts)
                     if isinstance(site, str):
                         problems.append(f"layer {i} '{name}' ({sharding.rule}): {site}")
-                elif why := heads_problem(unit, mod, t_deg):  # e.g. Llama's 2 key/value heads at T=4
-                    problems.append(f"layer {i} '{name}': {why}")
+                elif heads := heads_problem(unit, mod, t_deg):  # e.g. Llama's 2 key/value heads at T=4
+                    problems.append(f"layer {i} '{name}': {heads}")
             for mod in sharding.row:
                 width = sharding.features(linears, mod)[1]
                 if width % t_deg:

@@ -42,7 +42,9 @@ def heads_of(unit: Any, module: str) -> tuple[int, int] | None:
         ),
         None,
     )
-    shape = getattr(linear.meta.get("val"), "shape", None) if linear is not None else None
+    if linear is None:
+        return None
+    shape = getattr(linear.meta.get("val"), "shape", None)
     if shape is None or len(linear.users) != 1:
         return None
     view = next(iter(linear.users))

@@ -139,7 +139,13 @@ def test_gradient_norms_catch_a_step_whose_gradients_are_not_kept() -> None:
     same = compare([1.0] * 3, {"w": torch.ones(2), "b": torch.ones(1)}, ref, grads={0: grads, 2: grads},
                    grad_norms=norms)  # fmt: skip
     assert same.passed(1e-5)
-    assert {c.name: c.compared for c in same.categories}["gradient norms"] == 2  # step 1's two tensors
+    # step 1's two tensors, and with Adam step 2's (kept whole, compared by norm: later steps run
+    # on weights the optimizer's noise has moved); with SGD step 2 is compared whole
+    assert {c.name: c.compared for c in same.categories}["gradient norms"] == 4
+    sgd = compare([1.0] * 3, {"w": torch.ones(2), "b": torch.ones(1)}, _reference(
+        {"w": torch.ones(2), "b": torch.ones(1)}, grads, steps=3, noise=None), grads={0: grads, 2: grads},
+        grad_norms=norms)  # fmt: skip
+    assert {c.name: c.compared for c in sgd.categories}["gradient norms"] == 2
     lost = compare([1.0] * 3, {"w": torch.ones(2), "b": torch.ones(1)}, ref, grads={0: grads, 2: grads},
                    grad_norms={**norms, 1: {"w": 5.0, "b": 0.0}})  # fmt: skip
     assert not lost.passed(1e-5) and lost.worst_grad == "b (step 1)" and lost.max_grad_rel_diff == pytest.approx(1.0)
@@ -160,7 +166,8 @@ def test_the_report_lists_each_category_and_the_error_names_the_worst() -> None:
     )  # fmt: skip
     assert not check.passed
     assert [c.name for c in check.categories] == [
-        "losses", "gradients", "parameters", "parameters within the tolerance only with the noise allowance"
+        "losses", "gradients", "gradient norms", "parameters",
+        "parameters within the tolerance only with the noise allowance",
     ]  # fmt: skip
     message = check_failed_message(check)
     assert "0.01 (gradients, worst w (step" in message and "more than the tolerance 1e-05" in message
@@ -235,3 +242,18 @@ def test_a_layer_lost_by_a_wrong_split_fails_the_check(gpt2_profile: Profile, tm
     assert proc.returncode == 1 and not check["passed"], proc.stdout[-3000:]
     assert check["max_loss_rel_diff"] > 1e-3 and check["max_grad_rel_diff"] > 1e-3
     assert "check FAILED" in proc.stdout
+
+
+def test_with_adam_later_steps_compare_norms_and_the_first_step_whole() -> None:
+    """Step 1's gradient turned by 90 degrees, its norm kept: Adam's check compares step 1 by its
+    norm (its weights already differ by the optimizer's move on noise), so it passes; SGD's
+    compares it whole and fails; a turned step-0 gradient fails both."""
+    grads = {"w": torch.tensor([3.0, 4.0])}
+    turned = {"w": torch.tensor([-4.0, 3.0])}
+    params = {"w": torch.ones(2)}
+    for noise, passes in ((ADAM, True), (None, False)):
+        ref = _reference(params, grads, noise=noise)
+        late = compare([1.0, 1.0], params, ref, grads={0: grads, 1: turned}, tolerance=1e-5)
+        assert late.passed(1e-5) is passes, (noise, late.categories)
+        early = compare([1.0, 1.0], params, ref, grads={0: turned, 1: grads}, tolerance=1e-5)
+        assert not early.passed(1e-5) and early.worst_grad == "w (step 0)"

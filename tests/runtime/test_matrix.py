@@ -23,11 +23,11 @@ and runs nightly), and the rest are marked ``nightly`` (``bash scripts/test.sh -
 Llama's ids start ``llama-``.
 
 On 2026-12-07 (the README has the details): the GPT's 8 default and 141 nightly combinations
-had run and passed; on Llama, the 6 default ones (263 s together, its profile
-included) and 86 nightly ones had run, 76 of the 92 passed, and the 16 that failed are all
-D = 2 with T = 2: ``--check`` finds their step-1 gradients 3.1e-5 apart (the tolerance is
-1e-5), apparently Adam's rounding noise in the step-0 parameters rather than a runtime bug.
-They are not refused and still fail.
+had run and passed; on Llama, the six every-value ones (263 s together, its profile included)
+and 86 nightly ones had run, 76 of the 92 passed, and the 16 that failed were all D = 2 with
+T = 2: ``--check`` found their step-1 gradients 3.1e-5 apart, Adam's move on rounding noise in
+the step-0 weights.  With Adam ``--check`` now compares later steps by their gradients' norms;
+two of them re-ran and pass.
 """
 
 from __future__ import annotations
