@@ -139,12 +139,12 @@ def copy_from_full(t: Any, full: Any) -> None:
                                shape=t.shape, stride=t.stride())  # fmt: skip
     where = full_tensor(coded).reshape(-1)
     mine = (where // numel) == rank
+    if int(mine.sum()) != local.numel():  # each local index appears once: every element is set
+        raise RuntimeError(
+            f"rank {rank}: {int(mine.sum())} of its {local.numel()} elements found in the gathered layout "
+            f"of a DTensor with placements {tuple(t.placements)} (runtime/_strided_shard.py)"
+        )
     with torch.no_grad():
         flat = local.new_empty(local.numel())
         flat[where[mine] - rank * numel] = full.reshape(-1).to(device=local.device, dtype=local.dtype)[mine]
-        if int(mine.sum()) != local.numel():
-            raise RuntimeError(
-                f"rank {rank}: {int(mine.sum())} of its {local.numel()} elements found in the gathered layout "
-                f"of a DTensor with placements {tuple(t.placements)} (runtime/_strided_shard.py)"
-            )
         local.copy_(flat.view(local.shape))

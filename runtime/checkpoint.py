@@ -3,7 +3,8 @@
 Layout of a checkpoint directory ``DIR``::
 
     DIR/step-000004/            one checkpoint: DCP's files (every rank writes its own shards,
-        __0_0.distcp ...        nothing is gathered to rank 0) and DCP's .metadata
+        __0_0.distcp ...        nothing is gathered to rank 0, but for ``_StridedShard``
+                                tensors, see :func:`_savable`) and DCP's .metadata
         .metadata
         pipeplan.json           what was saved: model, structure fingerprint, step, plan, optimizer,
                                 float16's loss scale
