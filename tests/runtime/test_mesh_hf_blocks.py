@@ -251,7 +251,7 @@ def test_gpt2_at_t2_saves_a_checkpoint_and_resumes_as_if_uninterrupted(tmp_path:
     a second run resumes at step 2 and trains to step 3 with --check: the unsplit model trained
     from the same seed for all 4 steps gives the same losses (steps 2..3) and parameters.  SGD
     with momentum: its buffer of c_attn is placed as c_attn and travels too; with Adam the check
-    after --resume fails on rounding noise alone (its noise allowance counts only the compared
+    after --resume fails on rounding noise alone (its noise allowance reads the gradients of the compared
     steps 2..3, and an uninterrupted run needs it for transformer.h.1.mlp.c_proj.weight)."""
     from pipeplan.cli import main
     from tests.runtime.helpers import fake_profile_file
