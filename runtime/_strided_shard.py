@@ -112,3 +112,39 @@ def full_tensor(t: Any) -> Any:
     rest = mesh[names[last + 1 :]] if last + 2 < len(names) else mesh[names[last + 1]]
     inner = DTensor.from_local(local, rest, placements[last + 1 :], run_check=False, shape=t.shape, stride=t.stride())
     return inner.full_tensor()
+
+
+def has_strided(t: Any) -> bool:
+    """True when ``t`` is a DTensor with a ``_StridedShard`` placement on some mesh dimension
+    (what ``torch.distributed.checkpoint`` refuses to save: "overlapping chunks")."""
+    placements = getattr(t, "placements", None)
+    return placements is not None and any(isinstance(p, _cls()) for p in placements)
+
+
+def copy_from_full(t: Any, full: Any) -> None:
+    """Copy into ``t``'s local shard its elements of ``full`` (``t``'s global value, a plain
+    tensor): the inverse of :func:`full_tensor`, whatever the layout.  Each rank gathers, with
+    :func:`full_tensor`, a tensor of ``t``'s layout whose local elements are ``rank * numel +
+    local index``: the global positions holding this rank's code are where its elements live
+    (a collective over ``t``'s mesh, as :func:`full_tensor`)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    local = t.to_local()
+    numel = max(int(t.numel()), 1)
+    rank = dist.get_rank()
+    codes = torch.arange(local.numel(), dtype=torch.int64, device=local.device).add_(rank * numel)
+    coded = DTensor.from_local(codes.view(local.shape), t.device_mesh, t.placements, run_check=False,
+                               shape=t.shape, stride=t.stride())  # fmt: skip
+    where = full_tensor(coded).reshape(-1)
+    mine = (where // numel) == rank
+    if int(mine.sum()) != local.numel():  # each local index appears once: every element is set
+        raise RuntimeError(
+            f"rank {rank}: {int(mine.sum())} of its {local.numel()} elements found in the gathered layout "
+            f"of a DTensor with placements {tuple(t.placements)} (runtime/_strided_shard.py)"
+        )
+    with torch.no_grad():
+        flat = local.new_empty(local.numel())
+        flat[where[mine] - rank * numel] = full.reshape(-1).to(device=local.device, dtype=local.dtype)[mine]
+        local.copy_(flat.view(local.shape))

@@ -3,7 +3,8 @@
 Layout of a checkpoint directory ``DIR``::
 
     DIR/step-000004/            one checkpoint: DCP's files (every rank writes its own shards,
-        __0_0.distcp ...        nothing is gathered to rank 0) and DCP's .metadata
+        __0_0.distcp ...        nothing is gathered to rank 0, but for ``_StridedShard``
+                                tensors, see :func:`_savable`) and DCP's .metadata
         .metadata
         pipeplan.json           what was saved: model, structure fingerprint, step, plan, optimizer,
                                 float16's loss scale
@@ -154,6 +155,18 @@ def _init_optimizer_state(named: Sequence[tuple[str, Any]], optimizer: Any) -> N
         p.grad = None
 
 
+def _savable(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with each DTensor placed ``_StridedShard`` (GPT-2's fused ``c_attn`` at T > 1, and
+    its optimizer state), which DCP refuses ("overlapping chunks"), replaced by its full value as a
+    plain tensor: every rank of its mesh holds the same value and DCP writes it once (plain
+    tensors are replicated entries, deduplicated across ranks).  The key is the same, so a
+    checkpoint written under one plan loads under another (:func:`load_checkpoint` copies each
+    rank's slice back).  A collective over each such tensor's mesh, in ``state``'s order."""
+    from runtime import _strided_shard
+
+    return {k: _strided_shard.full_tensor(v) if _strided_shard.has_strided(v) else v for k, v in state.items()}
+
+
 def save_checkpoint(
     directory: str | os.PathLike[str],
     step: int,
@@ -176,7 +189,7 @@ def save_checkpoint(
     path = step_dir(directory, step)
     state: dict[str, Any] = {name: p.detach() for name, p in named}
     state.update(_optimizer_state(named, optimizer))
-    dcp.save(state, checkpoint_id=str(path))
+    dcp.save(_savable(state), checkpoint_id=str(path))
     dist.barrier()
     if dist.get_rank() == 0:
         info = CheckpointInfo(
@@ -226,9 +239,15 @@ def load_checkpoint(
             f"checkpoint {info.path} lacks {len(missing)} tensor(s) this run needs, e.g. {missing[0]!r}: "
             "it was not written for this model"
         )
+    from runtime import _strided_shard
+
+    strided = {k: v for k, v in state.items() if _strided_shard.has_strided(v)}
+    buffers = {k: torch.empty(v.shape, dtype=v.dtype, device=v.to_local().device) for k, v in strided.items()}
     try:
         with torch.no_grad():
-            dcp.load(state, checkpoint_id=info.path)
+            dcp.load(state | buffers, checkpoint_id=info.path)
     except Exception as err:
         raise InputError(f"checkpoint {info.path} is damaged: loading it failed ({type(err).__name__}: {err})") from None
+    for k, v in strided.items():  # in the order of ``named``, the same on every rank of a mesh
+        _strided_shard.copy_from_full(v, buffers[k])
     return info

@@ -244,6 +244,44 @@ def test_hf_blocks_at_t2_are_priced_sharded_and_check_passes_with_adam(model: st
     assert "priced as" not in note, note
 
 
+def test_gpt2_at_t2_saves_a_checkpoint_and_resumes_as_if_uninterrupted(tmp_path: Path) -> None:
+    """GPT-2 at T = 2: c_attn (weight and bias, and their Adam moments) is placed
+    ``_StridedShard``, which DCP refuses to save ("overlapping chunks"); runtime/checkpoint.py
+    saves its full value instead and copies each rank's heads back on load.  Steps 0..1 save,
+    a second run resumes at step 2 and trains to step 3 with --check: the unsplit model trained
+    from the same seed for all 4 steps gives the same losses (steps 2..3) and parameters.  SGD
+    with momentum: its buffer of c_attn is placed as c_attn and travels too; with Adam the check
+    after --resume fails on rounding noise alone (its noise allowance reads the gradients of the compared
+    steps 2..3, and an uninterrupted run needs it for transformer.h.1.mlp.c_proj.weight)."""
+    from pipeplan.cli import main
+    from tests.runtime.helpers import fake_profile_file
+
+    profile = fake_profile_file(GPT2, tmp_path / "profile.json", microbatch_sizes=(1, 2))
+    path = tmp_path / "t2.json"
+    assert main([
+        "plan", str(profile), "--devices", "2", "--devices-per-node", "2", "--device-type", "cpu",
+        "--interconnect", "loopback", "--batch-size", "4", "--microbatches", "2", "--stages", "1",
+        "--no-recompute", "--no-sequence-parallel", "--tensor-parallel", "2", "--data-parallel", "1",
+        "--zero", "0", "--optimizer", "sgd-momentum", "-o", str(path),
+    ]) == 0  # fmt: skip
+    assert json.loads(path.read_text())["tensor_parallel_degree"] == 2
+    ck = tmp_path / "ck"
+    train = ["--lr", "0.05", "--timeout", "90"]
+    proc, _ = run_cli(["run", "--plan", str(path), "--model", GPT2, "--steps", "2", "--checkpoint", str(ck),
+                       "--every", "2", *train], timeout=240)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (ck / "latest").read_text().strip() == "step-000002"
+    report = tmp_path / "report.json"
+    proc, _ = run_cli(["run", "--plan", str(path), "--model", GPT2, "--steps", "4", "--resume", str(ck), "--check",
+                       "--report", str(report), *train], timeout=240)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "check PASSED" in proc.stdout, proc.stdout[-2000:]
+    data = json.loads(report.read_text())
+    assert data["check"]["passed"] and len(data["steps"]) == 2, data["check"]
+    assert len(data["check"]["losses_reference"]) == 2
+    assert any(n.startswith("check after --resume") for n in data["notes"])
+
+
 def test_tensor_parallel_on_mixtral_blocks_is_refused_naming_the_experts() -> None:
     """Mixtral's blocks are priced sharded but their experts run as grouped products, which
     DTensor cannot shard: T = 2 is refused before training, each layer named, the fix given."""
