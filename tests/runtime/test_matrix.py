@@ -26,8 +26,8 @@ On 2026-12-07 (the README has the details): the GPT's 8 default and 141 nightly 
 had run and passed; on Llama, the six every-value ones (263 s together, its profile included)
 and 86 nightly ones had run, 76 of the 92 passed, and the 16 that failed were all D = 2 with
 T = 2: ``--check`` found their step-1 gradients 3.1e-5 apart, Adam's move on rounding noise in
-the step-0 weights.  With Adam ``--check`` now compares later steps by their gradients' norms;
-two of them re-ran and pass.
+the step-0 weights.  With Adam ``--check`` now compares later steps by their gradients' norms,
+and all 24 D = 2 x T = 2 combinations pass: 100 of the 180 have run and passed.
 """
 
 from __future__ import annotations
