@@ -341,6 +341,8 @@ def memory_figure(
         ("activations", "activations"),
         ("optimizer step", "optimizer_step"),
     ):
+        if attr == "optimizer_step" and not any(p.optimizer_step for p in parts):
+            continue  # drawn only where the step makes a device's peak
         values = [getattr(p, attr) / unit for p in parts]
         ax.bar(xs, values, bottom=bottom, color=MEMORY_COLOURS[label], label=label, width=0.7)
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
