@@ -465,7 +465,8 @@ def recomputes_selectively(profile: Profile) -> bool:
 
 def _zero_layer(layer: LayerProfile, zero: int, d: int, training: TrainingSetup, link: Interconnect) -> LayerProfile:
     """``layer`` with ZeRO-2/3's per-micro-batch collectives in its times (hidden behind
-    ``zero_overlap`` of its own compute)."""
+    ``zero_overlap`` of its own compute); the forward's exposed gather is also written as
+    ``forward_not_recomputed_ms``, which a recompute does not repeat."""
     # gradient reduce-scatter every micro-batch; ZeRO 3's parameter all-gather before fwd and bwd
     rs, ag = zero_collectives_ms(layer.param_bytes, zero, d, training, link)
     if rs == 0 and ag == 0:
@@ -476,15 +477,20 @@ def _zero_layer(layer: LayerProfile, zero: int, d: int, training: TrainingSetup,
         return t_ + max(0.0, comm - hide * t_)
 
     fwd = [add(f, ag) for f in layer.forward_ms]
+    # a recompute does not wait on the gather again: FSDP2 gathers before the backward
+    # (torch.distributed.fsdp._fully_shard._fsdp_state: _pre_forward returns early in PRE_BACKWARD)
+    before = layer.forward_not_recomputed_ms or [0.0] * len(fwd)
+    skipped = [x + g - f for x, g, f in zip(before, fwd, layer.forward_ms, strict=True)]
     bwd_total = layer.backward_ms
     bin0 = layer.backward_input_ms or [b / 2 for b in bwd_total]
     bwt0 = layer.backward_weight_ms or [max(0.0, b - i) for b, i in zip(bwd_total, bin0, strict=True)]
     bin_ = [add(i, ag) for i in bin0]
     bwt = [add(w, rs) for w in bwt0]
     bwd = [max(b, i + w) + (i2 - i) + (w2 - w) for b, i, w, i2, w2 in zip(bwd_total, bin0, bwt0, bin_, bwt, strict=True)]
-    return layer.model_copy(
-        update={"forward_ms": fwd, "backward_ms": bwd, "backward_input_ms": bin_, "backward_weight_ms": bwt}
-    )
+    return layer.model_copy(update={
+        "forward_ms": fwd, "backward_ms": bwd, "backward_input_ms": bin_, "backward_weight_ms": bwt,
+        "forward_not_recomputed_ms": skipped,
+    })
 
 
 def zero_factors(zero: int, d: int, training: TrainingSetup) -> tuple[float, float]:

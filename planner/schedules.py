@@ -493,14 +493,17 @@ def list_schedule(
             choice = "F"
         elif waiting_w[s]:
             choice = "W"
-        elif can_f and held[s] == 0:
-            choice = "F"  # one micro-batch always runs (whether it fits is the caller's test)
+        elif can_f and i_mb == f_mb:
+            # nothing held (every forward's input gradient ran and no weight gradient waits; not
+            # ``held == 0``, which float rounding of the adds and subtracts can miss): one
+            # micro-batch always runs (whether it fits is the caller's test)
+            choice = "F"
         if choice is None:
             # nothing to do now: wait for the next known arrival (or for another rank)
             nxt = inf
             if i_mb < next_f[s]:
                 nxt = min(nxt, g_arrive[s][i_mb])
-            if f_mb < m and not (held[s] + hf + headroom > cap and held[s] > 0):
+            if f_mb < m and not (held[s] + hf + headroom > cap and i_mb < f_mb):
                 nxt = min(nxt, f_arrive[s][f_mb])
             dec[s] = max(nxt, t) if nxt < inf else inf
             if dec[s] < inf:

@@ -327,6 +327,13 @@ class LayerProfile(_Model):
         description="the part of activation_bytes that stays replicated even with sequence "
         "parallelism (default: 0: a Megatron block shards all of it)",
     )
+    forward_not_recomputed_ms: list[NonNegFloat] | None = Field(
+        default=None,
+        description="the part of forward_ms that a recompute in the backward does not repeat, per "
+        "micro-batch size (default: none).  The planner writes it for ZeRO-3, whose forward waits on "
+        "each layer's parameter all-gather: FSDP2's pre-backward hook gathers the parameters before "
+        "a checkpointed layer re-runs its forward, so the recompute finds them gathered",
+    )
     selective_recompute_bytes: list[NonNegInt] | None = Field(
         default=None,
         description="activation bytes Megatron's selective recompute does not keep (attention's "
@@ -385,6 +392,7 @@ _PARALLEL_FIELDS = (
     "sp_replicated_activation_bytes",
     "selective_recompute_bytes",
     "selective_recompute_ms",
+    "forward_not_recomputed_ms",
     "operations",
 )
 

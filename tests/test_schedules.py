@@ -204,3 +204,18 @@ def test_list_schedule_replays_exactly_and_keeps_its_memory(k: int, m: int, seed
         assert peak_bytes(pts[r], [hf[r]], [hw[r]], [live[r]]) <= cap[r] * (1 + 1e-12)
     # never slower than running the micro-batches one by one
     assert span <= m * (sum(f) + sum(i) + sum(w) + 2 * sum(x)) + 1e-9
+
+
+def test_list_schedule_runs_a_lone_microbatch_after_float_rounding() -> None:
+    """A rank whose one micro-batch does not fit its capacity still runs one at a time.  Its
+    held bytes return to 4e-16, not 0, after 8.81 + (2.93 - 8.81) - 2.93 (float rounding):
+    the schedule deadlocked when it tested ``held == 0`` (found by the chain table's property
+    test through ``brute_force`` under the planned schedule)."""
+    hf, hw = 8.808424979435028, 2.9269305226455837
+    assert hf + (hw - hf) - hw > 0  # the rounding this test is about
+    orders, span = list_schedule(
+        3, forward_ms=[1.0], input_ms=[1.0], weight_ms=[1.0], transfer_ms=[], held_forward=[hf],
+        held_weight=[hw], live=[0.0], capacity=[5.0],
+    )
+    assert [a.kind for a in orders[0]] == ["F", "I", "W"] * 3
+    assert span == pytest.approx(9.0)

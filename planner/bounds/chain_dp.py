@@ -104,6 +104,7 @@ def chain_split(
     speed = groups[0].speed
     f_pre = np.asarray(sm.F) / speed
     b_pre = np.asarray(sm.B) / speed
+    r_pre = np.asarray(sm.R) / speed  # what a recompute re-runs
     split_bw = sm.split_backward
     # the gradient's path back: per layer the cheaper of B and I in split-backward schedules
     g_pre = np.asarray(sm.G) / speed if split_bw else b_pre
@@ -126,8 +127,15 @@ def chain_split(
     ends = np.minimum(ends, n_layers)  # safe indices; ``inside`` masks the rest
     fwd = f_pre[ends] - f_pre[starts]
     bwd = b_pre[ends] - b_pre[starts]
+    redo = r_pre[ends] - r_pre[starts]
     static = (p_pre[ends] - p_pre[starts]) * state_factor
     acts = a_pre[ends] - a_pre[starts]
+    # what a stage checkpointed layer by layer keeps per micro-batch (LayerCosts.checkpoint_bytes):
+    # its input, each later layer's input (the bytes crossing a cut before it), and the last
+    # layer's loss
+    cut_pre = np.asarray(costs.prefix_cut, dtype=float)
+    checkpoints = inputs[starts] + cut_pre[ends - 1] - cut_pre[starts] + np.where(
+        ends == n_layers, costs.activation_bytes[-1], 0.0)
     # the largest one layer of each stage: what a stage checkpointed layer by layer re-materialises
     layer_acts = np.asarray(costs.activation_bytes, dtype=float)
     top = np.maximum.accumulate(layer_acts[np.minimum(starts + np.arange(longest)[:, None], n_layers - 1)], axis=0)
@@ -158,7 +166,7 @@ def chain_split(
         if lo <= hi:
             cols = slice(lo, hi + 1)
             st, en = starts[:, cols], ends[:, cols]
-            fw, bk = fwd[:, cols], bwd[:, cols]
+            fw, bk, rd = fwd[:, cols], bwd[:, cols], redo[:, cols]
             later = nxt[en]
             usable = inside[:, cols] & np.isfinite(later) & ((en == n_layers) if s == k - 1 else True)
             later = np.where(usable, later, 0.0)
@@ -181,7 +189,7 @@ def chain_split(
             head = f_pre[-1] + up[s] + back_after[:, cols] + np.where(usable, nxt_q[en], inf)
             columns = np.arange(hi + 1 - lo)
             for rc in recompute_options(options, s):
-                bw_total = bk + fw if rc else bk
+                bw_total = bk + rd if rc else bk
                 if cfg.schedule == "1f1b":
                     idle = np.maximum(0.0, down - w * bw_total)
                     if m >= w + 2:
@@ -196,18 +204,18 @@ def chain_split(
                     idle = np.zeros_like(fw)
                 if split_bw:
                     # the weight gradients may run after the last gradient has gone back
-                    pre = fw + gw + (fw if rc else 0.0)
+                    pre = fw + gw + (rd if rc else 0.0)
                     bound = (f_pre + up[s])[st] + idle + np.maximum(m * (fw + bw_total) + ar, m * pre + back)
                 else:
                     bound = (f_pre + up[s])[st] + m * (fw + bw_total) + idle + tail
                 # memory at the rank's first backward (exact for 1F1B and GPipe, a lower bound else)
-                # (a recomputing stage keeps at least its input per micro-batch in flight, plus
-                # its largest layer during the backward: a lower bound of its checkpoints)
-                kept = sm.inflight[s] * inputs[st] + top[:, cols] if rc else sm.inflight[s] * acts[:, cols]
+                # (a recomputing stage keeps its checkpoints per micro-batch in flight, plus its
+                # largest layer re-materialised during the backward)
+                kept = sm.inflight[s] * checkpoints[:, cols] + top[:, cols] if rc else sm.inflight[s] * acts[:, cols]
                 ok = usable & (bound <= t) & (np.ceil(static[:, cols] + kept) <= groups[s].limit_bytes)
                 if cycles:
                     ok &= _pair_bound(cycles, m, w, head, fw, bw_total, xfer, tail) <= t
-                value = np.where(ok, later + 2 * xfer + (fw if rc else 0.0), inf)
+                value = np.where(ok, later + 2 * xfer + (rd if rc else 0.0), inf)
                 row = value.argmin(axis=0)
                 low = value[row, columns]
                 better = low < best[cols]
@@ -268,7 +276,8 @@ def split_pair_bound(sm: StageModel, groups: Sequence[Group], cluster: Cluster, 
     ranges = list(split.ranges)
     speed = [groups[g].speed for g in split.groups]
     f = [(sm.F[b] - sm.F[a]) / speed[s] for s, (a, b) in enumerate(ranges)]
-    bw = [(sm.B[b] - sm.B[a]) / speed[s] + (f[s] if split.recompute[s] else 0.0) for s, (a, b) in enumerate(ranges)]
+    bw = [(sm.B[b] - sm.B[a] + (sm.R[b] - sm.R[a] if split.recompute[s] else 0.0)) / speed[s]
+          for s, (a, b) in enumerate(ranges)]
     x = boundary_transfer_ms(sm.costs, ranges, [list(groups[g].devices) for g in split.groups], cluster)
     best = 0.0
     out_b = 0.0

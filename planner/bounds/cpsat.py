@@ -8,7 +8,7 @@ the per-rank memory limit.  Compact formulation (no layer x stage booleans):
 * boundary variables ``x_0 = 0 < x_1 < ... < x_n = L``;
 * element constraints read the prefix sums of forward time, backward time, parameter
   state bytes, activation bytes and stage-input bytes at every boundary;
-* a stage's work is a difference of two prefix reads (plus the forward again when it
+* a stage's work is a difference of two prefix reads (plus what a recompute re-runs when it
   recomputes); a rank's memory is its static bytes plus, per chunk, the closed-form count
   of :func:`planner.schedules.first_backward_counts` times what the chunk keeps, plus the
   live bytes of a recomputing lone chunk (a moment of its walk, so a lower bound);
@@ -69,6 +69,8 @@ def config_bound(
     total = (sm.F[-1] + sm.B[-1]) * 2 / smax * (m + n)
     unit = max(total / TIME_UNITS, 1e-12)
     fpre = _scaled_prefix(tuple(x / smax for x in sm.F), unit)
+    # what a recompute re-runs (the forward less ZeRO-3's gather; the forward itself otherwise)
+    rpre = fpre if sm.R == sm.F else _scaled_prefix(tuple(x / smax for x in sm.R), unit)
     bpre = _scaled_prefix(tuple(x / smax for x in sm.B), unit)
     split_bw = sm.split_backward
     # the gradient's path back (per layer the cheaper of B and I with a split backward)
@@ -107,6 +109,7 @@ def config_bound(
         return out
 
     fx = [element(fpre, x[j], f"f{j}") for j in range(n + 1)]
+    rex = fx if rpre is fpre else [element(rpre, x[j], f"re{j}") for j in range(n + 1)]
     bx = [element(bpre, x[j], f"b{j}") for j in range(n + 1)]
     gx = [element(gpre, x[j], f"g{j}") for j in range(n + 1)] if split_bw else bx
     sx = [element(spre, x[j], f"s{j}") for j in range(n + 1)]
@@ -124,15 +127,16 @@ def config_bound(
             rc.append(model.new_bool_var(f"rc{j}"))
     big_t = fpre[-1] + bpre[-1]
     fdiff = [fx[j + 1] - fx[j] for j in range(n)]
+    rdiff = [rex[j + 1] - rex[j] for j in range(n)]
     bdiff = [bx[j + 1] - bx[j] for j in range(n)]
     refw = []
     for j in range(n):
         r = rc[j]
         if isinstance(r, int):
-            refw.append(fdiff[j] if r else 0)
+            refw.append(rdiff[j] if r else 0)
         else:
             e = model.new_int_var(0, big_t, f"rf{j}")
-            model.add(e == fdiff[j]).only_enforce_if(r)
+            model.add(e == rdiff[j]).only_enforce_if(r)
             model.add(e == 0).only_enforce_if(~r)
             refw.append(e)
     work = [fdiff[j] + bdiff[j] + refw[j] for j in range(n)]

@@ -31,7 +31,8 @@ class Knapsack:
     acts: tuple[float, ...]
     prefix_acts: tuple[float, ...]
     prefix_work: tuple[float, ...]
-    #: least recompute overhead per unit of work: min over layers of f / (f + b)
+    #: least recompute overhead per unit of work: min over layers of r / (f + b), r what its
+    #: recompute re-runs (``LayerCosts.recompute_ms``)
     phi: float
     work: float
     slack: float = 0.0
@@ -40,10 +41,11 @@ class Knapsack:
     def of(costs: LayerCosts) -> Knapsack:
         items = []
         phi = math.inf
-        for f, b, a in zip(costs.forward_ms, costs.backward_ms, costs.activation_bytes, strict=True):
+        for f, b, a, r in zip(costs.forward_ms, costs.backward_ms, costs.activation_bytes, costs.recompute_ms,
+                              strict=True):
             w = f + b
             if w > 0:
-                phi = min(phi, f / w)
+                phi = min(phi, r / w)
             items.append((-(w / a) if a > 0 else -math.inf, a, w))
         items.sort()
         pa, pw = [0.0], [0.0]

@@ -34,7 +34,7 @@ def memory_work_bound(search: SearchState, cfg: Config, groups: Sequence[Group])
     limit / n_r`` with ``n_r = min_j n_{r,j}`` (``limit``: the largest usable memory of any
     group).
     Work of a recomputed layer costs ``1 + phi`` times its forward + backward
-    (``phi = min f / (f + b)``).  Rank ``r`` runs ``M`` micro-batches within ``T``, so it
+    (``phi = min r / (f + b)``, ``r`` what its recompute re-runs).  Rank ``r`` runs ``M`` micro-batches within ``T``, so it
     does at most ``t_r = T · speed_r / M`` of work (counting recompute).  For any set ``S`` of
     ranks, the work done without recompute is at most ``sum_{r in S} t_r`` plus the knapsack
     value (most work per activation byte, fractional) of the other ranks' capacities

@@ -119,7 +119,7 @@ monotone since ``M >= w + 1``; other schedules: 0.  The downstream path is the
         if m < w + 1:
             return 0.0
         f = sm.F[b] - sm.F[a]
-        bw = (sm.B[b] - sm.B[a] + (f if rc else 0.0)) / speed
+        bw = (sm.B[b] - sm.B[a] + (sm.R[b] - sm.R[a] if rc else 0.0)) / speed
         idle = max(0.0, down - w * bw)
         if m >= w + 2:
             idle += max(0.0, down - w * f / speed)

@@ -102,7 +102,7 @@ def split_lower_bound(sm: StageModel, cluster: Cluster, groups: Sequence[Group],
     xfer = boundary_transfer_ms(sm.costs, ranges, placement, cluster)
     speed = [groups[g].speed for g in split.groups]
     f = [(sm.F[b] - sm.F[a]) / speed[s] for s, (a, b) in enumerate(ranges)]
-    rec = [f[s] if split.recompute[s] else 0.0 for s in range(n)]
+    rec = [(sm.R[b] - sm.R[a]) / speed[s] if split.recompute[s] else 0.0 for s, (a, b) in enumerate(ranges)]
     bw = [(sm.B[b] - sm.B[a]) / speed[s] + rec[s] for s, (a, b) in enumerate(ranges)]
     if sm.split_backward:
         iw = [(sm.I[b] - sm.I[a]) / speed[s] + rec[s] for s, (a, b) in enumerate(ranges)]

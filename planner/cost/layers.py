@@ -72,6 +72,10 @@ class LayerCosts:
     min_forward_share: float = 0.0
     #: every layer has parameters (then every pipeline rank all-reduces some gradient bytes)
     params_in_every_layer: bool = False
+    #: the forward a recompute re-runs in the backward, per layer (its forward less
+    #: ``forward_not_recomputed_ms``: ZeRO-3's gather), and its prefix sums; empty: the forward
+    recompute_ms: tuple[float, ...] = ()
+    prefix_recompute: tuple[float, ...] = ()
 
     @property
     def num_layers(self) -> int:
@@ -228,6 +232,11 @@ def layer_costs(profile: Profile, microbatch_size: int) -> LayerCosts:
         interpolate(sizes, layer.weight_grad_bytes, b) if layer.weight_grad_bytes is not None else a
         for layer, a in zip(profile.layers, act, strict=True)
     )
+    redo = tuple(
+        f if layer.forward_not_recomputed_ms is None
+        else min(f, max(0.0, f - interpolate(sizes, layer.forward_not_recomputed_ms, b)))
+        for layer, f in zip(profile.layers, fwd, strict=True)
+    )
     return LayerCosts(
         microbatch_size=b,
         forward_ms=fwd,
@@ -252,6 +261,8 @@ def layer_costs(profile: Profile, microbatch_size: int) -> LayerCosts:
         prefix_cut=_prefix(cut),
         min_forward_share=min((f / (f + b_) for f, b_ in zip(fwd, bwd, strict=True) if f + b_ > 0), default=0.0),
         params_in_every_layer=all(p > 0 for p in params),
+        recompute_ms=redo,
+        prefix_recompute=_prefix(redo),
     )
 
 

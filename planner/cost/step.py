@@ -679,7 +679,8 @@ def mesh_collectives_ms(
     """``Predicted.tensor_parallel_ms`` and ``zero_ms`` of a mesh plan: per pipeline rank, the
     collectives its stages' layer times carry (:func:`planner.mesh.tp_collectives_ms` at the plan's
     micro-batch size, read like every profiled series; :func:`planner.mesh.zero_collectives_ms`),
-    summed over the micro-batches, a recomputing stage's forward counted twice; the busiest rank's.
+    summed over the micro-batches, a recomputing stage's forward counted twice for tensor
+    parallelism (not for ZeRO-3's gather, which a recompute does not repeat); the busiest rank's.
     Link time, before ZeRO's overlap and at device speed 1.  ``inner`` is the D x K plan of
     ``problem`` (``profile`` in the plan's dtype)."""
     t, z, d = mesh.tensor_parallel, mesh.zero_stage, inner.data_parallel_degree
@@ -701,7 +702,8 @@ def mesh_collectives_ms(
         redone = st.start + st.checkpointed_layers  # layers [start, redone) run their forward twice
         layers = range(st.start, st.stop)
         tp_rank[r] += m * sum((2 if i < redone else 1) * tp_f[i] + tp_b[i] for i in layers)
-        zero_rank[r] += m * sum(rs + (3 if i < redone else 2) * ag for i, (rs, ag) in ((i, zero[i]) for i in layers))
+        # (a recompute finds its parameters gathered: FSDP2 gathers them before the backward)
+        zero_rank[r] += m * sum(rs + 2 * ag for rs, ag in (zero[i] for i in layers))
     return {"tensor_parallel_ms": max(tp_rank), "zero_ms": max(zero_rank)}
 
 
@@ -782,12 +784,13 @@ def stage_times(
 ) -> StageTimes:
     """:class:`StageTimes` of a split (each stage at its devices' ``speed``).  A recomputing
     stage re-runs the forward of its checkpointed layers (``checkpointed[s]`` first layers;
-    default: all) in its backward."""
+    default: all) in its backward, less what a recompute does not repeat
+    (``LayerCosts.recompute_ms``)."""
     fwd = [(costs.prefix_forward[e] - costs.prefix_forward[a]) / speed[s] for s, (a, e) in enumerate(ranges)]
-    pf = costs.prefix_forward
+    pr = costs.prefix_recompute
     rec = [
-        0.0 if not r else f if checkpointed is None else (pf[min(e, a + checkpointed[s])] - pf[a]) / speed[s]
-        for s, ((a, e), f, r) in enumerate(zip(ranges, fwd, recompute, strict=True))
+        0.0 if not r else (pr[e if checkpointed is None else min(e, a + checkpointed[s])] - pr[a]) / speed[s]
+        for s, ((a, e), r) in enumerate(zip(ranges, recompute, strict=True))
     ]
     return StageTimes(
         forward=fwd,

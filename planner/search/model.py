@@ -86,6 +86,8 @@ class StageModel:
         self.training = training
         self.L = costs.num_layers
         self.F = costs.prefix_forward
+        #: prefix sums of what a recompute re-runs (the forward less ZeRO-3's gather)
+        self.R = costs.prefix_recompute
         self.B = costs.prefix_backward
         self.I = costs.prefix_input
         self.W = costs.prefix_weight
@@ -159,8 +161,8 @@ class StageModel:
     def work_ms(self, a: int, b: int, rc: bool, speed: float) -> float:
         """Forward + backward (+ recompute) of one micro-batch on stage [a, b) (a split
         backward's two parts take at least as long: :func:`planner.cost.split_backward`)."""
-        f = self.F[b] - self.F[a]
-        return (2 * f if rc else f) / speed + (self.B[b] - self.B[a]) / speed
+        f = self.F[b] - self.F[a] + (self.R[b] - self.R[a] if rc else 0.0)
+        return f / speed + (self.B[b] - self.B[a]) / speed
 
     def pre_gradient_ms(self, a: int, b: int, rc: bool, speed: float) -> float:
         """Of :meth:`work_ms`, what must run before the micro-batch's gradient leaves the
@@ -168,8 +170,8 @@ class StageModel:
         the backward and the input gradient then)."""
         if not self.split_backward:
             return self.work_ms(a, b, rc, speed)
-        f = self.F[b] - self.F[a]
-        return ((2 * f if rc else f) + min(self.B[b] - self.B[a], self.I[b] - self.I[a])) / speed
+        f = self.F[b] - self.F[a] + (self.R[b] - self.R[a] if rc else 0.0)
+        return (f + min(self.B[b] - self.B[a], self.I[b] - self.I[a])) / speed
 
     def gradient_prefix(self, a: int) -> float:
         """Least time (speed 1) for a gradient to cross layers ``0..a-1``: per layer the

@@ -183,7 +183,7 @@ def _promising_ranges(
     could not beat ``cutoff``.
     """
     n, k, m, num_layers = len(speeds), sm.cfg.pipeline_degree, sm.cfg.num_microbatches, sm.L
-    F, B = sm.F, sm.B
+    F, B, R = sm.F, sm.B, sm.R
     work = [0.0] * k
     reach = [0.0] * k  # forwards before each rank's first stage
     bounds = [0] * (n + 1)
@@ -195,7 +195,7 @@ def _promising_ranges(
         stops = [num_layers] if s == n - 1 else range(a + 1, num_layers - (n - s - 1) + 1)
         for b in stops:
             f = (F[b] - F[a]) / speeds[s]
-            w = m * (f + (B[b] - B[a]) / speeds[s] + (f if recompute[s] else 0.0))
+            w = m * (f + (B[b] - B[a] + (R[b] - R[a] if recompute[s] else 0.0)) / speeds[s])
             if reach[r] + work[r] + w >= cutoff:
                 continue
             bounds[s + 1] = b

@@ -84,7 +84,8 @@ def greedy_split(
         out_ranges.append((a, best_b))
         rcs.append(best_rc)
         f = (sm.F[best_b] - sm.F[a]) / g.speed
-        bw = (sm.gradient_prefix(best_b) - sm.gradient_prefix(a)) / g.speed + (f if best_rc else 0.0)
+        redo = (sm.R[best_b] - sm.R[a]) / g.speed if best_rc else 0.0
+        bw = (sm.gradient_prefix(best_b) - sm.gradient_prefix(a)) / g.speed + redo
         x = 0.0
         if s < k - 1:
             nxt = groups[order[s + 1]]

@@ -38,7 +38,7 @@ def with_recompute(
         # try no recompute first, then everything the options allow, cheapest first
         combos = sorted(
             itertools.product(*choices),
-            key=lambda c: sum(sm.F[ranges[s][1]] - sm.F[ranges[s][0]] for s, x in zip(own, c, strict=True) if x),
+            key=lambda c: sum(sm.R[ranges[s][1]] - sm.R[ranges[s][0]] for s, x in zip(own, c, strict=True) if x),
         )
         fit = RankFit(search, sm, [ranges[s] for s in own], sm.owner[own[0]], groups[stage_groups[own[0]]].limit_bytes)
         found = next((combo for combo in combos[:CHEAPEST_COMBOS] if fit.fits(combo)), None)
@@ -120,7 +120,7 @@ class RankFit:
         free = [j for j, c in enumerate(choices) if len(c) > 1]
         if not self.fits([x or j in free for j, x in enumerate(combo)]):
             return None
-        fwd = [self.sm.F[b] - self.sm.F[a] for a, b in self.chunks]
+        fwd = [self.sm.R[b] - self.sm.R[a] for a, b in self.chunks]
         peak = self.peak(combo)
         while math.ceil(peak) > self.limit:
             trials = [(self.peak([*combo[:j], True, *combo[j + 1:]]), fwd[j], j) for j in free if not combo[j]]

@@ -13,11 +13,19 @@ MiB = 2**20
 
 
 def random_profile(
-    seed: int, layers: int, *, sizes: tuple[int, ...] = (1, 2, 4), split_backward: bool = False
+    seed: int,
+    layers: int,
+    *,
+    sizes: tuple[int, ...] = (1, 2, 4),
+    split_backward: bool = False,
+    unrepeated: bool = False,
 ) -> Profile:
     """``split_backward``: also measured input and weight gradients (any share of the
-    backward, summing to between 0.8 and 1.2 times it) and bytes held between them."""
+    backward, summing to between 0.8 and 1.2 times it) and bytes held between them.
+    ``unrepeated``: each layer's forward also has a part a recompute does not repeat (up to
+    90 % of it, as ZeRO-3's exposed gather; drawn apart, so the other values stay the seed's)."""
     rng = random.Random(seed)
+    skip = random.Random(seed + 7919)
     out = []
     for i in range(layers):
         f = rng.uniform(0.5, 3.0)
@@ -31,6 +39,8 @@ def random_profile(
                 "backward_weight_ms": [f * ratio * b * (1 - share) * total for b in sizes],
                 "weight_grad_bytes": [int(act * rng.uniform(0.2, 1.3)) * b for b in sizes],
             }
+        if unrepeated:
+            extra["forward_not_recomputed_ms"] = [f * b * skip.uniform(0.0, 0.9) for b in sizes]
         out.append(
             LayerProfile(
                 name=f"l{i}",

@@ -102,7 +102,7 @@ def test_cheap_bound_never_exceeds_the_exhaustive_optimum(
     k, v, schedule = shape
     m = runnable_m(schedule, k, m, v)  # type: ignore[arg-type]
     layers = 6 if k * v < 6 else 7
-    profile = random_profile(seed, layers, split_backward=seed % 2 == 1)
+    profile = random_profile(seed, layers, split_backward=seed % 2 == 1, unrepeated=seed % 3 == 0)
     speeds = [1.0] + [0.5] * (k * d - 1) if slow else None
     cl = cluster(k * d, memory, speeds=speeds)
     training = TrainingSetup(global_batch_size=8 * m * d, optimizer="sgd", gradient_overlap=overlap)
@@ -121,14 +121,16 @@ def test_cheap_bound_never_exceeds_the_exhaustive_optimum(
             assert bound <= oracle * (1 + 1e-9), (name, bound, oracle)
 
 
-def activation_heavy_profile(seed: int, layers: int) -> Profile:
-    """Random layers whose activations dwarf their parameters, so memory decides recompute."""
+def activation_heavy_profile(seed: int, layers: int, *, unrepeated: bool = False) -> Profile:
+    """Random layers whose activations dwarf their parameters, so memory decides recompute;
+    ``unrepeated``: a part of each forward that a recompute does not repeat (ZeRO-3's gather)."""
     import random
 
     from planner.schema import LayerProfile, MeasuredOn
     from tests.planner.helpers import MiB
 
     rng = random.Random(seed)
+    skip = random.Random(seed + 7919)
     sizes = [1, 2, 4]
     out = []
     for i in range(layers):
@@ -139,6 +141,7 @@ def activation_heavy_profile(seed: int, layers: int) -> Profile:
                 name=f"l{i}", param_bytes=rng.randint(1, 8) * MiB // 8, forward_ms=[f * b for b in sizes],
                 backward_ms=[f * rng.uniform(1.5, 2.5) * b for b in sizes], activation_bytes=[act * b for b in sizes],
                 output_bytes=[MiB // 4 * b for b in sizes],
+                forward_not_recomputed_ms=[f * b * skip.uniform(0.0, 0.9) for b in sizes] if unrepeated else None,
             )
         )
     return Profile(model=f"act-{seed}", measured_on=MeasuredOn(device="cpu"), microbatch_sizes=sizes,
@@ -159,7 +162,7 @@ def test_memory_bounds_never_exceed_the_optimum_when_memory_binds(
     """Memory between 5 % and 120 % of what keeping every activation would take."""
     k, v, schedule = shape
     m = runnable_m(schedule, k, m, v)  # type: ignore[arg-type]
-    profile = activation_heavy_profile(seed, 6 if k * v < 6 else 7)
+    profile = activation_heavy_profile(seed, 6 if k * v < 6 else 7, unrepeated=seed % 3 == 0)
     training = TrainingSetup(global_batch_size=4 * m, optimizer="sgd")
     acts = sum(layer.activation_bytes[-1] for layer in profile.layers)  # at micro-batch size 4
     need = acts * min(m, k * v + k) / k
@@ -272,7 +275,7 @@ def test_split_bound_with_fill_and_drain_is_below_the_simulated_step(
     rng = random.Random(seed)
     m = k + extra
     layers = k + rng.randint(0, 6)
-    profile = random_profile(seed, layers)
+    profile = random_profile(seed, layers, unrepeated=seed % 3 == 0)
     n_dev = d * k
     cl = cluster(n_dev, "64GiB", speeds=[rng.choice([0.5, 1.0]) for _ in range(n_dev)] if slow else None)
     training = TrainingSetup(global_batch_size=d * m * 2, optimizer="sgd", gradient_overlap=overlap)
@@ -349,7 +352,7 @@ def test_relaxed_stage_test_is_monotone(
 
     m = k + extra
     layers = 9
-    profile = random_profile(seed, layers, split_backward=seed % 2 == 1)
+    profile = random_profile(seed, layers, split_backward=seed % 2 == 1, unrepeated=seed % 3 == 0)
     training = TrainingSetup(global_batch_size=2 * m, optimizer="sgd")
     sm = StageModel(layer_costs(profile, 2), Config(1, k, m, schedule), training)  # type: ignore[arg-type]
     for s in range(k):
@@ -378,7 +381,7 @@ def test_relaxed_bound_cutoff_agrees_with_the_full_bound(seed: int, k: int, m: i
 
     if m < k:
         m = k
-    profile = random_profile(seed, 7)
+    profile = random_profile(seed, 7, unrepeated=seed % 3 == 0)
     cl = cluster(k, memory)
     training = TrainingSetup(global_batch_size=2 * m, optimizer="sgd")
     cfg = Config(1, k, m, "1f1b")
@@ -414,7 +417,7 @@ def test_mixed_interleaved_split_covers_and_fits(seed: int, k: int, v: int, frac
     from planner.splits.interleaved import interleaved_mixed_split
 
     m = 2 * k
-    profile = activation_heavy_profile(seed, k * v + 3)
+    profile = activation_heavy_profile(seed, k * v + 3, unrepeated=seed % 3 == 0)
     training = TrainingSetup(global_batch_size=4 * m, optimizer="sgd")
     acts = sum(layer.activation_bytes[-1] for layer in profile.layers)
     cl = cluster(k, f"{max(1, int(acts * 2 * fraction))}B")
@@ -559,7 +562,7 @@ def test_pinned_ranks_with_their_allreduce_stay_below_the_optimum(
     k, v, schedule = shape
     m = runnable_m(schedule, k, m, v)  # type: ignore[arg-type]
     d = 2
-    profile = random_profile(seed, 6 if k * v < 6 else 7, split_backward=seed % 2 == 1)
+    profile = random_profile(seed, 6 if k * v < 6 else 7, split_backward=seed % 2 == 1, unrepeated=seed % 3 == 0)
     cl = Cluster.model_validate({
         "devices": k * d, "memory": "1GiB", "devices_per_node": 2 * k,
         "intra_node": {"bandwidth_bytes_per_s": bandwidth, "latency_s": 1e-4},

@@ -51,7 +51,7 @@ def test_pair_path_never_exceeds_the_simulated_step(seed: int, k: int, extra: in
     rng = random.Random(seed)
     m = k + extra
     layers = k + rng.randint(0, 6)
-    profile = random_profile(seed, layers)
+    profile = random_profile(seed, layers, unrepeated=seed % 3 == 0)
     cl = two_tier(k * d, "64GiB", per_node=per_node)
     training = TrainingSetup(global_batch_size=2 * m * d, optimizer="sgd", gradient_overlap=overlap)
     cfg = Config(d, k, m, "1f1b")
@@ -81,7 +81,7 @@ def test_the_table_never_excludes_a_time_some_split_reaches(
     seed: int, k: int, extra: int, memory: str, per_node: int, schedule: str
 ) -> None:
     m = k + extra
-    profile = random_profile(seed, 6, split_backward=seed % 2 == 1)
+    profile = random_profile(seed, 6, split_backward=seed % 2 == 1, unrepeated=seed % 3 == 0)
     cl = two_tier(k, memory, per_node=per_node)
     training = TrainingSetup(global_batch_size=2 * m, optimizer="sgd")
     cfg = Config(1, k, m, schedule)  # type: ignore[arg-type]
@@ -120,7 +120,7 @@ def test_relaxed_bound_with_transfers_stays_below_the_optimum(
     between nodes here); it must still never exceed the best split, for every one-chunk
     schedule (split backwards too, with measured input and weight gradients)."""
     m = k + extra
-    profile = random_profile(seed, 6, split_backward=seed % 2 == 1)
+    profile = random_profile(seed, 6, split_backward=seed % 2 == 1, unrepeated=seed % 3 == 0)
     cl = two_tier(k, memory, per_node=per_node)
     training = TrainingSetup(global_batch_size=2 * m, optimizer="sgd")
     cfg = Config(1, k, m, schedule)  # type: ignore[arg-type]
@@ -185,7 +185,7 @@ def test_solver_gap_stays_true_when_the_table_sets_it(
     from tests.planner.helpers import assert_valid
 
     monkeypatch.setattr(exhaustive, "ENUMERATE_LIMIT", 0)
-    profile = random_profile(seed, 8)
+    profile = random_profile(seed, 8, unrepeated=seed % 3 == 0)
     cl = two_tier(k, memory, per_node=per_node)
     training = TrainingSetup(global_batch_size=m, optimizer="sgd")
     options = PlanOptions(stages=k, num_microbatches=m, schedule="1f1b", data_parallel=1)
