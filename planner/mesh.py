@@ -619,7 +619,18 @@ def same_layers(layers: Sequence[LayerProfile]) -> list[int]:
     are read once), so equal means equal."""
     memo: dict[int, object] = {}
     first: dict[object, int] = {}
-    return [first.setdefault(_frozen(x, memo, skip="name"), i) for i, x in enumerate(layers)]
+    # layers made of the very same field objects (synth's copies of a block, a mesh problem's
+    # copies of those) are equal without reading their content: one read per such group
+    by_fields: dict[tuple[object, ...], int] = {}
+    out = []
+    for i, x in enumerate(layers):
+        fields = tuple(v if isinstance(v, (str, int, float, bool)) or v is None else id(v)
+                       for k, v in x.__dict__.items() if k != "name")
+        j = by_fields.get(fields)
+        if j is None:
+            j = by_fields[fields] = first.setdefault(_frozen(x, memo, skip="name"), i)
+        out.append(j)
+    return out
 
 
 def _frozen(value: object, memo: dict[int, object], *, skip: str | None = None) -> object:
