@@ -2,7 +2,8 @@
 
 The worker's hidden flag: :class:`Fault` parses it; :func:`inject` stops the rank mid-step
 (raise, exit, hang: the launcher's diagnosis, :mod:`runtime.faults`, must name it);
-:func:`drop_gradient` and :func:`layer_to_skip` make it compute wrongly (``--check`` must fail).
+:func:`drop_gradient`, :func:`layer_to_skip` and :func:`corrupt_restore` make it compute or
+resume wrongly (``--check`` must fail).
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from runtime.faults import RankStatus
 #: any reduction (a lost gradient); skip-layer skips, from that step on, the rank's first layer
 #: whose outputs are shaped like its inputs (a wrong split); wrong-expert (E > 1) sends, from that
 #: step on, the rank's tokens to the next rank's experts (runtime/experts.py); no-kv-gather (C > 1)
-#: attends to the rank's own keys and values only (runtime/context_parallel.py): --check must fail
-FAULT_MODES = ("raise", "exit", "hang", "drop-grad", "skip-layer", "wrong-expert", "no-kv-gather")
+#: attends to the rank's own keys and values only (runtime/context_parallel.py); bad-restore
+#: (--resume, STEP the checkpoint's) doubles the first moment (Adam's exp_avg, SGD's momentum
+#: buffer) of the rank's first parameter that has one, as loaded (a wrong restore): --check must fail
+FAULT_MODES = ("raise", "exit", "hang", "drop-grad", "skip-layer", "wrong-expert", "no-kv-gather", "bad-restore")
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,24 @@ def drop_gradient(params: list[Any]) -> None:
         if p.grad is not None:
             p.grad.zero_()
             return
+
+
+def corrupt_restore(fault: Fault, first_step: int, named: list[tuple[str, Any]], optimizer: Any) -> str:
+    """``--inject-fault R:S:bad-restore``: double the restored first moment of this rank's first
+    parameter that has one (a checkpoint restored wrongly); returns that parameter's name."""
+    if fault.step != first_step:
+        raise InputError(
+            f"--inject-fault {fault.rank}:{fault.step}:bad-restore: this run resumes at step {first_step}; "
+            f"give {fault.rank}:{first_step}:bad-restore"
+        )
+    state = getattr(getattr(optimizer, "optim", optimizer), "state", {})
+    for name, p in named:
+        for key in ("exp_avg", "momentum_buffer"):
+            moment = state.get(p, {}).get(key)
+            if moment is not None:
+                moment.mul_(2.0)
+                return name
+    raise InputError(f"--inject-fault {fault.rank}:{fault.step}:bad-restore: rank {fault.rank} restored no moment")
 
 
 def inject(fault: Fault, status: RankStatus) -> None:

@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from planner.errors import InputError
+from runtime.fault_injection import corrupt_restore
 from runtime.faults import write_status
 from runtime.rank_check import check_grad_steps
 from runtime.rank_state import RankState, StageSet, StepRecords, Training
@@ -49,6 +50,8 @@ def prepare(state: RankState, built: StageSet) -> Training:
             for name, p in split.units[u].named_parameters()
         }.items()
     )
+    if state.my_fault is not None and state.my_fault.mode == "bad-restore" and not args.resume:
+        raise InputError("--inject-fault R:S:bad-restore corrupts what --resume restores: give --resume")
     first_step = _resume(state, named, opt, scaler) if args.resume else 0
     has_first = 0 in job.my_stages
     has_last = (len(plan.stages) - 1) in job.my_stages
@@ -180,4 +183,6 @@ def _resume(state: RankState, named: list[tuple[str, Any]], opt: Any, scaler: An
     scaler.restore(resumed.loss_scale, resumed.loss_scale_good_steps)
     if first_step >= args.steps:
         raise InputError(f"--resume {args.resume}: its checkpoint is at step {first_step}; give --steps above it")
+    if state.my_fault is not None and state.my_fault.mode == "bad-restore":
+        corrupt_restore(state.my_fault, first_step, named, opt)
     return first_step

@@ -48,6 +48,13 @@ def add_check(job: Job, gathered: list[Any], losses: list[float | None], report:
             f"check after --resume: the unsplit reference trains all {steps} steps from the seed's initial "
             f"weights and is compared at steps {first_step}..{steps - 1} and at the end; it holds when the "
             "checkpoint came from a run with the same --seed, data, learning-rate schedule and batch"
+            + (
+                f"; {opts.optimizer}'s noise allowance counts steps 0..{first_step - 1} too, where the reference's "
+                "gradients say which elements were noise, and every step's gradients are compared by their norms "
+                "(the resumed run's first step already runs on weights the optimizer's move on noise set apart)"
+                if reference.noise is not None
+                else ""
+            )
         )
     cmp = compare(got_losses, params, reference, grads=check_grads, grad_norms=check_norms, tolerance=tol)
     grad_tol = grad_tolerance(tol, opts.dtype)
@@ -88,7 +95,15 @@ def add_check(job: Job, gathered: list[Any], losses: list[float | None], report:
 
 def reference_run(job: Job, first_step: int) -> Any:
     """The unsplit model, rebuilt from the entry point with the same seed, trained in this
-    process on the same data, steps, batch and optimizer (:func:`runtime.training.train_reference`)."""
+    process on the same data, steps, batch and optimizer (:func:`runtime.training.train_reference`).
+
+    After ``--resume`` (``first_step`` > 0) it still trains from step 0, not from the
+    checkpoint: a reference that loaded the checkpoint would read the same saved values as the
+    resumed run, so a save that wrote wrong values (a tensor-parallel shard gathered in the wrong
+    order, a lost optimizer moment) would pass.  Trained from the seed, it checks the save, the
+    resharding and the load with the steps; with Adam or AdamW the parameters' noise allowance
+    then counts the steps before the checkpoint as well
+    (:attr:`runtime.training.ReferenceResult.noise_before`)."""
     import torch
 
     from profiler.loading import load_entrypoint
@@ -115,6 +130,7 @@ def reference_run(job: Job, first_step: int) -> Any:
         source=DataSource.of(ref_entry, global_batch_size=plan.global_batch_size, steps=steps, seed=args.seed),
         options=opts,
         grad_steps=check_grad_steps(first_step, steps),
+        first_step=first_step,
     )
 
 

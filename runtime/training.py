@@ -298,6 +298,14 @@ class ReferenceResult:
     lrs: list[float] = field(default_factory=list)
     #: Adam and AdamW: the optimizer's :class:`NoiseBound`; None for SGD
     noise: NoiseBound | None = None
+    #: the step the compared run started at: a run resumed from a checkpoint, the checkpoint's
+    #: step (the reference still trains every step from the seed's weights); else 0
+    first_step: int = 0
+    #: Adam and AdamW after ``--resume``: name -> per element, whether the reference's gradient
+    #: was rounding noise (below the noise level, :data:`NOISE_LEVEL`) at one of the steps before
+    #: ``first_step``, which moved the parameters too but whose gradients the resumed run never
+    #: saw (:func:`_noise_allowance`); empty otherwise
+    noise_before: dict[str, Tensor] = field(default_factory=dict)
 
 
 def train_reference(
@@ -319,6 +327,7 @@ def train_reference(
     source: Any = None,
     options: TrainOptions | None = None,
     grad_steps: Sequence[int] = (),
+    first_step: int = 0,
 ) -> ReferenceResult:
     """Train the unsplit ``model`` in this process exactly as GPipe's maths says.
 
@@ -339,6 +348,12 @@ def train_reference(
     stream of (seed, step, replica, micro-batch, layer), as the pipelined stages do.  Every
     step records each tensor's gradient norm as the optimizer sees it, and the steps in
     ``grad_steps`` the gradients themselves, for :func:`compare`.
+
+    ``first_step``: the step a resumed run (``--resume``) started at.  The reference still
+    trains from step 0 (the seed's weights), so the check covers the save, the resharding and
+    the load as well as the steps after them; with Adam or AdamW it also records, per element,
+    where its gradient was rounding noise at a step before ``first_step``
+    (:attr:`ReferenceResult.noise_before`), since the parameters' difference accumulated there too.
     """
     from profiler.loading import Batch, call_model
     from profiler.split import RngStreams
@@ -353,6 +368,10 @@ def train_reference(
     for name, p in model.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(p), []).append(name)
     opt = make_optimizer(opts.optimizer, params, lr=opts.lr, fused=opts.fused_optimizer)
+    noise = noise_bound(opt)
+    # Adam after --resume: per tensor, where its gradient was noise before the checkpoint
+    before: dict[int, Tensor] = {}
+    numel = sum(p.numel() for p in params)
     keep = set(grad_steps)
     grads_at: dict[int, dict[str, Tensor]] = {}
     tensor_norms: list[dict[str, float]] = []
@@ -425,6 +444,8 @@ def train_reference(
                 size = grad_norm(p.grad)
                 for name in names_of.get(id(p), []):
                     norms_now[name] = size
+            if noise is not None and step < first_step:
+                _mark_noise(before, params, math.sqrt(sum(v * v for v in map(grad_norm, grads))), numel)
             if step in keep:
                 kept: dict[str, Tensor] = {}
                 for p in params:
@@ -451,8 +472,23 @@ def train_reference(
         grads=grads_at,
         tensor_grad_norms=tensor_norms,
         lrs=lrs,
-        noise=noise_bound(opt),
+        noise=noise,
+        first_step=first_step,
+        noise_before={name: before[id(p)] for p in params if id(p) in before for name in names_of.get(id(p), [])},
     )
+
+
+def _mark_noise(masks: dict[int, Tensor], params: Sequence[nn.Parameter], model_norm: float, numel: int) -> None:
+    """Mark, in ``masks`` (id of a parameter -> boolean tensor, on CPU), the elements whose
+    gradient this step is rounding noise: at most :data:`NOISE_LEVEL` of the model's
+    root-mean-square gradient element, ``||G|| / sqrt(N)`` (:func:`_noise_levels`' level); a
+    parameter without a gradient counts as noise everywhere (Adam moves it on its moments)."""
+    level = NOISE_LEVEL * model_norm / math.sqrt(max(1, numel))
+    for p in params:
+        g = p.grad
+        now = torch.ones(p.shape, dtype=torch.bool) if g is None else (g.detach().abs() <= level).cpu()
+        prev = masks.get(id(p))
+        masks[id(p)] = now if prev is None else prev | now
 
 
 @dataclass(frozen=True)
@@ -586,7 +622,8 @@ def compare(
         raw = relative_difference(value, ref, floor=PARAM_FLOOR)
         d = raw
         if noise is not None and lr_sum > 0 and raw > 0:
-            allowance = _noise_allowance(name, value.shape, grads or {}, reference.grads, noise, lr_sum, noise_levels)
+            allowance = _noise_allowance(name, value.shape, grads or {}, reference.grads, noise, lr_sum, noise_levels,
+                                         before=reference.noise_before.get(name))  # fmt: skip
             if allowance is not None:
                 d = relative_difference(value, ref, floor=PARAM_FLOOR, allowance=allowance)
         if not d <= worst or not worst_name:
@@ -603,6 +640,11 @@ def compare(
             f"sum(lr) = {2 * noise.max_move * lr_sum:.3g} where its gradient is below {NOISE_LEVEL:g} of the model's "
             "root-mean-square gradient element, that times its gradients' relative disagreement elsewhere)"
         )
+        if reference.noise_before:
+            measure = measure[:-1] + (
+                f"; the reference's gradients of steps 0..{reference.first_step - 1}, before the checkpoint, "
+                "say where they were noise)"
+            )
     categories.append(Category("parameters", measure, len(params), worst, worst_name))
     if noise is not None and tolerance is not None:
         allowed.sort(reverse=True)
@@ -657,11 +699,13 @@ def _gradients_compared(
     weights that already differ by the optimizer's move on rounding noise (what the parameters'
     allowance admits), and their gradients differ with them (HF Llama at D = 2 x T = 2: step 1's
     3.1e-5 apart, 4.5e-7 at lr 1e-6); their per-tensor norms are compared instead, which a lost
-    gradient still fails.  SGD's step is linear in the gradient: every kept step whole."""
+    gradient still fails.  A resumed run (``reference.first_step`` > 0) has no such first step:
+    its first step runs on weights the steps before the checkpoint set apart, so every step is
+    compared by its norms.  SGD's step is linear in the gradient: every kept step whole."""
     whole, norms = dict(grads), dict(grad_norms)
-    if reference.noise is None or len(whole) < 2:
+    if reference.noise is None or not whole or (len(whole) < 2 and not reference.first_step):
         return whole, norms
-    first = min(whole)
+    first = min(whole) if not reference.first_step else -1
     for step in [s for s in whole if s != first]:
         norms[step] = {name: grad_norm(g) for name, g in whole.pop(step).items()}
     return whole, norms
@@ -725,7 +769,7 @@ def _compare_gradients(
             Category(
                 "gradient norms",
                 f"| ||a|| - ||b|| | / max(||b||, {GRAD_FLOOR:g} x the model's gradient norm) per tensor at the "
-                "steps whose whole gradients are not kept",
+                "steps whose whole gradients are not compared",
                 norm.count, norm.max, norm.where,
             )
         )  # fmt: skip
@@ -753,13 +797,26 @@ def _noise_allowance(
     noise: NoiseBound,
     lr_sum: float,
     levels: Mapping[int, float],
+    *,
+    before: Tensor | None = None,
 ) -> Tensor | None:
     """Per element, how far the optimizer may have moved ``name`` on gradient noise, over the
     compared steps (:class:`NoiseBound`): ``2 * max_move * lr_sum`` where the element's gradient
     is rounding noise at one of them (below ``levels[step]`` in either run), else that times
     ``min(1, rho)``, ``rho`` its gradients' largest relative disagreement (Adam's step is a smooth
-    function of a resolved gradient); None without gradients."""
+    function of a resolved gradient); None without gradients.
+
+    ``before`` (a resumed run, :attr:`ReferenceResult.noise_before`): the elements whose
+    gradient was noise, in the reference, at a step before the checkpoint.  ``lr_sum`` counts
+    every step from 0, those steps included, and the parameters' difference accumulated over
+    them as well: such an element gets the whole allowance, as it would have in the
+    uninterrupted run.  The resumed run's own gradients of those steps are gone (the checkpoint
+    holds none, and the run that wrote it may not have been checked), so the reference's gradient
+    alone says where they were noise; the other elements keep ``rho`` of the compared steps, which
+    stands for every step as it does in an uninterrupted run."""
     rho: Tensor | None = None
+    if before is not None and tuple(before.shape) == tuple(shape):
+        rho = before.double()
     for step, mine in grads.items():
         b = ref_grads.get(step, {}).get(name)
         if b is None or tuple(b.shape) != tuple(shape) or step not in levels:

@@ -87,7 +87,8 @@ NIGHTLY = {
     _R + "test_zoo_run.py::test_gpt2_through_the_command_line": "test_mesh_hf_blocks[examples.hf:gpt2]",
     _R + "test_mesh_hf_blocks.py::test_gpt2_at_t2_saves_a_checkpoint_and_resumes_as_if_uninterrupted":
         "test_strided_checkpoint.py (the c_attn placements, ZeRO 3 x T = 2, saved and loaded) with "
-        "test_mesh_hf_blocks.py::test_hf_blocks_at_t2_are_priced_sharded_and_check_passes_with_adam[examples.hf:gpt2]",
+        "test_mesh_hf_blocks.py::test_hf_blocks_at_t2_are_priced_sharded_and_check_passes_with_adam[examples.hf:gpt2] "
+        "and test_resume_check.py (Adam's check after --resume under another plan)",
     _R + "test_mesh.py::test_zero3_then_tensor_parallel_resumed_from_its_checkpoint":
         "test_mesh_run.py::test_checkpoint_resumes_under_another_plan",
     _R + "test_mesh_sp_zero.py::test_hf_layers_run_tensor_parallel_and_match_the_unsplit_model[llama-tp]": "[llama-tp-sp]",
