@@ -39,7 +39,13 @@ def test_moe_blocks_get_the_moe_rule_and_an_odd_width_is_refused() -> None:
     experts' gate_up (gate and up each halved) and down, the shared expert's projections sharded
     along their hidden width; T = 3 divides none of them and is refused, naming the layer."""
     from planner.errors import InputError
-    from runtime.mesh import RULES_WITH_EXPERTS, MeshSpec, profiled_kinds, refuse_unexecutable, split_sharding
+    from runtime.mesh import (
+        RULES_WITH_EXPERTS,
+        MeshSpec,
+        profiled_kinds,
+        refuse_unexecutable,
+        split_sharding,
+    )
     from runtime.tp_experts import layout
 
     _, split = _split(QWEN_MOE)
@@ -173,3 +179,46 @@ def test_without_the_forward_all_reduce_the_block_does_not_match(block_run: list
     """The fault: each rank's partial sums of the experts' (and shared expert's) down products
     taken as the whole output -- the comparison above fails on it."""
     assert min(r["no_reduce"] for r in block_run) > 1e-2, [r["no_reduce"] for r in block_run]
+
+
+#: case -> (model, devices, data-parallel degree, ZeRO stage, sequence parallelism, global batch)
+RUNS = {
+    "mixtral-T2": (MIXTRAL, 2, 1, 0, False, 4),
+    "qwen2_moe-T2": (QWEN_MOE, 2, 1, 0, False, 4),
+    "mixtral-T2-SP": (MIXTRAL, 2, 1, 0, True, 4),
+    "qwen2_moe-T2-SP": (QWEN_MOE, 2, 1, 0, True, 4),
+    "mixtral-D2-T2-Z1": (MIXTRAL, 4, 2, 1, False, 8),
+    "qwen2_moe-D2-T2-Z3": (QWEN_MOE, 4, 2, 3, False, 8),
+}
+FOUR_RANKS = {case for case, run in RUNS.items() if run[1] == 4}
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=pytest.mark.nightly) if c in FOUR_RANKS else c for c in RUNS]
+)
+def test_moe_models_at_t2_pass_the_check_with_adam(case: str, tmp_path: Path) -> None:
+    """profile (fake) -> plan with T = 2 (and D = 2 with ZeRO, or sequence parallelism) ->
+    ``run --check`` with the default optimizer (Adam): the MoE blocks run sharded, the check
+    holds against the unsplit model."""
+    from pipeplan.cli import main
+    from tests.runtime.helpers import fake_profile_file, run_cli
+
+    model, devices, d, zero, sp, batch = RUNS[case]
+    profile = fake_profile_file(model, tmp_path / "profile.json", microbatch_sizes=(1, 2))
+    path = tmp_path / f"{case}.json"
+    assert main([
+        "plan", str(profile), "--devices", str(devices), "--devices-per-node", str(devices), "--device-type", "cpu",
+        "--interconnect", "loopback", "--batch-size", str(batch), "--microbatches", "2", "--stages", "1",
+        "--no-recompute", "--sequence-parallel" if sp else "--no-sequence-parallel", "--tensor-parallel", "2",
+        "--data-parallel", str(d), "--zero", str(zero), "-o", str(path),
+    ]) == 0  # fmt: skip
+    plan = json.loads(path.read_text())
+    assert (plan["tensor_parallel_degree"], plan["data_parallel_degree"], plan["zero_stage"]) == (2, d, zero)
+    assert plan["sequence_parallel"] == sp, plan
+    report = tmp_path / "report.json"
+    proc, _ = run_cli(["run", "--plan", str(path), "--model", model, "--steps", "2", "--check",
+                       "--report", str(report), "--timeout", "200"], timeout=400)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "check PASSED" in proc.stdout and "adam" in proc.stdout, proc.stdout[-2000:]
+    check = json.loads(report.read_text())["check"]
+    assert check["passed"] and check["max_loss_rel_diff"] <= 1e-5, check
