@@ -65,7 +65,8 @@ def layout(unit: Any, blocks: Sequence[str], t: int) -> dict[str, Any] | str:
     if isinstance(sites, str) or not region:
         return sites if isinstance(sites, str) else "its graph has no module paths (nn_module_stack) to find the MoE module by"
     members, shards = set(region), {}
-    column, row = [], []
+    column: list[Any] = []
+    row: list[Any] = []
     for site in sites:
         if len(site.products) < 2 or not set(site.products) <= members:
             return f"its experts' grouped products ({len(site.products)}) are not a first and a last inside {inside}"
@@ -73,7 +74,12 @@ def layout(unit: Any, blocks: Sequence[str], t: int) -> dict[str, Any] | str:
             src, flips = _weight_chain(product.args[1])
             users = list(product.users)
             last = k == len(site.products) - 1
-            parts = users[0].args[1] if not last and len(users) == 1 and "chunk" in str(users[0].target) else 1
+            cut = [u for u in users if "chunk" in str(u.target) or "split" in str(u.target)]
+            parts, a = 1, cut[0].args if cut else ()
+            if cut and not last:  # gate | up side by side: each rank its share of each
+                if len(users) > 1 or "chunk" not in str(cut[0].target) or len(a) != 3 or a[2] not in (-1, 1):
+                    return f"the output of grouped product {product.name} is cut other than by one chunk(n, -1)"
+                parts = int(a[1])  # type: ignore[arg-type]
             dim = (2 if flips % 2 else 1) if last else (1 if flips % 2 else 2)
             width = unit.get_parameter(str(src.target)).shape[dim]
             if width % (parts * t):
@@ -82,7 +88,7 @@ def layout(unit: Any, blocks: Sequence[str], t: int) -> dict[str, Any] | str:
             (row if last else column).append(product)
     params = dict(unit.named_parameters())
     for node in region:
-        w = node.args[1] if node.target is torch.ops.aten.linear.default else None
+        w: Any = node.args[1] if node.target is torch.ops.aten.linear.default else None
         name = str(w.target)[: -len(".weight")] if getattr(w, "op", None) == "get_attr" else ""
         owner, _, leaf = name.rpartition(".")
         if not any(owner == f"{b}.{s}" for b in inside for s in SHARED[0]) or leaf not in SHARED[1] + SHARED[2]:
