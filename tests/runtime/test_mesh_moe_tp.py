@@ -225,8 +225,13 @@ def test_moe_models_at_t2_pass_the_check_with_adam(case: str, tmp_path: Path) ->
                        "--report", str(report), "--timeout", "200"], timeout=400)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "check PASSED" in proc.stdout and "adam" in proc.stdout, proc.stdout[-2000:]
-    check = json.loads(report.read_text())["check"]
+    data = json.loads(report.read_text())
+    check = data["check"]
     assert check["passed"] and check["max_loss_rel_diff"] <= 1e-5, check
+    note = next(n for n in data["notes"] if n.startswith("mesh: "))
+    layers = ", ".join(f"model.layers.{i}" for i in range(4))
+    assert f"mixture-of-experts layers {layers}: each expert's FFN" in note, note
+    assert ("under sequence parallelism their input is all-gathered" in note) == sp, note
 
 
 @pytest.mark.nightly
