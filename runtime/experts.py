@@ -100,8 +100,11 @@ def expert_problems(units: Sequence[Any], layer_names: Sequence[str], plan: Any)
         return []
     problems: list[str] = []
     if plan.tensor_parallel_degree > 1:
-        problems.append(f"expert parallelism (E={e}) with tensor parallelism (T={plan.tensor_parallel_degree}): "
-                        "the runtime shards experts over data-parallel ranks only (replan with --tensor-parallel 1)")
+        moe = [f"layer {i} '{layer_names[i]}'" for i, u in enumerate(units) if find_sites(u)]
+        problems.append(f"expert parallelism (E={e}) with tensor parallelism (T={plan.tensor_parallel_degree})"
+                        f"{' on ' + ', '.join(moe) if moe else ''}: the runtime shards a layer's experts over "
+                        "data-parallel ranks (E) or along their hidden width (T, runtime/tp_experts.py), not both "
+                        "(replan with --tensor-parallel 1 or --expert-parallel 1)")
     if plan.context_parallel_degree > 1:
         problems.append(f"expert parallelism (E={e}) with context parallelism (C={plan.context_parallel_degree}): "
                         "the runtime draws the E ranks from D only (replan with --context-parallel 1)")

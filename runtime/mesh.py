@@ -168,8 +168,13 @@ class Rule:
     #: fused projections (suffix, parts): the output is ``parts`` projections side by side
     #: (GPT-2's ``c_attn``: Q, K, V), each sharded by heads (:func:`split_fused`)
     fused: tuple[tuple[str, int], ...] = ()
+    #: the block routes tokens to experts run as grouped products (:mod:`runtime.tp_experts`
+    #: shards them); a rule without it never matches such a block
+    experts: bool = False
 
 
+#: the name of the rule for blocks with routed experts (:data:`RULES`)
+RULES_WITH_EXPERTS = "decoder layer with mixture of experts (Mixtral/Qwen2-MoE style)"
 #: the blocks the runtime can shard, in the order they are tried
 RULES: tuple[Rule, ...] = (
     Rule("zoo GPT block", column=("attn.qkv", "mlp.fc"), row=("attn.proj", "mlp.out"), sequence_dim=1),
@@ -178,6 +183,13 @@ RULES: tuple[Rule, ...] = (
         column=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
         row=("self_attn.o_proj", "mlp.down_proj"),
         sequence_dim=1,
+    ),
+    Rule(
+        RULES_WITH_EXPERTS,
+        column=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        row=("self_attn.o_proj",),
+        sequence_dim=1,
+        experts=True,
     ),
     Rule(
         "encoder layer (BERT style)",
@@ -233,6 +245,8 @@ class UnitSharding:
     transposed: tuple[str, ...] = ()
     #: fused column-parallel linears -> how many projections side by side, each sharded by heads
     fused: tuple[tuple[str, int], ...] = ()
+    #: the mixture-of-experts modules (``model.layers.0.mlp``) whose experts :mod:`runtime.tp_experts` shards
+    experts: tuple[str, ...] = ()
 
     def features(self, linears: Mapping[str, tuple[int, int]], name: str) -> tuple[int, int]:
         """``(out, in)`` features of linear ``name`` (``linears``: :func:`_linear_modules`)."""
@@ -253,8 +267,13 @@ def _linear_modules(unit: Any) -> dict[str, tuple[int, int]]:
 def match_rule(unit: Any) -> UnitSharding | None:
     """The sharding of a unit (one layer of the split) when exactly one block of a known kind
     is in it: every linear a rule names found under one common prefix."""
+    from runtime.tp_experts import moe_blocks
+
     linears = _linear_modules(unit)
+    moe = _has_grouped_experts(unit)
     for rule in RULES:
+        if rule.experts != moe:
+            continue
         prefixes = {name[: -len(suffix)] for name in linears for suffix in rule.column[:1] if name.endswith(suffix)}
         for prefix in sorted(prefixes):
             col = tuple(prefix + s for s in rule.column)
@@ -267,6 +286,7 @@ def match_rule(unit: Any) -> UnitSharding | None:
                     rule.sequence_dim,
                     transposed=col + row if rule.transposed else (),
                     fused=tuple((prefix + f, parts) for f, parts in rule.fused),
+                    experts=moe_blocks(unit) if moe else (),
                 )
     return None
 
@@ -397,8 +417,8 @@ def refuse_unexecutable(
                 problems.append(
                     f"layer {i} '{name}' is tensor-parallel ({kind}) in the plan but the runtime has no "
                     + (
-                        "sharding rule for it: a mixture-of-experts layer, whose experts (grouped_mm) DTensor "
-                        "cannot shard; its experts shard with --expert-parallel E instead"
+                        "sharding rule for it: a mixture-of-experts layer without the attention of the rule "
+                        f"'{RULES_WITH_EXPERTS}' (q_proj, k_proj, v_proj, o_proj under self_attn)"
                         if moe
                         else f"sharding rule for it (rules: {', '.join(r.name for r in RULES)}; "
                         f"{', '.join(KIND_RULES.values())})"
@@ -409,6 +429,12 @@ def refuse_unexecutable(
                 continue
             shardable += 1
             linears = _linear_modules(unit)
+            if sharding.experts:
+                from runtime.tp_experts import layout
+
+                found = layout(unit, sharding.experts, t_deg)
+                if isinstance(found, str):
+                    problems.append(f"layer {i} '{name}' ({sharding.rule}): no sharding rule for its experts: {found}")
             for mod in sharding.vocab:
                 if linears[mod][0] % t_deg:
                     problems.append(
@@ -933,6 +959,12 @@ def apply_tensor_parallel(
         unit = stage_module.units[i]
         column, row = set(sharding.column) | set(sharding.vocab), set(sharding.row)
         transposed, fused = set(sharding.transposed), dict(sharding.fused)
+        experts: dict[str, tuple[int, int]] = {}
+        if sharding.experts:
+            from runtime.tp_experts import layout, localize
+
+            found = layout(unit, sharding.experts, tp_mesh.size())
+            experts = found["shards"] if isinstance(found, dict) else {}
 
         def partition(
             name: str,
@@ -942,12 +974,16 @@ def apply_tensor_parallel(
             row: set[str] = row,
             transposed: set[str] = transposed,
             fused: dict[str, int] = fused,
+            experts: dict[str, tuple[int, int]] = experts,
         ) -> None:
             for pname, p in list(mod._parameters.items()):
                 if p is None:
                     continue
-                if name in fused:  # [Q | K | V] side by side: each rank its heads of each
-                    placement: Any = strided_shard(1 if pname == "weight" and name in transposed else 0, fused[name])
+                if f"{name}.{pname}" in experts:  # an expert's (or shared expert's) hidden width
+                    dim, parts = experts[f"{name}.{pname}"]
+                    placement: Any = strided_shard(dim, parts) if parts > 1 else Shard(dim)
+                elif name in fused:  # [Q | K | V] side by side: each rank its heads of each
+                    placement = strided_shard(1 if pname == "weight" and name in transposed else 0, fused[name])
                 elif name in column:  # column-parallel linear, or a table sharded along the vocabulary
                     placement = Shard(1 if pname == "weight" and name in transposed else 0)
                 elif name in row and pname == "weight":
@@ -965,6 +1001,9 @@ def apply_tensor_parallel(
         _split_fused_by_heads(unit, fused)
         _replicated_lookups(unit)
         distribute_module(unit, tp_mesh, partition)
+        if sharding.experts:
+            seq = sharding.sequence_dim if sequence_parallel else None
+            localize(unit, sharding.experts, tp_mesh, sequence_dim=seq)
         if sequence_parallel and sharding.sequence_dim is not None:
             split = _make_sequence_parallel(unit, sharding)
             nxt = shardings.get(i + 1)

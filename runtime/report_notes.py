@@ -91,6 +91,17 @@ def mesh_note(plan: Any, split: Any, gathered: list[Any]) -> str:
                 "vocabulary-parallel loss: the head's logits stay sharded along the vocabulary into the "
                 "cross-entropy (torch's loss_parallel; no rank gathers them, as Megatron's vocab-parallel loss)"
             )
+        from runtime.mesh import _has_grouped_experts
+
+        moe = [split.names[u] for u in sharded if _has_grouped_experts(split.units[u])]
+        if moe:
+            parts.append(
+                f"mixture-of-experts layers {', '.join(moe)}: each expert's FFN (and a shared expert's) split along "
+                f"its hidden width over T, the router replicated; their MoE modules run on local tensors with "
+                "Megatron's all-reduces (input gradient; output), not counted among DTensor's collectives"
+                + ("; under sequence parallelism their input is all-gathered and their output all-reduced and "
+                   "sliced along the sequence" if spec.sequence_parallel else "")
+            )  # fmt: skip
         if spec.sequence_parallel:
             from runtime.mesh import KIND_RULES, sequence_parallel_note
 

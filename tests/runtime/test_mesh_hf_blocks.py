@@ -4,7 +4,7 @@ projection ``[Q | K | V]``.  The profiler prices the blocks sharded, the runtime
 fused projection by heads of each of Q, K and V), and ``pipeplan run --check`` holds at T = 2
 with the default optimizer (Adam).  A fused projection cut contiguously gives other numbers, and
 the block comparison here sees it.  Sequence parallelism on these blocks: tests/runtime/test_mesh_hf_sp.py.  T5's encoder and decoder blocks run ``--check`` at T = 2 too;
-Mixtral's (experts as grouped products) are refused before training, naming the layers.
+Mixtral's, experts included, are sharded (tests/runtime/test_mesh_moe_tp.py).
 
 The runs are examples.hf models (tiny, random) on 2 gloo ranks.
 """
@@ -288,20 +288,34 @@ def test_gpt2_at_t2_saves_a_checkpoint_and_resumes_as_if_uninterrupted(tmp_path:
     assert "steps 0..1, before the checkpoint" in params["measure"], params
 
 
-def test_tensor_parallel_on_mixtral_blocks_is_refused_naming_the_experts() -> None:
-    """Mixtral's blocks are priced sharded but their experts run as grouped products, which
-    DTensor cannot shard: T = 2 is refused before training, each layer named, the fix given."""
+def test_mixtral_blocks_are_sharded_with_their_experts_and_what_cannot_be_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Mixtral's blocks are priced sharded and now run sharded, experts included
+    (runtime/tp_experts.py; ``run --check``: tests/runtime/test_mesh_moe_tp.py): T = 2 passes the
+    checks made before training.  T = 4 would cut the 2 key/value heads and is refused, each layer
+    named; a mixture-of-experts layer without a rule (here: the rule taken away) is refused as
+    such, naming the layer and the fix."""
+    import runtime.mesh as mesh
     from planner.errors import InputError
     from profiler.loading import load_entrypoint
     from profiler.split import split_model
-    from runtime.mesh import MeshSpec, split_sharding
+    from runtime.mesh import RULES_WITH_EXPERTS, MeshSpec, split_sharding
 
     entry = load_entrypoint("examples.hf:mixtral")
     split = split_model(entry.model, entry.example_inputs, keywords=entry.keywords)
+    shardings = split_sharding(split, MeshSpec(tensor_parallel_degree=2))
+    moe = {split.names[i]: s.experts for i, s in shardings.items() if s.rule == RULES_WITH_EXPERTS}
+    assert moe == {f"model.layers.{i}": (f"model.layers.{i}.mlp",) for i in range(4)}
+    with pytest.raises(InputError) as err:
+        split_sharding(split, MeshSpec(tensor_parallel_degree=4))
+    for i in range(4):
+        assert f"layer {i + 2} 'model.layers.{i}'" in str(err.value), err.value
+    monkeypatch.setattr(mesh, "RULES", tuple(r for r in mesh.RULES if not r.experts))
     with pytest.raises(InputError) as err:
         split_sharding(split, MeshSpec(tensor_parallel_degree=2))
     message = str(err.value)
     for i in range(4):
         assert (f"layer {i + 2} 'model.layers.{i}' is tensor-parallel (block) in the plan but the runtime has no "
                 "sharding rule for it: a mixture-of-experts layer") in message, message  # fmt: skip
-    assert "--expert-parallel E" in message and "fix: replan with --tensor-parallel 1" in message
+    assert "fix: replan with --tensor-parallel 1" in message
