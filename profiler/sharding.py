@@ -113,7 +113,7 @@ def _experts_sharding(mods: Sequence[nn.Module], projections: Sequence[nn.Module
     experts = [m for m in mods if is_experts_module(m)]
     if not experts:
         return None
-    count = int(experts[0].num_experts)
+    count = getattr(experts[0], "num_experts", 0)
     # the router (one score per expert) and a shared expert's gate (one score) stay whole
     routers = [m for m in projections if (projection_widths(m) or (0, 0))[1] in (count, 1)]
     top_k = next((int(v) for m in mods for key in ("top_k", "num_experts_per_tok")
