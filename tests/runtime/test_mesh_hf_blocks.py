@@ -296,7 +296,8 @@ def test_mixtral_blocks_are_sharded_with_their_experts_and_what_cannot_be_is_ref
     checks made before training.  T = 4 would cut the 2 key/value heads and is refused, each layer
     named; a mixture-of-experts layer without a rule (here: the rule taken away) is refused as
     such, naming the layer and the fix."""
-    import runtime.mesh as mesh
+    import runtime.tp_plan as tp_plan
+    import runtime.tp_rules as tp_rules
     from planner.errors import InputError
     from profiler.loading import load_entrypoint
     from profiler.split import split_model
@@ -311,7 +312,11 @@ def test_mixtral_blocks_are_sharded_with_their_experts_and_what_cannot_be_is_ref
         split_sharding(split, MeshSpec(tensor_parallel_degree=4))
     for i in range(4):
         assert f"layer {i + 2} 'model.layers.{i}'" in str(err.value), err.value
-    monkeypatch.setattr(mesh, "RULES", tuple(r for r in mesh.RULES if not r.experts))
+    # the rules live in runtime/tp_rules.py (match_rule reads them there); refuse_unexecutable
+    # (runtime/tp_plan.py) names them in its message: take the rule away in both
+    without_experts = tuple(r for r in tp_rules.RULES if not r.experts)
+    monkeypatch.setattr(tp_rules, "RULES", without_experts)
+    monkeypatch.setattr(tp_plan, "RULES", without_experts)
     with pytest.raises(InputError) as err:
         split_sharding(split, MeshSpec(tensor_parallel_degree=2))
     message = str(err.value)
