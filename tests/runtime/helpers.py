@@ -82,6 +82,21 @@ def fake_profile_file(spec: str, path: Path, *, microbatch_sizes: Sequence[int] 
     return path
 
 
+def plan_t2(profile: Path, path: Path) -> Path:
+    """``pipeplan plan`` of ``profile`` on 2 CPU devices of one node at T = 2 (one stage, 2
+    micro-batches of a batch of 4, no recompute, no sequence parallelism, ZeRO 0, the default
+    optimizer), written to ``path``: the plan the T = 2 run tests of real models train."""
+    from pipeplan.cli import main
+
+    assert main([
+        "plan", str(profile), "--devices", "2", "--devices-per-node", "2", "--device-type", "cpu",
+        "--interconnect", "loopback", "--batch-size", "4", "--microbatches", "2", "--stages", "1",
+        "--no-recompute", "--no-sequence-parallel", "--tensor-parallel", "2", "--data-parallel", "1",
+        "--zero", "0", "-o", str(path),
+    ]) == 0  # fmt: skip
+    return path
+
+
 def write_plan(plan: Plan, path: Path) -> Path:
     path.write_text(plan.model_dump_json(indent=2), encoding="utf-8")
     return path

@@ -213,20 +213,14 @@ def test_hf_blocks_at_t2_are_priced_sharded_and_check_passes_with_adam(model: st
     divides no work of them) and run sharded, and the check holds.  GPT-2: Conv1D projections,
     fused QKV; T5: encoder and decoder blocks (cross-attention, relative position bias, whose
     bucket lookups enter as replicated DTensors)."""
-    from pipeplan.cli import main
-    from tests.runtime.helpers import fake_profile_file
+    from tests.runtime.helpers import fake_profile_file, plan_t2
 
     blocks = [n for n in SHARDED[model] if ".h." in n or ".block." in n]
     profile = fake_profile_file(model, tmp_path / "profile.json", microbatch_sizes=(1, 2))
     layers = json.loads(profile.read_text())["layers"]
     assert [x["name"] for x in layers if x.get("tensor_parallel") == "block"] == blocks
     path = tmp_path / "t2.json"
-    assert main([
-        "plan", str(profile), "--devices", "2", "--devices-per-node", "2", "--device-type", "cpu",
-        "--interconnect", "loopback", "--batch-size", "4", "--microbatches", "2", "--stages", "1",
-        "--no-recompute", "--no-sequence-parallel", "--tensor-parallel", "2", "--data-parallel", "1",
-        "--zero", "0", "-o", str(path),
-    ]) == 0  # fmt: skip
+    plan_t2(profile, path)
     plan = json.loads(path.read_text())
     assert (plan["tensor_parallel_degree"], plan["data_parallel_degree"], plan["pipeline_degree"]) == (2, 1, 1)
     divides_no_work = [n for n in plan["notes"] if "divides no work" in n]
@@ -255,17 +249,11 @@ def test_gpt2_at_t2_saves_a_checkpoint_and_resumes_as_if_uninterrupted(tmp_path:
     were noise: with the resumed steps' gradients alone transformer.h.1.mlp.c_proj.weight (a few
     elements whose gradient is below the noise level at steps 0 and 1, not at step 2) failed by
     5.05e-5; with them it differs by 6.0e-7 (measured, 2 CPU ranks)."""
-    from pipeplan.cli import main
-    from tests.runtime.helpers import fake_profile_file
+    from tests.runtime.helpers import fake_profile_file, plan_t2
 
     profile = fake_profile_file(GPT2, tmp_path / "profile.json", microbatch_sizes=(1, 2))
     path = tmp_path / "t2.json"
-    assert main([
-        "plan", str(profile), "--devices", "2", "--devices-per-node", "2", "--device-type", "cpu",
-        "--interconnect", "loopback", "--batch-size", "4", "--microbatches", "2", "--stages", "1",
-        "--no-recompute", "--no-sequence-parallel", "--tensor-parallel", "2", "--data-parallel", "1",
-        "--zero", "0", "-o", str(path),
-    ]) == 0  # fmt: skip
+    plan_t2(profile, path)
     plan = json.loads(path.read_text())
     assert plan["tensor_parallel_degree"] == 2 and plan["training"]["optimizer"] == "adam"
     ck = tmp_path / "ck"

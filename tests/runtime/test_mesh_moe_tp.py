@@ -242,17 +242,11 @@ def test_qwen2_moe_at_t2_saves_a_checkpoint_and_resumes_as_if_uninterrupted(tmp_
     full value): steps 0..1 save, a second run resumes at step 2 and trains to step 3 with
     --check against the unsplit model trained 4 steps, with the default optimizer, Adam (its
     noise allowance counts the steps before the checkpoint: runtime.reference)."""
-    from pipeplan.cli import main
-    from tests.runtime.helpers import fake_profile_file, run_cli
+    from tests.runtime.helpers import fake_profile_file, plan_t2, run_cli
 
     profile = fake_profile_file(QWEN_MOE, tmp_path / "profile.json", microbatch_sizes=(1, 2))
     path = tmp_path / "t2.json"
-    assert main([
-        "plan", str(profile), "--devices", "2", "--devices-per-node", "2", "--device-type", "cpu",
-        "--interconnect", "loopback", "--batch-size", "4", "--microbatches", "2", "--stages", "1",
-        "--no-recompute", "--no-sequence-parallel", "--tensor-parallel", "2", "--data-parallel", "1",
-        "--zero", "0", "-o", str(path),
-    ]) == 0  # fmt: skip
+    plan_t2(profile, path)
     ck = tmp_path / "ck"
     run = ["run", "--plan", str(path), "--model", QWEN_MOE, "--timeout", "200"]
     proc, _ = run_cli([*run, "--steps", "2", "--checkpoint", str(ck), "--every", "2"], timeout=400)
