@@ -624,7 +624,8 @@ def same_layers(layers: Sequence[LayerProfile]) -> list[int]:
     by_fields: dict[tuple[object, ...], int] = {}
     out = []
     for i, x in enumerate(layers):
-        fields = tuple(v if isinstance(v, (str, int, float, bool)) or v is None else id(v)
+        # (an object by its identity, tagged: never equal to a scalar field's value)
+        fields = tuple(v if isinstance(v, (str, int, float, bool)) or v is None else ("id", id(v))
                        for k, v in x.__dict__.items() if k != "name")
         j = by_fields.get(fields)
         if j is None:

@@ -73,7 +73,7 @@ class LayerCosts:
     #: every layer has parameters (then every pipeline rank all-reduces some gradient bytes)
     params_in_every_layer: bool = False
     #: the forward a recompute re-runs in the backward, per layer (its forward less
-    #: ``forward_not_recomputed_ms``: ZeRO-3's gather), and its prefix sums; empty: the forward
+    #: ``forward_not_recomputed_ms``: ZeRO-3's gather), and its prefix sums (:func:`layer_costs`)
     recompute_ms: tuple[float, ...] = ()
     prefix_recompute: tuple[float, ...] = ()
 
