@@ -588,19 +588,21 @@ def mesh_problem(
                 "is not modelled (gradients larger than twice the parameters): use a smaller factor"
             )
         layers = [x.model_copy(update={"param_bytes": round(x.param_bytes * a)}) for x in layers]
+        if z == 3 and d > 1:
+            gathered = round(2 * max(tp_params) * training.gradient_bytes_per_param_byte)
         # the optimizer step's temporaries are the optimizer shard's (/D from ZeRO-1), per byte of
-        # the folded parameters
+        # the folded parameters; they reuse the gathered layers' bytes (kept off the device),
+        # which FSDP2 frees after the backward: a peak of max(walk + gathered, step)
         step = training.optimizer_step_factor / (d if z >= 1 and d > 1 else 1)
         new_training = training.model_copy(
             update={
                 "optimizer": "sgd",
                 "optimizer_state_bytes_per_param_byte": 0.0,
                 "optimizer_step_bytes_per_param_byte": step / a,
+                "optimizer_step_reuses_bytes": gathered,
                 "gradient_bytes_per_param_byte": comm / a,
             }
         )
-        if z == 3 and d > 1:
-            gathered = round(2 * max(tp_params) * training.gradient_bytes_per_param_byte)
     sha = profile.metadata.get(SHA_KEY) or profile.sha256()
     new_profile = profile.model_copy(
         update={

@@ -755,6 +755,13 @@ class TrainingSetup(_Model):
         "byte of the rank's optimizer shard; overrides the optimizer preset and fused_optimizer "
         "(default: the preset's, 0 for an optimizer without one)",
     )
+    optimizer_step_reuses_bytes: NonNegInt = Field(
+        default=0,
+        description="bytes a rank holds through its backward but frees before the optimizer step, which "
+        "the step's temporaries reuse (what the mesh search sets for ZeRO-3's gathered parameters, "
+        "kept off each device's memory: FSDP2 reshards them after the backward); the step adds "
+        "only what exceeds them.  0: nothing is reused",
+    )
     gradient_bytes_per_param_byte: NonNegFloat = 1.0
     memory_margin: Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)] = Field(
         default=0.10, description="fraction of each device's memory reserved for workspace"

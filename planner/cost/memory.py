@@ -63,8 +63,9 @@ def static_bytes(param_bytes: float, training: TrainingSetup) -> float:
 
 def step_temporary_bytes(param_bytes: float, training: TrainingSetup) -> float:
     """What the optimizer step allocates while it runs, for ``param_bytes`` of parameters (its
-    shard): ``param_bytes x training.optimizer_step_factor``."""
-    return param_bytes * training.optimizer_step_factor
+    shard): ``param_bytes x training.optimizer_step_factor``, less the bytes it reuses
+    (``training.optimizer_step_reuses_bytes``: ZeRO-3's gathered parameters, freed by then)."""
+    return max(0.0, param_bytes * training.optimizer_step_factor - training.optimizer_step_reuses_bytes)
 
 
 @dataclass(frozen=True)

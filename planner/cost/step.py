@@ -629,10 +629,11 @@ def memory_parts(
     """What a device's predicted peak ``peak_bytes`` (without ZeRO-3's ``gathered`` bytes) is made
     of: its ``param_bytes`` (one tensor-parallel rank's, before ZeRO) as parameters, gradients and
     optimizer state, each sharded over the ``data_parallel`` replicas from ZeRO stage 3, 2 and 1
-    on; the rest of the peak is activations, or the optimizer step's temporaries when those make
-    the peak (the step runs when no activation is held).  Beside that allocator peak, ``device``
-    holds its context and the allocator's fragmentation
-    (:func:`planner.cost.memory.outside_allocator`)."""
+    on; the rest of the peak is activations and the gathered layers, or the optimizer step's
+    temporaries when those make the peak (the step runs when no activation is held and the
+    gathered layers are freed: the peak's rest is then the step's less ``gathered``, the bytes it
+    reuses).  Beside that allocator peak, ``device`` holds its context and the allocator's
+    fragmentation (:func:`planner.cost.memory.outside_allocator`)."""
     d = data_parallel if data_parallel > 1 else 1
     params = param_bytes / (d if zero >= 3 else 1)
     grads = param_bytes * training.gradient_bytes_per_param_byte / (d if zero >= 2 else 1)
@@ -640,15 +641,15 @@ def memory_parts(
     step = math.ceil(step_temporary_bytes(param_bytes / (d if zero >= 1 else 1), training))
     static = math.ceil(params) + math.ceil(grads) + math.ceil(opt)
     rest = max(0, math.ceil(peak_bytes) - static)
-    at_step = step > 0 and rest <= step
+    at_step = step > 0 and rest + gathered <= step
     context, fragmentation = outside_allocator(peak_bytes + gathered, device) if device is not None else (0, 0)
     return MemoryParts(
         parameters=math.ceil(params),
         gradients=math.ceil(grads),
         optimizer=math.ceil(opt),
         activations=0 if at_step else rest,
-        optimizer_step=rest if at_step else 0,
-        gathered=gathered,
+        optimizer_step=rest + gathered if at_step else 0,
+        gathered=0 if at_step else gathered,
         context=context,
         fragmentation=fragmentation,
     )

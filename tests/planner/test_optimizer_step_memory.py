@@ -76,12 +76,47 @@ def test_zero_shards_the_step_with_the_optimizer_state(zero: int) -> None:
     plan = _one_stage(_training(optimizer="adam", zero_overlap=0.0), d=2, zero=zero, profile=profile)
     shard = PARAMS / 2 if zero >= 1 else PARAMS
     static = {0: 4.0, 1: 1 + 1 + 2 / 2, 2: 1 + 1 / 2 + 2 / 2, 3: 1 / 2 + 1 / 2 + 2 / 2}[zero] * PARAMS
+    # ZeRO-3's gathered layers (the running and the prefetched one) are held through the walk
+    # and freed before the step (FSDP2 reshards after the backward): the step reuses them
     gathered = 2 * 1000 if zero == 3 else 0
-    # (ZeRO-3's gathered layers are counted on top of the larger of the two: an upper bound)
-    assert plan.stages[0].memory_bytes == pytest.approx(static + max(200, shard) + gathered, abs=2)
+    assert plan.stages[0].memory_bytes == pytest.approx(static + max(200 + gathered, shard), abs=2)
     parts = plan.stages[0].memory_parts
-    assert parts.optimizer_step == pytest.approx(shard, abs=2)
-    assert parts.activations == 0
+    if zero < 3:
+        assert parts.optimizer_step == pytest.approx(shard, abs=2)
+        assert parts.activations == parts.gathered == 0
+    else:  # 200 + 2,000 > the step's 700: the walk makes the peak, gathered layers and all
+        assert (parts.optimizer_step, parts.activations, parts.gathered) == (0, 200, gathered)
+
+
+@pytest.mark.parametrize("step_factor", [3.0, 4.0, 6.0])
+def test_zero3_step_reuses_the_gathered_layers(step_factor: float) -> None:
+    # a step of 700 x factor (2,100; 2,800; 4,200) against the walk's 200 + 2,000 gathered bytes:
+    # the peak is the larger of the two, never their sum (which an upper bound once added)
+    profile = _profile(activation_bytes=[100])
+    training = _training(optimizer="adam", zero_overlap=0.0, optimizer_step_bytes_per_param_byte=step_factor)
+    plan = _one_stage(training, d=2, zero=3, profile=profile)
+    static, walk, step = (1 / 2 + 1 / 2 + 2 / 2) * PARAMS, 200 + 2000, step_factor * PARAMS / 2
+    st = plan.stages[0]
+    assert st.memory_bytes == pytest.approx(static + max(walk, step), abs=2)
+    parts = st.memory_parts
+    held = parts.parameters + parts.gradients + parts.optimizer + parts.activations + parts.optimizer_step
+    assert held + parts.gathered == pytest.approx(st.memory_bytes, abs=3)
+    assert (parts.optimizer_step > 0) == (step >= walk)
+    assert parts.gathered == (0 if step >= walk else 2000)
+
+
+def test_zero3_fits_where_walk_plus_gathered_and_the_step_each_fit() -> None:
+    # a device between max(walk + gathered, step) and their old sum: ZeRO-3 at D = 2 fits it
+    profile = _profile(activation_bytes=[100])
+    training = _training(optimizer="adam", zero_overlap=0.0, optimizer_step_bytes_per_param_byte=6.0,
+                         memory_margin=0.0)
+    exact = _one_stage(training, d=2, zero=3, profile=profile).stages[0].memory_bytes
+    limit = exact + 1000  # the sum would be exact + 2,000
+    link = {"bandwidth_bytes_per_s": 1e9}
+    cluster = parse_document("cluster", {"devices": 2, "memory": limit, "intra_node": link, "inter_node": link})
+    plan = estimate(profile, cluster, training,
+                    Layout([(0, 2)], num_microbatches=1, schedule="gpipe", data_parallel=2, zero_stage=3))
+    assert plan.stages[0].memory_bytes == exact <= plan.stages[0].memory_limit_bytes
 
 
 def test_the_step_decides_what_fits() -> None:
