@@ -72,7 +72,13 @@ one and is marked: fused attention ``heads``, materialised attention's two batch
 scale, mask, softmax and dropout on the scores, the head reshapes, the activation function, the
 gated product) ``bytes``.  Norms, residual adds and the dropout on the residual stream read
 whole tensors and stay unset (replicated: sequence parallelism divides them,
-``shard_operation(..., sequence_parallel=True)``).  A block holding routed experts (a
+``shard_operation(..., sequence_parallel=True)``).  A norm (a reduction along the last
+dimension) that reads a column-parallel projection's whole features -- a tensor with as many
+rows as the projection's output, where a per-head norm such as Qwen3's ``q_norm`` reads heads
+times as many -- needs them whole: that projection stays replicated and the census records the
+unit again without it, so DeepSeek's low-rank ``q_a_proj``/``kv_a_proj_with_mqa`` stay whole
+and the up-projections after their norms are column-parallel, as Megatron-LM splits latent
+attention.  A block holding routed experts (a
 transformers experts module) gets no roles: its census stays as it was, the flat efficiency
 scales it (:func:`planner.mesh.census_prices`).  A head marks its logits GEMM ``n`` only: the runtime gathers the
 logits, the loss runs whole.  The roles are dropped (the unit's census records none) when they
@@ -322,6 +328,29 @@ class ShardedWeights:
 #: reading a sharded tensor (inside the tensor-parallel region), or neither
 _Place = Literal["column", "row", "sharded"] | None
 
+#: operators that reduce along a dimension (the ``dim`` argument; all of them when it is None or
+#: absent) or, for the norms, along the last ones: a norm of a column-parallel projection's
+#: features needs them whole
+_REDUCTIONS = frozenset({
+    "mean", "sum", "var", "var_mean", "std", "std_mean", "amax", "amin", "logsumexp", "norm",
+    "linalg_vector_norm", "_softmax", "_log_softmax",
+})
+_NORMS = frozenset({"native_layer_norm", "rms_norm", "_fused_rms_norm"})
+
+
+def _reduces_last_dim(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], t: Tensor) -> bool:
+    """Whether the call ``func(args)`` reduces its first argument ``t`` along its last dimension."""
+    name = _torch_dispatch.operator_name(func)
+    if name in _NORMS:
+        return True
+    if name not in _REDUCTIONS or t.dim() == 0:
+        return False
+    dims = _torch_dispatch.bind_arguments(func, args, kwargs).get("dim")
+    if dims is None or (isinstance(dims, list | tuple) and len(dims) == 0):
+        return True
+    dims = list(dims) if isinstance(dims, list | tuple) else [dims]
+    return any(isinstance(d, int) and d % t.dim() == t.dim() - 1 for d in dims)
+
 
 class _Roles:
     """The tensor-parallel roles of one forward of a unit (see the module docstring): follows
@@ -333,12 +362,30 @@ class _Roles:
         self.kind = sharded.kind
         self.weights = {storage_key(w) for w in sharded.weights if w.numel() > 0}
         self.sharded: dict[int, Tensor] = {}
+        #: per sharded storage: the column-parallel weight it comes from and that projection's rows
+        #: (its output's elements / its features: a tensor of as many rows spans the features)
+        self.origin: dict[int, tuple[int, int]] = {}
         self.seen: set[str] = set()
         #: why the roles do not hold (the census then records none), or None
         self.broken: str | None = None
+        #: a column-parallel weight whose features a norm reads whole: it must stay replicated
+        self.replicate: int | None = None
 
     def _is_sharded(self, t: Tensor) -> bool:
         return t.numel() > 0 and storage_key(t) in self.sharded
+
+    def _norm_of_features(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+        """The column-parallel weight whose whole features the call normalises (a low-rank
+        down-projection's output into its norm, DeepSeek's ``q_a_layernorm``), or None: a
+        reduction along the last dimension of a sharded tensor with as many rows as the
+        projection's output (a per-head norm, Qwen3's ``q_norm``, has heads times as many)."""
+        first = args[0] if args and isinstance(args[0], Tensor) else None
+        if first is None or not self._is_sharded(first) or first.numel() == 0:
+            return None
+        weight, rows = self.origin.get(storage_key(first), (None, 0))
+        if weight is None or first.numel() // max(1, first.shape[-1]) != rows:
+            return None
+        return weight if _reduces_last_dim(func, args, kwargs, first) else None
 
     def place(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> _Place:
         """Where one operator call is, and mark its outputs sharded when they are."""
@@ -346,18 +393,29 @@ class _Roles:
             return None
         inputs = _tensors([list(args), list(kwargs.values())])
         place: _Place = None
+        origin: tuple[int, int] | None = None
         if func in _GEMMS:
             bound = _torch_dispatch.bind_arguments(func, args, kwargs)
             a_name, b_name = _GEMM_OPERANDS[_torch_dispatch.operator_name(func)]
             a, b = bound[a_name], bound[b_name]
             if isinstance(b, Tensor) and b.numel() > 0 and storage_key(b) in self.weights:
                 place = "row" if self.kind == "block" and self._is_sharded(a) else "column"
+                outs = _tensors(out)
+                if place == "column" and outs and outs[0].dim() > 0:
+                    origin = (storage_key(b), outs[0].numel() // max(1, outs[0].shape[-1]))
         if place is None and any(self._is_sharded(t) for t in inputs):
             place = "sharded"
+            weight = self._norm_of_features(func, args, kwargs) if self.kind == "block" else None
+            if weight is not None:
+                self.replicate = weight
+                self.broken = "a norm reads a column-parallel projection's whole features"
+            origin = next((self.origin[k] for t in inputs if (k := storage_key(t)) in self.origin), None)
         if place == "sharded" or (place == "column" and self.kind == "block"):
             for t in _tensors(out):
                 if t.numel() > 0:
                     self.sharded[storage_key(t)] = t
+                    if origin is not None:
+                        self.origin.setdefault(storage_key(t), origin)
         return place
 
     def role(self, key: _Key, place: _Place) -> str | None:
@@ -450,6 +508,13 @@ class Census:
         if self._roles is not None:
             self._roles.finish(output)
             self._roles.sharded.clear()
+            self._roles.origin.clear()
+
+    @property
+    def replicate(self) -> int | None:
+        """The storage of a column-parallel weight the roles found must stay replicated (its
+        whole features are normalised), or None: :func:`census` records again without it."""
+        return None if self._roles is None else self._roles.replicate
 
     @property
     def roles_dropped(self) -> str | None:
@@ -480,13 +545,21 @@ def census(
     last unit, whose measured forward includes it); with ``sharded`` (the weights tensor
     parallelism shards in the unit, :func:`profiler.sharding.sharded_weights`) each operation
     carries its tensor-parallel role (the module docstring)."""
-    recorder = Census(sharded=sharded)
-    with recorder.recording():
-        out = unit(*inputs)
-        recorder.finish(out)
-        if then is not None:
-            then(out)
-    return recorder.operations()
+    while True:
+        recorder = Census(sharded=sharded)
+        with recorder.recording():
+            out = unit(*inputs)
+            recorder.finish(out)
+            if then is not None:
+                then(out)
+        if sharded is None or recorder.replicate is None:
+            return recorder.operations()
+        # a low-rank down-projection (its output normalised whole) stays replicated, as Megatron
+        # keeps DeepSeek's q_a/kv_a projections: record again with one sharded weight fewer
+        kept = tuple(w for w in sharded.weights if w.numel() == 0 or storage_key(w) != recorder.replicate)
+        if len(kept) == len(sharded.weights):
+            return recorder.operations()
+        sharded = ShardedWeights(sharded.kind, kept)
 
 
 def gemm_flops(ops: Sequence[Operation]) -> float:

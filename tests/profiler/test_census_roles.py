@@ -456,3 +456,102 @@ def test_a_mixture_of_experts_block_keeps_its_census_without_roles(tmp_path: Any
         assert x.tp_forward_bytes == [3 * o for o in x.output_bytes] == x.tp_backward_bytes
     note = flat_scaling_note(prof, 2)
     assert note is not None and all(x.name in note for x in blocks) and head.name not in note
+
+
+# --------------------------------------------------------------------------- low-rank projections
+
+
+class _Rms(nn.Module):
+    """An RMS norm over the last dimension, written out (as transformers' RMSNorms are)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class _LowRankAttention(nn.Module):
+    """Attention whose queries come through a low-rank down-projection and its norm
+    (DeepSeek's ``q_a_proj`` → ``q_a_layernorm`` → ``q_b_proj``), or, with ``rank=0``, a plain
+    query projection with a per-head norm (Qwen3's ``q_norm``)."""
+
+    def __init__(self, hidden: int = 32, heads: int = 4, rank: int = 8, per_head_norm: bool = False) -> None:
+        super().__init__()
+        self.heads, self.d = heads, hidden // heads
+        self.q_a = nn.Linear(hidden, rank, bias=False) if rank else None
+        self.q_a_norm = _Rms(rank) if rank else None
+        self.q_b = nn.Linear(rank or hidden, hidden, bias=False)
+        self.q_norm = _Rms(self.d) if per_head_norm else None
+        self.kv = nn.Linear(hidden, 2 * hidden, bias=False)
+        self.o = nn.Linear(hidden, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q_in = self.q_a_norm(self.q_a(x)) if self.q_a is not None and self.q_a_norm is not None else x
+        q = self.q_b(q_in).view(b, s, self.heads, self.d)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        k, v = self.kv(x).view(b, s, 2, self.heads, self.d).unbind(2)
+        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return x + self.o(out.transpose(1, 2).reshape(b, s, h))
+
+
+def _projection_roles(block: _LowRankAttention) -> dict[str, str | None]:
+    from profiler.census import ShardedWeights
+
+    weights = [m.weight for m in (block.q_a, block.q_b, block.kv, block.o) if m is not None]
+    ops = census(block, [torch.randn(2, 8, 32)], sharded=ShardedWeights("block", tuple(weights)))
+    # the projections in the order they run (the census keeps first-run order), one each
+    names = ["q_a", "q_b", "kv", "o"] if block.q_a is not None else ["q_b", "kv", "o"]
+    products = [o for o in ops if o.kind == "gemm" and o.batch == 1]
+    assert [o.count for o in products] == [1] * len(names)
+    return {name: o.tp_shard for name, o in zip(names, products, strict=True)}
+
+
+def test_a_low_rank_down_projection_into_its_norm_stays_replicated() -> None:
+    # Megatron keeps DeepSeek's q_a/kv_a replicated: their norm needs the whole features; the
+    # up-projection after it is column-parallel and the output projection row-parallel (one
+    # all-reduce).  Following the data alone would shard the down-projection, normalise a shard
+    # and make the up-projection row-parallel
+    assert _projection_roles(_LowRankAttention()) == {"q_a": None, "q_b": "n", "kv": "n", "o": "k"}
+
+
+def test_a_per_head_norm_keeps_its_projection_column_parallel() -> None:
+    # Qwen3's q_norm normalises each head's own features, which a rank holds whole
+    roles = _projection_roles(_LowRankAttention(rank=0, per_head_norm=True))
+    assert roles == {"q_b": "n", "kv": "n", "o": "k"}
+
+
+@needs_transformers
+def test_deepseeks_latent_attention_gets_megatrons_split() -> None:
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=1,
+                           first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
+                           kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, vocab_size=256,
+                           n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1)  # fmt: skip
+    model = DeepseekV3ForCausalLM(cfg)
+    layer = model.model.layers[0]
+    x = torch.randn(2, 8, 64)
+    rope = model.model.rotary_emb(x, torch.arange(8)[None].expand(2, 8))
+
+    class Unit(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, h: torch.Tensor) -> Any:
+            return self.layer(h, position_embeddings=rope, attention_mask=None)
+
+    sharded = sharded_weights(layer)
+    assert sharded is not None
+    ops = census(Unit(), [x], sharded=sharded)
+    attn = layer.self_attn
+    roles = {}
+    for name in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
+        n, k = getattr(attn, name).weight.shape
+        roles[name] = [o.tp_shard for o in ops if o.kind == "gemm" and o.batch == 1 and (o.n, o.k) == (n, k)]
+    assert roles == {"q_a_proj": [None], "q_b_proj": ["n"], "kv_a_proj_with_mqa": [None], "kv_b_proj": ["n"],
+                     "o_proj": ["k"]}  # fmt: skip
