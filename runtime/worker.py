@@ -74,7 +74,7 @@ from runtime.watchdog import start_watchdog
 from runtime.worker_args import DEFAULT_TIMEOUT_S as DEFAULT_TIMEOUT_S
 from runtime.worker_args import DEFAULT_TOLERANCE as DEFAULT_TOLERANCE
 from runtime.worker_args import DTYPE_CHOICES as DTYPE_CHOICES
-from runtime.worker_args import add_worker_args
+from runtime.worker_args import add_worker_args as add_worker_args
 from runtime.worker_setup import build_job
 from runtime.worker_setup import train_options as train_options
 
