@@ -20,39 +20,31 @@ written under one plan resumes under another (other K, D, T or ZeRO).
 mid-save leaves a ``step-*`` directory that no ``latest`` names, and resuming takes the previous
 complete checkpoint.  A checkpoint of another model is refused before training
 (:func:`check_compatible`), and a damaged one raises an ``InputError`` naming the file.
+
+Where each part lives (every name stays importable from here): this module, saving and loading
+(:func:`save_checkpoint`, :func:`load_checkpoint`); :mod:`runtime.checkpoint_info`, the layout's
+names, ``pipeplan.json`` and which checkpoint to resume from (no torch);
+:mod:`runtime.checkpoint_optimizer`, the optimizer's state in a checkpoint.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
-from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from planner.errors import InputError
-
-FORMAT = "pipeplan-checkpoint/1"
-INFO_FILE = "pipeplan.json"
-LATEST = "latest"
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """What ``pipeplan.json`` records about one checkpoint."""
-
-    format: str
-    model: str
-    sha256: str
-    step: int
-    plan: str
-    optimizer: str
-    path: str = ""
-    #: float16 training: the dynamic loss scale and its count of good steps (None otherwise)
-    loss_scale: float | None = None
-    loss_scale_good_steps: int = 0
+from runtime.checkpoint_info import FORMAT as FORMAT
+from runtime.checkpoint_info import INFO_FILE as INFO_FILE
+from runtime.checkpoint_info import LATEST as LATEST
+from runtime.checkpoint_info import CheckpointInfo as CheckpointInfo
+from runtime.checkpoint_info import check_compatible as check_compatible
+from runtime.checkpoint_info import read_info as read_info
+from runtime.checkpoint_info import step_dir as step_dir
+from runtime.checkpoint_optimizer import create_optimizer_state, optimizer_state
 
 
 def _dcp() -> Any:
@@ -60,99 +52,6 @@ def _dcp() -> Any:
     import importlib
 
     return importlib.import_module("torch.distributed.checkpoint")
-
-
-def step_dir(directory: str | os.PathLike[str], step: int) -> Path:
-    return Path(directory, f"step-{step:06d}")
-
-
-def read_info(directory: str | os.PathLike[str]) -> CheckpointInfo:
-    """The newest complete checkpoint in ``directory`` (what ``latest`` names); no torch."""
-    root = Path(directory)
-    latest = root / LATEST
-    if not root.is_dir():
-        raise InputError(f"--resume {directory}: no such checkpoint directory")
-    if not latest.exists():
-        raise InputError(
-            f"--resume {directory}: no complete checkpoint there ({LATEST} is missing: nothing was saved, "
-            "or every save was interrupted)"
-        )
-    name = latest.read_text(encoding="utf-8").strip()
-    path = root / name
-    info_file = path / INFO_FILE
-    try:
-        data = json.loads(info_file.read_text(encoding="utf-8"))
-        info = CheckpointInfo(**{k: data[k] for k in ("format", "model", "sha256", "step", "plan", "optimizer")})
-        scale, good = data.get("loss_scale"), data.get("loss_scale_good_steps", 0)
-        if scale is not None and (
-            isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0
-        ):
-            raise ValueError(f"loss_scale {scale!r} is not a positive number")
-        if isinstance(good, bool) or not isinstance(good, int) or good < 0:
-            raise ValueError(f"loss_scale_good_steps {good!r} is not a count")
-        info = CheckpointInfo(**{**asdict(info), "loss_scale": None if scale is None else float(scale),
-                                 "loss_scale_good_steps": good})
-    except FileNotFoundError:
-        raise InputError(f"checkpoint {path} is damaged: {INFO_FILE} is missing (named by {latest})") from None
-    except (ValueError, KeyError, TypeError) as err:
-        raise InputError(f"checkpoint {path} is damaged: {info_file} does not parse ({err})") from None
-    if info.format != FORMAT:
-        raise InputError(f"checkpoint {path} has format {info.format!r}; this pipeplan reads {FORMAT!r}")
-    if not (path / ".metadata").exists():
-        raise InputError(f"checkpoint {path} is damaged: DCP's .metadata is missing")
-    return CheckpointInfo(**{**asdict(info), "path": str(path)})
-
-
-def check_compatible(info: CheckpointInfo, *, model: str, sha256: str, optimizer: str | None = None) -> None:
-    """Refuse a checkpoint of another model (structure fingerprint) or another optimizer."""
-    if info.sha256 != sha256:
-        raise InputError(
-            f"checkpoint {info.path} is of model {info.model!r} (fingerprint {info.sha256[:12]}...) but this run "
-            f"trains {model!r} (fingerprint {sha256[:12]}...): resume from a checkpoint of this model, or "
-            "start without --resume"
-        )
-    if optimizer is not None and info.optimizer != optimizer:
-        raise InputError(
-            f"checkpoint {info.path} holds {info.optimizer} optimizer state but this run uses {optimizer}: "
-            f"resume with --optimizer {info.optimizer}"
-        )
-
-
-def _optimizer_state(named: Sequence[tuple[str, Any]], optimizer: Any) -> dict[str, Any]:
-    """``optim.<param name>.<key>`` -> tensor, for the parameters this rank's optimizer holds
-    state for (a ZeRO-1 rank: its share)."""
-    if optimizer is None:  # a rank whose stages hold no parameter
-        return {}
-    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's local optimizer
-    out = {}
-    for name, p in named:
-        for key, value in inner.state.get(p, {}).items():
-            if hasattr(value, "dim"):
-                out[f"optim.{name}.{key}"] = value
-    return out
-
-
-def _init_optimizer_state(named: Sequence[tuple[str, Any]], optimizer: Any) -> None:
-    """Make the optimizer create its state (a step with zero gradients and learning rate 0), so
-    that DCP has tensors to load into."""
-    import torch
-
-    if optimizer is None:
-        return
-    inner = getattr(optimizer, "optim", optimizer)
-    params = [p for _, p in named]
-    if all(p in inner.state for p in params if any(p is q for g in inner.param_groups for q in g["params"])):
-        return
-    saved = [g["lr"] for g in inner.param_groups]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    for g in inner.param_groups:
-        g["lr"] = 0.0
-    inner.step()
-    for g, lr in zip(inner.param_groups, saved, strict=True):
-        g["lr"] = lr
-    for p in params:
-        p.grad = None
 
 
 def _savable(state: dict[str, Any]) -> dict[str, Any]:
@@ -188,7 +87,7 @@ def save_checkpoint(
     named = list(named)
     path = step_dir(directory, step)
     state: dict[str, Any] = {name: p.detach() for name, p in named}
-    state.update(_optimizer_state(named, optimizer))
+    state.update(optimizer_state(named, optimizer))
     dcp.save(_savable(state), checkpoint_id=str(path))
     dist.barrier()
     if dist.get_rank() == 0:
@@ -231,8 +130,8 @@ def load_checkpoint(
     except Exception as err:  # a truncated or foreign .metadata
         raise InputError(f"checkpoint {info.path} is damaged: cannot read its metadata ({err})") from None
     if any(k.startswith("optim.") for k in saved):
-        _init_optimizer_state(named, optimizer)
-        state.update({k: v for k, v in _optimizer_state(named, optimizer).items() if k in saved})
+        create_optimizer_state(named, optimizer)
+        state.update({k: v for k, v in optimizer_state(named, optimizer).items() if k in saved})
     missing = [k for k in state if k not in saved]
     if missing:
         raise InputError(

@@ -19,19 +19,24 @@ wrong shape is an :class:`~planner.errors.InputError` at that step on every rank
 
 ``Loader`` is defined in :mod:`profiler.loading` (the entry-point contract) and re-exported
 here for entry points: ``from runtime.data import Loader``.
+
+Where each part lives (every name stays importable from here): this module, the source
+(:class:`DataSource`, its kind, which ranks read it: :func:`loads_data`);
+:mod:`runtime.data_stream`, one reading of it, step by step (:class:`Stream`);
+:mod:`runtime.data_check`, the ranks' agreement at each step (:class:`DataReport`,
+:func:`judge`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from torch import Tensor
 
-from planner.errors import InputError
-from profiler.loading import Batch, Entrypoint, Loader, call_data, check_batch
-from runtime.training import batch_fingerprint, synthetic_batch
+from profiler.loading import Batch, Entrypoint, Loader
+from runtime.data_check import DataReport, judge
+from runtime.data_stream import Stream
 
 Kind = Literal["synthetic", "function", "iterable", "per-replica"]
 
@@ -102,156 +107,6 @@ class DataSource:
     def open(self, replica: int = 0, replicas: int = 1) -> Stream:
         """The batches data-parallel replica ``replica`` of ``replicas`` trains on, step by step."""
         return Stream(self, replica, replicas)
-
-
-class Stream:
-    """One rank's (or the reference's) reading of a :class:`DataSource`."""
-
-    def __init__(self, source: DataSource, replica: int, replicas: int) -> None:
-        g = source.global_batch_size
-        if g % replicas:
-            raise InputError(f"global batch {g} does not split into {replicas} replicas")
-        self.source = source
-        self.replica = replica
-        self.replicas = replicas
-        self.shard_rows = g // replicas
-        self.read = 0  # batches taken from an iterable
-        self._targets_like: Tensor | None = None
-        self._it: Iterator[Any] | None = None
-        self._length: int | None = None
-        kind = source.kind
-        if kind in ("iterable", "per-replica"):
-            data = source.data
-            what = self._what()
-            try:
-                if isinstance(data, Loader):
-                    data = data.open(self.shard_rows, replica, replicas) if data.per_replica else data.open(g)
-                self._length = len(data) if hasattr(data, "__len__") else None
-                self._it = iter(data)
-            except InputError:
-                raise
-            except Exception as err:
-                raise InputError(f"opening {what} raised {type(err).__name__}: {err}") from err
-
-    def _what(self) -> str:
-        src = self.source
-        if src.kind == "per-replica":
-            return f"the data of {src.spec!r} for replica {self.replica} of {self.replicas}"
-        return f"the data of {src.spec!r}"
-
-    def next(self, step: int) -> tuple[Batch, int]:
-        """This replica's rows of ``step`` and a fingerprint of what the ranks must agree on
-        (the global batch; with ``per-replica`` data, this replica's rows)."""
-        src = self.source
-        g = src.global_batch_size
-        kind = src.kind
-        if kind == "synthetic":
-            batch = Batch(synthetic_batch(src.example_inputs, g, seed=src.seed, step=step))
-            return self._shard(batch), 0
-        if kind == "function":
-            batch = call_data(src.data_fn, src.example_inputs, step=step, batch_size=g, spec=src.spec,
-                              keywords=src.keywords, takes_target=src.takes_target)  # fmt: skip
-            return self._shard(batch), batch_fingerprint(batch.tensors())
-        rows = self.shard_rows if kind == "per-replica" else g
-        if step == 0 and self._length is not None and self._length < src.steps:
-            raise InputError(
-                f"{self._what()} has {self._length} batches but --steps {src.steps} needs {src.steps}: "
-                "give more data (e.g. loop over epochs in a generator) or fewer --steps"
-            )
-        assert self._it is not None
-        try:
-            raw = next(self._it)
-        except StopIteration:
-            raise InputError(
-                f"{self._what()} ended after {self.read} batches, at step {step} of --steps {src.steps}: give "
-                "more data (e.g. loop over epochs in a generator) or fewer --steps; FUNC must build its data "
-                "afresh on every call (the --check reference calls it again)"
-            ) from None
-        except InputError:
-            raise
-        except Exception as err:
-            raise InputError(f"reading batch {self.read} of {self._what()} raised {type(err).__name__}: {err}") from err
-        self.read += 1
-        size_hint = (
-            f"this replica's {rows} rows (global batch {g} / {self.replicas} replicas)"
-            if kind == "per-replica"
-            else f"the plan's global batch {g}"
-        )
-        try:
-            batch = check_batch(
-                raw, src.example_inputs, batch_size=rows, where=f"batch {self.read - 1} (step {step}) of {self._what()}:",
-                keywords=src.keywords, takes_target=src.takes_target, target_like=self._targets_like,
-            )  # fmt: skip
-        except InputError as err:
-            raise InputError(
-                f"{err}; every batch must have {size_hint} rows (a DataLoader: batch_size={rows}, "
-                "drop_last=True, or Loader(make) which is told the batch size)"
-            ) from None
-        if batch.targets is not None and self._targets_like is None:
-            self._targets_like = batch.targets
-        fingerprint = batch_fingerprint(batch.tensors())
-        return (batch if kind == "per-replica" else self._shard(batch)), fingerprint
-
-    def _shard(self, batch: Batch) -> Batch:
-        n = self.shard_rows
-        return batch if self.replicas == 1 else batch.rows(self.replica * n, (self.replica + 1) * n)
-
-
-@dataclass(frozen=True)
-class DataReport:
-    """One rank's part of a step's data check: what it read (or why it could not)."""
-
-    rank: int
-    replica: int
-    fingerprint: int | None  # None: this rank reads no data
-    error: str | None = None
-
-
-def judge(reports: Sequence[DataReport], *, step: int, per_replica: bool) -> tuple[str | None, str | None]:
-    """``(error, warning)`` for one step's reports of every rank.
-
-    An error: a rank could not read its batch, or two ranks that must read the same batch
-    (any two, or with ``per_replica`` two of one replica) read different ones.  A warning:
-    with ``per_replica``, two replicas read the same rows (the loader does not shard).
-    """
-    failed = [r for r in reports if r.error is not None]
-    if failed:
-        first = failed[0]
-        others = f" and {len(failed) - 1} other rank(s)" if len(failed) > 1 else ""
-        return f"{first.error} (on rank {first.rank}{others})", None
-    readers = [r for r in reports if r.fingerprint is not None]
-    groups: dict[int, list[DataReport]] = {}
-    for r in readers:
-        groups.setdefault(r.replica if per_replica else 0, []).append(r)
-    for members in groups.values():
-        differ = [r for r in members if r.fingerprint != members[0].fingerprint]
-        if differ:
-            scope = f"replica {members[0].replica}'s rows" if per_replica else "global batch"
-            fix = (
-                "make(batch_size, replica, replicas) must give the same batches on every call for one replica"
-                if per_replica
-                else "the data must be the same on every rank: data_fn(step, batch_size) deterministic in its "
-                "arguments (seed a torch.Generator from step, do not use the global RNG or the rank), an "
-                "iterable shuffled with a seeded generator"
-            )
-            return (
-                f"the data gave rank {differ[0].rank} a different {scope} than rank {members[0].rank} at step "
-                f"{step} ({len(differ)} of {len(members)} ranks reading it differ): {fix}"
-            ), None
-    warning = None
-    if per_replica and len(groups) > 1:
-        seen: dict[int, int] = {}
-        for replica, members in sorted(groups.items()):
-            fp = members[0].fingerprint
-            assert fp is not None
-            if fp in seen:
-                warning = (
-                    f"replicas {seen[fp]} and {replica} read the same rows at step {step}: does "
-                    "make(batch_size, replica, replicas) shard by replica?"
-                )
-                break
-            seen[fp] = replica
-    return None, warning
 
 
 __all__ = ["Batch", "DataReport", "DataSource", "Loader", "Stream", "judge", "loads_data"]

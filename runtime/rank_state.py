@@ -1,7 +1,7 @@
 """What one rank holds while it trains: the dataclasses the worker's steps pass on.
 
-:class:`Job` is what :func:`runtime.worker._run` hands to the training (flags, plan, model,
-where this rank sits); :func:`runtime.stages.join_mesh` turns it into a :class:`RankState`
+:class:`Job` is what :func:`runtime.worker_setup.build_job` builds for the training (flags,
+plan, model, where this rank sits); :func:`runtime.stages.join_mesh` turns it into a :class:`RankState`
 (the mesh and its groups), :func:`runtime.stages.build_stages` adds the :class:`StageSet`
 (this rank's pipeline stages and how their gradients are reduced), :func:`runtime.loop.prepare`
 the :class:`Training` (loss, schedule, optimizer, data), and every step appends to the

@@ -29,8 +29,13 @@ ranks).  ``--checkpoint DIR [--every N]`` saves model and optimizer state with
 ``--log``, gathers the measurements, prints the report, writes it with ``--report``, and
 with ``--check`` trains the unsplit model in its own process on the same data and compares.
 
-Where each part lives (:func:`_train` calls them in this order):
+Where each part lives (:func:`main` starts the rank, :func:`_run` joins the process group,
+:func:`_train` calls the training's parts in this order):
 
+- :mod:`runtime.worker_args`: the flags (shared with ``pipeplan run``) and their defaults;
+- :mod:`runtime.watchdog`: the thread that ends a rank making no progress;
+- :mod:`runtime.worker_setup`: flags, plan and model to this rank's :class:`Job` (the checked
+  training options, the device, the split model checked against the plan);
 - :mod:`runtime.rank_state`: the dataclasses the steps pass on (:class:`Job`, ``RankState``,
   ``StageSet``, ``Training``, ``StepRecords``);
 - :mod:`runtime.stages`: the mesh, then this rank's stages, one step per axis in a fixed order
@@ -52,181 +57,29 @@ import logging
 import os
 import socket
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Sequence
-from typing import Any
 
-from planner.errors import InputError, PipeplanError
+from planner.errors import PipeplanError
 from runtime.fault_injection import FAULT_MODES as FAULT_MODES
-from runtime.fault_injection import Fault
+from runtime.fault_injection import Fault as Fault
 from runtime.faults import CheckFailedError, RankStatus, error_summary, write_status
 from runtime.rank_check import check_grad_steps as check_grad_steps
 from runtime.rank_check import tolerance as tolerance
-from runtime.rank_state import Coords, Job, Progress
+from runtime.rank_state import Job, Progress
 from runtime.stage_timing import fold_loss as _fold_loss  # noqa: F401 (tests import it from here)
+from runtime.watchdog import EXIT_HUNG as EXIT_HUNG
+from runtime.watchdog import start_watchdog
+from runtime.worker_args import DEFAULT_TIMEOUT_S as DEFAULT_TIMEOUT_S
+from runtime.worker_args import DEFAULT_TOLERANCE as DEFAULT_TOLERANCE
+from runtime.worker_args import DTYPE_CHOICES as DTYPE_CHOICES
+from runtime.worker_args import add_worker_args as add_worker_args
+from runtime.worker_setup import build_job
+from runtime.worker_setup import train_options as train_options
 
-#: exit code of a rank whose --check failed (other failures exit 1)
+#: exit code of a rank whose --check failed (other failures exit 1; a hung rank: EXIT_HUNG)
 EXIT_CHECK_FAILED = 3
-#: exit code of a rank whose watchdog saw it make no progress
-EXIT_HUNG = 124
-
-DEFAULT_TIMEOUT_S = 120.0
-#: --check tolerance of a float32 run (16-bit runs: runtime.training.DEFAULT_TOLERANCES)
-DEFAULT_TOLERANCE = 1e-5
-#: --dtype choices (short and long names)
-DTYPE_CHOICES = ("fp32", "bf16", "fp16", "float32", "bfloat16", "float16")
-
-
-def add_worker_args(p: argparse.ArgumentParser, *, for_launcher: bool = False) -> None:
-    """Flags shared by ``pipeplan run`` and ``python -m runtime.worker``."""
-    if not for_launcher:
-        p.add_argument("--plan", required=True, help="plan JSON file")
-    p.add_argument(
-        "--model",
-        required=True,
-        help="MODULE:FUNC or path/to/file.py:FUNC (the profiled model); FUNC returns (model, example_inputs"
-        "[, loss_fn[, data]]): loss_fn(output) or loss_fn(output, target); data: data_fn(step, batch_size), "
-        "an iterable of global batches (a DataLoader) or runtime.data.Loader(make[, per_replica=True]), "
-        "yielding (inputs, targets) when the loss takes a target",
-    )
-    p.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
-    p.add_argument(
-        "--optimizer",
-        default=None,
-        help="sgd, sgd-momentum, adam, adamw; must match the plan's training optimizer (default: the plan's)",
-    )
-    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
-    p.add_argument(
-        "--lr-schedule",
-        choices=("constant", "cosine"),
-        default="constant",
-        help="constant, or cosine decay to --min-lr at the last step (default constant)",
-    )
-    p.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up steps (default 0)")
-    p.add_argument("--min-lr", type=float, default=0.0, help="where the cosine schedule ends (default 0)")
-    p.add_argument(
-        "--clip-grad-norm",
-        type=float,
-        metavar="MAX",
-        help="clip the gradient to this L2 norm, the norm of the whole model's gradient over every "
-        "pipeline rank (after the data-parallel average)",
-    )
-    p.add_argument(
-        "--dtype",
-        choices=DTYPE_CHOICES,
-        help="compute dtype: bf16/fp16 run the stages under autocast with fp32 master weights "
-        "(fp16 with loss scaling); must match the plan's (default: the plan's, fp32 for a plan without one)",
-    )
-    p.add_argument(
-        "--log-file",
-        metavar="FILE",
-        help="write loss, lr, step time, throughput and gradient norm per step: CSV for *.csv, else JSON lines",
-    )
-    p.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="seed of the model set-up and of the synthetic data (a data function from FUNC ignores it; default 0)",
-    )
-    p.add_argument(
-        "--timeout",
-        type=float,
-        default=DEFAULT_TIMEOUT_S,
-        help=f"collective timeout in seconds: a rank that waits longer for another fails the job (default {DEFAULT_TIMEOUT_S:g})",
-    )
-    p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto", help="default: nccl on CUDA, else gloo")
-    p.add_argument(
-        "--check",
-        action="store_true",
-        help="compare losses, gradients and final parameters with the unsplit model trained in one process",
-    )
-    p.add_argument(
-        "--tolerance",
-        type=float,
-        help=f"--check relative tolerance (default {DEFAULT_TOLERANCE:g} for fp32, 1e-2 for bf16, 2e-3 for fp16)",
-    )
-    p.add_argument("--report", metavar="FILE", help="write the measured-vs-predicted report JSON here")
-    p.add_argument(
-        "--checkpoint",
-        metavar="DIR",
-        help="save model and optimizer state here with torch.distributed.checkpoint (sharded, every rank "
-        "writes its own part); DIR/latest names the newest complete one",
-    )
-    p.add_argument(
-        "--every", type=int, default=0, metavar="N", help="with --checkpoint: save every N steps (default 0: at the end)"
-    )
-    p.add_argument(
-        "--resume",
-        metavar="DIR",
-        help="continue from the newest complete checkpoint in DIR, under this or another plan (other K, D, T "
-        "or ZeRO: the checkpoint is resharded on load); --steps counts from step 0",
-    )
-    p.add_argument(
-        "--dp-bucket-mb",
-        type=float,
-        default=None,
-        metavar="MIB",
-        help="bucket size of the data-parallel gradient all-reduce (torch DDP, overlapped with each stage's last "
-        "backward; default 25, DDP's)",
-    )
-    p.add_argument(
-        "--dp-reduction",
-        choices=("auto", "flat"),
-        default="auto",
-        help="data-parallel gradient reduction: auto (torch DDP, bucketed and overlapped with the backward, where "
-        "the mesh allows it; else the flat all-reduce) or flat (the runtime's flat all-reduce after the schedule, "
-        "to compare)",
-    )
-    p.add_argument("--run-dir", help=argparse.SUPPRESS)
-    # RANK:STEP:MODE (FAULT_MODES): make one rank fail mid-step or compute wrongly, for tests
-    p.add_argument("--inject-fault", help=argparse.SUPPRESS)
-
-
-def train_options(args: argparse.Namespace, plan: Any, optimizer: str) -> Any:
-    """The :class:`runtime.training.TrainOptions` of the flags, checked (``--dtype`` defaults
-    to the plan's)."""
-    from runtime.training import RUN_DTYPES, TrainOptions
-
-    if args.lr <= 0:
-        raise InputError(f"--lr {args.lr}: give a positive learning rate")
-    if args.warmup_steps < 0:
-        raise InputError(f"--warmup-steps {args.warmup_steps}: give 0 or more")
-    if not 0 <= args.min_lr <= args.lr:
-        raise InputError(f"--min-lr {args.min_lr}: give a value between 0 and --lr {args.lr}")
-    if args.clip_grad_norm is not None and not args.clip_grad_norm > 0:
-        raise InputError(f"--clip-grad-norm {args.clip_grad_norm}: give a positive norm")
-    return TrainOptions(
-        optimizer=optimizer,
-        lr=args.lr,
-        steps=args.steps,
-        lr_schedule=args.lr_schedule,
-        warmup_steps=args.warmup_steps,
-        min_lr=args.min_lr,
-        clip_grad_norm=args.clip_grad_norm,
-        dtype=RUN_DTYPES[args.dtype] if args.dtype else plan.training.run_dtype,
-        fused_optimizer=plan.training.fused_optimizer,
-    )
-
-
-
-def _watchdog(progress: Progress, status: RankStatus, run_dir: str | None, timeout_s: float) -> None:
-    """End this process if the main thread makes no progress (a hang no peer would see).
-
-    The limit is 2 x the collective timeout during training (peers normally notice first)
-    and max(4 x timeout, 300 s) during start-up (imports and model building can be slow).
-    """
-    while not progress.done:
-        limit_s = 2 * timeout_s if progress.training else max(4 * timeout_s, 300.0)
-        time.sleep(min(1.0, limit_s / 4))
-        idle = time.monotonic() - progress.beat
-        if idle > limit_s and not progress.done:
-            status.state = "hung"
-            status.error = f"no progress for {idle:.0f} s (watchdog limit {limit_s:g} s, see --timeout)"
-            write_status(run_dir, status)
-            print(f"[rank{status.rank}] error: {status.error} during {status.where()}", file=sys.stderr, flush=True)
-            os._exit(EXIT_HUNG)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -238,9 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     run_dir = args.run_dir
     write_status(run_dir, status)
     progress = Progress()
-    threading.Thread(
-        target=_watchdog, args=(progress, status, run_dir, args.timeout), daemon=True, name="pipeplan-watchdog"
-    ).start()
+    start_watchdog(progress, status, run_dir, args.timeout)
     try:
         code = _run(args, rank, status, progress)
     except BaseException as err:  # every failure is reported, then the rank exits
@@ -272,93 +123,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, rank: int, status: RankStatus, progress: Progress) -> int:
-    """Read the plan, build and split the model, check the plan against it, join the process
-    group and train."""
-    import torch
+    """Read the plan, build and split the model, check the plan against it
+    (:func:`runtime.worker_setup.build_job`), join the process group and train."""
     import torch.distributed as dist
 
-    from planner.schedules import rank_stages
-    from planner.schema import Plan, load_document
-    from profiler.loading import load_entrypoint
-    from profiler.split import split_model
-    from runtime.plan_check import check_optimizer_supported, check_plan_matches
-    from runtime.report import current_rss_bytes
-
-    rss_before_model = current_rss_bytes()  # the interpreter and torch: the report's memory note subtracts it
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    plan: Plan = load_document("plan", args.plan)
-    optimizer = args.optimizer or plan.training.optimizer
-    check_optimizer_supported(optimizer)
-    opts = train_options(args, plan, optimizer)
-    fault = Fault.parse(args.inject_fault) if args.inject_fault else None
-
-    from runtime.axes import local_examples, refuse_new_axes
-    from runtime.mesh import MeshSpec, split_sharding
-
-    k_deg, v = plan.pipeline_degree, plan.virtual_stages
-    # the mesh ("pp", "dp_replicate", "dp_shard", "tp"), pipeline axis outermost:
-    # rank = (k * D + d) * T + t
-    spec = MeshSpec.of(plan)
-    pp_rank, replica, tp_rank = spec.coords(rank) if rank < spec.world_size else (rank, 0, 0)
-    my_stages = rank_stages(plan.placement, k_deg, v)[pp_rank % k_deg]  # loop: s % K == rank; V: r and 2K-1-r
-    status.stages = my_stages
-
-    backend, device = _device(args, local_rank)
-    status.phase = "building the model"
-    write_status(args.run_dir, status)
-    torch.manual_seed(args.seed)
-    entry = load_entrypoint(args.model)
-    entry.model.to(device)  # before the split: every unit shares the model's tensors on the device
-    # under context parallelism the units are split on this rank's tokens (runtime/axes.py)
-    split = split_model(
-        entry.model,
-        tuple(t.to(device) for t in local_examples(entry.example_inputs, plan, replica)),
-        split_points=plan.split_points or None,
-        keywords=entry.keywords,
-    )
-    check_plan_matches(
-        plan,
-        layer_names=split.names,
-        param_bytes=split.param_bytes(),
-        sha256=split.sha256(),
-        world_size=world,
-        optimizer=optimizer,
-        dtype=opts.dtype,
-    )
-    # refuse an axis the runtime cannot execute (naming the layer) before joining the group
-    shardings = split_sharding(split, spec)
-    refuse_new_axes(split, plan)
+    job = build_job(args, rank, status, progress)
     status.phase = "joining the process group"
     write_status(args.run_dir, status)
     timeout = datetime.timedelta(seconds=args.timeout)
-    dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+    device = job.device
+    dist.init_process_group(job.backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
     try:
-        return _train(Job(
-            args, plan, entry, split, Coords(rank, world, pp_rank, replica, tp_rank, spec, shardings),
-            my_stages, device, backend, opts, fault, status, progress, rss_before_model=rss_before_model,
-        ))  # fmt: skip
+        return _train(job)
     finally:
         progress.done = True
         dist.destroy_process_group()
-
-
-def _device(args: argparse.Namespace, local_rank: int) -> tuple[str, Any]:
-    """The backend and this rank's device: nccl on a CUDA device of its own, else gloo on CPU."""
-    import torch
-
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    use_cuda = args.backend != "gloo" and torch.cuda.is_available() and torch.cuda.device_count() >= local_world
-    backend = args.backend if args.backend != "auto" else ("nccl" if use_cuda else "gloo")
-    if backend == "nccl" and not use_cuda:
-        raise InputError(
-            f"--backend nccl needs one CUDA device per rank ({local_world} on this host, "
-            f"{torch.cuda.device_count()} visible): use --backend gloo"
-        )
-    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    return backend, device
 
 
 def _train(job: Job) -> int:
