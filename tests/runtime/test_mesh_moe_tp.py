@@ -167,6 +167,12 @@ def _inspect_block(rank: int, port: int, out_dir: str) -> None:
                   "shards": shards, "sequence_dims": [seq[False], seq[True]],
                   "inserted": [inserted[False], inserted[True]],
                   "collectives": [collectives[False], collectives[True]]}  # fmt: skip
+        # the fallback (a region not linear in the partial sums): f and g around each product
+        linear = tp_experts.partial_sums
+        tp_experts.partial_sums = lambda region, row: "forced"  # type: ignore[assignment]
+        result["per_product"] = worst_difference(tp)
+        result["per_product_inserted"] = inserted[False]
+        tp_experts.partial_sums = linear  # type: ignore[assignment]
         # the fault: each rank's partial sums taken as the region's whole output (no reduction)
         tp_experts.sum_partials = lambda x, mesh, seq: DTensor.from_local(x, mesh, [Replicate()], run_check=False)  # type: ignore[assignment]
         result["no_reduce"] = worst_difference(tp)
@@ -329,3 +335,15 @@ def test_the_moe_region_reduces_once_and_copies_its_input_once(block_run: list[d
         # backward: the output's all-gather, the input's reduce-scatter, the two small f's
         # (before: the all-gather, the experts' gathered rows' and shared input's all-reduces, a slice)
         assert bwd_sp.get("reduce_scatter_tensor") == 2 and bwd_sp.get("allreduce_") == 2, bwd_sp
+
+
+def test_a_region_not_linear_in_the_partial_sums_falls_back_to_a_reduction_per_product(
+    block_run: list[dict[str, Any]],
+) -> None:
+    """Forced (partial_sums says no): an f before each column product's input (the experts'
+    gathered tokens, the shared expert's input), a g after each row product (the routed rows,
+    the shared expert's output), the output leaving replicated; still the block whole."""
+    for r in block_run:
+        assert r["per_product"] <= 1e-5, r["per_product"]
+        kinds = r["per_product_inserted"]
+        assert kinds.get("copy") == 2 and kinds.get("reduce") == 2 and "sum" not in kinds, kinds
