@@ -182,16 +182,18 @@ def tensor_parallel_fields(unit: nn.Module, layer: dict[str, Any], input_bytes: 
         moe = _experts_sharding(mods, modules)
         if moe is not None:
             sharded, forward, backward, collectives = moe
-        return {
+        fields: dict[str, Any] = {
             "tensor_parallel": "block",
             "tp_param_bytes": sharded,
             "tp_compute_fraction": 1.0,
             "tp_forward_bytes": [forward * o for o in out],
             "tp_backward_bytes": [round(backward * o) for o in out],
-            "tp_backward_collectives": collectives,
             "tp_replicated_activation_bytes": repl,
             "sp_replicated_activation_bytes": [0] * n,
         }
+        if moe is not None:  # (a dense block: the schema's default, 2)
+            fields["tp_backward_collectives"] = collectives
+        return fields
     if kind == "vocab-embedding":
         return {
             "tensor_parallel": "vocab-embedding",
