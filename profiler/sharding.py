@@ -16,9 +16,10 @@ modules and its measured bytes:
   normalisations stay whole on every device without sequence parallelism (one output-sized
   tensor each), plus a one-byte mask per element for each of two residual dropouts when it has
   dropout; with sequence parallelism everything shards.  A block holding routed experts (Mixtral,
-  Qwen2-MoE) also shards each expert's FFN along its hidden width, the router whole, and its
-  collectives move attention's output, the ``top_k`` routed rows of each token and a shared
-  expert's output (:func:`_experts_sharding`, as :mod:`runtime.tp_experts` runs it);
+  Qwen2-MoE) also shards each expert's FFN along its hidden width, the router whole; its
+  collectives move attention's output and the MoE module's output once each (the experts'
+  partial sums combined first, reduced once), backward also the routing weights' and a shared
+  gate's small gradients (:func:`_experts_sharding`, as :mod:`runtime.tp_experts` runs it);
 * a *vocabulary-parallel embedding*: an ``nn.Embedding`` and no linear layer: the largest table
   shards, one all-reduce of its output forward; its activations (token ids) stay whole
   (a table tied to the LM head is replicated: see below);
@@ -102,14 +103,21 @@ def _kind(unit: nn.Module) -> tuple[str, list[nn.Module]] | None:
     return None
 
 
-def _experts_sharding(mods: Sequence[nn.Module], projections: Sequence[nn.Module]) -> tuple[int, int] | None:
+def _experts_sharding(
+    mods: Sequence[nn.Module], projections: Sequence[nn.Module]
+) -> tuple[int, int, float, int] | None:
     """A block holding routed experts, as the runtime shards it (:mod:`runtime.tp_experts`):
-    (its tensor-parallel parameter bytes, the outputs its collectives move per forward).  Each
-    expert's FFN splits along its hidden width, and so does a shared expert's; the router (a
-    projection to one score per expert) stays whole.  Megatron's f and g around every column-
-    and row-parallel product: attention's output, each token's ``top_k`` routed rows (reduced
-    before the routing weights combine them) and a shared expert's output, each one all-reduce
-    of the block's output size forward, the same backward.  None without routed experts."""
+    (its tensor-parallel parameter bytes, the outputs its collectives move per forward, the
+    outputs they move per backward, its collectives per backward).  Each expert's FFN splits
+    along its hidden width, and so does a shared expert's; the router (a projection to one score
+    per expert) stays whole.  Forward: attention's output and the MoE module's output, one
+    all-reduce each of the block's output size (the routed rows are weighted and combined, and
+    the shared expert's output added, on each rank's partial sums, reduced once where they leave;
+    under sequence parallelism an all-gather in and a reduce-scatter out each, the same bytes).
+    Backward: the same two (the attention's input and the experts' input), plus a small
+    all-reduce for the gradient of each replicated factor of a partial sum: the routing weights
+    (``top_k`` per token) and a shared expert's gate (one per token), each token's
+    ``top_k + shared`` values next to its ``hidden``.  None without routed experts."""
     experts = [m for m in mods if is_experts_module(m)]
     if not experts:
         return None
@@ -120,7 +128,9 @@ def _experts_sharding(mods: Sequence[nn.Module], projections: Sequence[nn.Module
                   if isinstance(v := getattr(m, key, None), int) and v > 0), 1)  # fmt: skip
     shared = any(getattr(m, key, None) is not None for m in mods for key in ("shared_expert", "shared_experts"))
     sharded = sum(module_bytes(m) for m in projections if m not in routers) + sum(module_bytes(e) for e in experts)
-    return sharded, 1 + top_k + int(shared)
+    hidden = getattr(experts[0], "hidden_dim", None) or next((w[0] for m in routers if (w := projection_widths(m))), 0)
+    factors = (top_k + int(shared)) / hidden if hidden else 0.0
+    return sharded, 2, 2 + factors, 3 + int(shared)
 
 
 def sharded_weights(unit: nn.Module) -> ShardedWeights | None:
@@ -168,19 +178,22 @@ def tensor_parallel_fields(unit: nn.Module, layer: dict[str, Any], input_bytes: 
         dropout = any(isinstance(m, nn.Dropout) and m.p > 0 for m in mods)
         elem = next((p.element_size() for p in unit.parameters() if p.is_floating_point()), 4)
         repl = [min(a, len(norms) * o + (2 * o // elem if dropout else 0)) for o, a in zip(out, acts, strict=True)]
-        sharded, reduces = sum(module_bytes(m) for m in modules), 2
+        sharded, forward, backward, collectives = sum(module_bytes(m) for m in modules), 2, 2.0, 2
         moe = _experts_sharding(mods, modules)
         if moe is not None:
-            sharded, reduces = moe
-        return {
+            sharded, forward, backward, collectives = moe
+        fields: dict[str, Any] = {
             "tensor_parallel": "block",
             "tp_param_bytes": sharded,
             "tp_compute_fraction": 1.0,
-            "tp_forward_bytes": [reduces * o for o in out],
-            "tp_backward_bytes": [reduces * o for o in out],
+            "tp_forward_bytes": [forward * o for o in out],
+            "tp_backward_bytes": [round(backward * o) for o in out],
             "tp_replicated_activation_bytes": repl,
             "sp_replicated_activation_bytes": [0] * n,
         }
+        if moe is not None:  # (a dense block: the schema's default, 2)
+            fields["tp_backward_collectives"] = collectives
+        return fields
     if kind == "vocab-embedding":
         return {
             "tensor_parallel": "vocab-embedding",

@@ -98,9 +98,10 @@ def mesh_note(plan: Any, split: Any, gathered: list[Any]) -> str:
             parts.append(
                 f"mixture-of-experts layers {', '.join(moe)}: each expert's FFN (and a shared expert's) split along "
                 f"its hidden width over T, the router replicated; their MoE modules run on local tensors with "
-                "Megatron's all-reduces (input gradient; output), not counted among DTensor's collectives"
-                + ("; under sequence parallelism their input is all-gathered and their output all-reduced and "
-                   "sliced along the sequence" if spec.sequence_parallel else "")
+                "Megatron's collectives (the experts' input gradient; the output, combined first and reduced "
+                "once), not counted among DTensor's collectives"
+                + ("; under sequence parallelism their input is all-gathered and their output reduce-scattered "
+                   "along the sequence" if spec.sequence_parallel else "")
             )  # fmt: skip
         if spec.sequence_parallel:
             from runtime.mesh import KIND_RULES, sequence_parallel_note

@@ -449,11 +449,14 @@ def test_a_mixture_of_experts_block_keeps_its_census_without_roles(tmp_path: Any
     assert [o.tp_shard for o in (head.operations or [[]])[0] if o.kind == "gemm"] == ["n"]
     for x in blocks:
         # the runtime shards the experts along their hidden width (runtime/tp_experts.py): their
-        # bytes divide by T, and the block's all-reduces move attention's output and each token's
-        # two routed rows (num_experts_per_tok 2), forward and backward
+        # bytes divide by T; the block's all-reduces move attention's output and the MoE output
+        # (the routed rows combined before the one reduction) forward; backward also the routing
+        # weights' gradient (num_experts_per_tok 2 per token, next to hidden_size 64): 3 collectives
         assert x.moe is not None and x.tp_param_bytes is not None
         assert x.moe.expert_param_bytes < x.tp_param_bytes < x.param_bytes  # (the router and norms stay whole)
-        assert x.tp_forward_bytes == [3 * o for o in x.output_bytes] == x.tp_backward_bytes
+        assert x.tp_forward_bytes == [2 * o for o in x.output_bytes], x.tp_forward_bytes
+        assert x.tp_backward_bytes == [round((2 + 2 / 64) * o) for o in x.output_bytes], x.tp_backward_bytes
+        assert (x.tp_forward_collectives, x.tp_backward_collectives) == (2, 3)
     note = flat_scaling_note(prof, 2)
     assert note is not None and all(x.name in note for x in blocks) and head.name not in note
 

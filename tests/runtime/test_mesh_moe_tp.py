@@ -2,11 +2,13 @@
 expert tensor parallelism: each routed expert's FFN (and a shared expert's) is split along its
 hidden width over T ranks (gate and up column-parallel, down row-parallel), the router stays
 replicated, the tokens entering the experts are replicated (their gradient all-reduced) and the
-experts' output summed over T.  The attention shards as Llama's.
+experts' partial sums combined on each rank, then summed over T once where the MoE output leaves
+(under sequence parallelism reduce-scattered).  The attention shards as Llama's.
 
 Inspected on one Qwen2-MoE block (routed and shared experts) on 2 gloo ranks against the block
-whole, with and without sequence parallelism; the fault (the forward all-reduce after the
-row-parallel products dropped) fails that comparison.  ``pipeplan run --check`` (Adam) on the
+whole, with and without sequence parallelism; the fault (the MoE output's reduction dropped)
+fails that comparison; the collectives one forward and one backward run are counted (one
+reduction of the MoE output, not one per row-parallel product).  ``pipeplan run --check`` (Adam) on the
 example MoE models (``examples.hf:mixtral``, ``examples.hf:qwen2_moe``) at T = 2, T = 2 with
 sequence parallelism, D = 2 x T = 2 with ZeRO 1 or 3, and K = 2 x T = 2 with sequence parallelism.
 """
@@ -73,11 +75,12 @@ def test_moe_blocks_get_the_moe_rule_and_an_odd_width_is_refused() -> None:
 def _inspect_block(rank: int, port: int, out_dir: str) -> None:
     """Rank ``rank`` of 2: Qwen2-MoE's first block at T = 2 (and with sequence parallelism)
     against the block whole (forward, input and parameter gradients); the local expert shards;
-    then the fault: no all-reduce after the row-parallel products."""
+    the boundary nodes localize inserted and the collectives of one forward and one backward;
+    then the fault: the MoE output's partial sums not reduced."""
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Replicate
 
     import runtime.tp_experts as tp_experts
     from runtime.mesh import MeshSpec, apply_mesh, build_mesh, split_sharding, stage_shardings
@@ -106,6 +109,8 @@ def _inspect_block(rank: int, port: int, out_dir: str) -> None:
         ref = dict(whole.named_parameters())
         shards: dict[str, Any] = {}
         seq: dict[bool, Any] = {}  # the sequence dimension the unit runs sharded along, per run
+        inserted: dict[bool, dict[str, int]] = {}  # localize's boundary nodes, per run
+        collectives: dict[bool, list[dict[str, int]]] = {}  # (forward, backward) collectives, per run
 
         def worst_difference(spec: MeshSpec) -> float:
             mesh = build_mesh(spec)
@@ -119,13 +124,57 @@ def _inspect_block(rank: int, port: int, out_dir: str) -> None:
                 if ".mlp." in name and isinstance(p, DTensor):
                     shards[name.replace(".inner", "").removeprefix("units.0.")] = p.to_local().detach().tolist()
             seq[spec.sequence_parallel] = sharded.units[0].sequence_dim
+            inserted[spec.sequence_parallel] = boundaries(sharded)
+            collectives[spec.sequence_parallel] = count_collectives(sharded)
             return worst
+
+        def boundaries(mod: Any) -> dict[str, int]:
+            """The nodes tp_experts.localize inserted, by kind."""
+            prefix = "pipeplan_tp_experts_"
+            found: dict[str, int] = {}
+            for m in mod.modules():
+                for n in getattr(getattr(m, "graph", None), "nodes", ()):
+                    if n.op == "call_module" and str(n.target).startswith(prefix):
+                        kind = str(n.target).removeprefix(prefix)
+                        found[kind] = found.get(kind, 0) + 1
+            return found
+
+        def count_collectives(mod: Any) -> list[dict[str, int]]:
+            """The collectives one forward and one backward of ``mod`` run (attention's included)."""
+            from torch.utils._python_dispatch import TorchDispatchMode
+
+            class Count(TorchDispatchMode):
+                def __init__(self) -> None:
+                    super().__init__()
+                    self.seen: dict[str, int] = {}
+
+                def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                    name = func._opname
+                    if func.namespace in ("c10d", "_c10d_functional", "c10d_functional") and name != "wait_tensor":
+                        self.seen[name] = self.seen.get(name, 0) + 1
+                    return func(*args, **(kwargs or {}))
+
+            xs = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in examples[first][0]]
+            with Count() as fwd:
+                out = mod(*xs)
+            with Count() as bwd:
+                out[-1].square().sum().backward()
+            return [fwd.seen, bwd.seen]
 
         tp = MeshSpec(tensor_parallel_degree=2)
         result = {"worst": worst_difference(tp),
                   "worst_sp": worst_difference(MeshSpec(tensor_parallel_degree=2, sequence_parallel=True)),
-                  "shards": shards, "sequence_dims": [seq[False], seq[True]]}  # fmt: skip
-        tp_experts.reduce_from_region = lambda x, group: x  # type: ignore[assignment]  # the fault
+                  "shards": shards, "sequence_dims": [seq[False], seq[True]],
+                  "inserted": [inserted[False], inserted[True]],
+                  "collectives": [collectives[False], collectives[True]]}  # fmt: skip
+        # the fallback (a region not linear in the partial sums): f and g around each product
+        linear = tp_experts.partial_sums
+        tp_experts.partial_sums = lambda region, row: "forced"  # type: ignore[assignment]
+        result["per_product"] = worst_difference(tp)
+        result["per_product_inserted"] = inserted[False]
+        tp_experts.partial_sums = linear  # type: ignore[assignment]
+        # the fault: each rank's partial sums taken as the region's whole output (no reduction)
+        tp_experts.sum_partials = lambda x, mesh, seq: DTensor.from_local(x, mesh, [Replicate()], run_check=False)  # type: ignore[assignment]
         result["no_reduce"] = worst_difference(tp)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
@@ -176,8 +225,8 @@ def test_each_rank_holds_half_of_each_experts_hidden_width(block_run: list[dict[
 
 
 def test_without_the_forward_all_reduce_the_block_does_not_match(block_run: list[dict[str, Any]]) -> None:
-    """The fault: each rank's partial sums of the experts' (and shared expert's) down products
-    taken as the whole output -- the comparison above fails on it."""
+    """The fault: each rank's partial sums of the MoE output (the experts' and the shared
+    expert's down products, combined) taken as the whole output -- the comparison above fails on it."""
     assert min(r["no_reduce"] for r in block_run) > 1e-2, [r["no_reduce"] for r in block_run]
 
 
@@ -254,3 +303,47 @@ def test_qwen2_moe_at_t2_saves_a_checkpoint_and_resumes_as_if_uninterrupted(tmp_
     proc, _ = run_cli([*run, "--steps", "4", "--resume", str(ck), "--check"], timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "check PASSED" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_the_moe_region_reduces_once_and_copies_its_input_once(block_run: list[dict[str, Any]]) -> None:
+    """Combine first, reduce once: the routed experts' and the shared expert's partial sums flow
+    (weighted, scattered back to their tokens, summed) to the MoE module's output, reduced there
+    once (``sum``: all-reduce, or under sequence parallelism reduce-scatter along the sequence);
+    one ``f`` on the experts' input (under sequence parallelism the all-gather whose backward
+    reduce-scatters, the router's side reading it through ``share``); the routing weights and the
+    shared expert's gate, replicated factors of partial sums, get their gradient all-reduced
+    (``copy``).  No ``reduce`` after each row-parallel product (the former 1 + top_k + shared)."""
+    for r in block_run:
+        plain, sp = r["inserted"]
+        assert plain.get("sum") == 1 and plain.get("copy") == 3 and "reduce" not in plain, plain
+        assert "gather" not in plain and "share" not in plain, plain
+        assert sp.get("sum") == 1 and sp.get("copy") == 2 and sp.get("gather") == 1 and sp.get("share") == 1, sp
+        assert "reduce" not in sp and "exit" not in sp, sp
+        (fwd, bwd), (fwd_sp, bwd_sp) = r["collectives"]
+        # (the region's own collectives are c10d's allreduce_ (f, g) and DTensor's functional ones;
+        # attention's are DTensor's, the same before and after)
+        # forward: attention's row-parallel output and the MoE output, one all-reduce each
+        # (before: attention's, then the routed rows' and the shared expert's: allreduce_ 2)
+        assert fwd == {"all_reduce": 2, "_wrap_tensor_autograd": 2}, fwd
+        # backward: f on the experts' input, on the routing weights and on the shared gate
+        # (before: the experts' gathered top_k rows and the shared expert's input)
+        assert bwd.get("allreduce_") == 3, bwd
+        # under sequence parallelism: the experts' input all-gathered, their output reduce-scattered
+        # (before: all-gather, the routed rows' and the shared expert's all-reduces, a slice)
+        assert fwd_sp.get("reduce_scatter_tensor") == 2 and "allreduce_" not in fwd_sp, fwd_sp
+        assert "all_reduce" not in fwd_sp, fwd_sp
+        # backward: the output's all-gather, the input's reduce-scatter, the two small f's
+        # (before: the all-gather, the experts' gathered rows' and shared input's all-reduces, a slice)
+        assert bwd_sp.get("reduce_scatter_tensor") == 2 and bwd_sp.get("allreduce_") == 2, bwd_sp
+
+
+def test_a_region_not_linear_in_the_partial_sums_falls_back_to_a_reduction_per_product(
+    block_run: list[dict[str, Any]],
+) -> None:
+    """Forced (partial_sums says no): an f before each column product's input (the experts'
+    gathered tokens, the shared expert's input), a g after each row product (the routed rows,
+    the shared expert's output), the output leaving replicated; still the block whole."""
+    for r in block_run:
+        assert r["per_product"] <= 1e-5, r["per_product"]
+        kinds = r["per_product_inserted"]
+        assert kinds.get("copy") == 2 and kinds.get("reduce") == 2 and "sum" not in kinds, kinds
