@@ -83,6 +83,7 @@ def _inspect_block(rank: int, port: int, out_dir: str) -> None:
     from torch.distributed.tensor import DTensor, Replicate
 
     import runtime.tp_experts as tp_experts
+    import runtime.tp_experts_comm as tp_experts_comm
     from runtime.mesh import MeshSpec, apply_mesh, build_mesh, split_sharding, stage_shardings
     from runtime.modules import stage_examples
 
@@ -174,7 +175,7 @@ def _inspect_block(rank: int, port: int, out_dir: str) -> None:
         result["per_product_inserted"] = inserted[False]
         tp_experts.partial_sums = linear  # type: ignore[assignment]
         # the fault: each rank's partial sums taken as the region's whole output (no reduction)
-        tp_experts.sum_partials = lambda x, mesh, seq: DTensor.from_local(x, mesh, [Replicate()], run_check=False)  # type: ignore[assignment]
+        tp_experts_comm.sum_partials = lambda x, mesh, seq: DTensor.from_local(x, mesh, [Replicate()], run_check=False)  # type: ignore[assignment]
         result["no_reduce"] = worst_difference(tp)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
