@@ -117,7 +117,7 @@ def apply_tensor_parallel(
                 unit, tp_mesh, sequence_dim=sharding.sequence_dim, split_inputs=split, keep_sharded=keep
             )
         else:
-            sum_row_outputs(unit, sharding)
+            sum_row_outputs(unit, sharding.row, sharding.transposed)
             last_head = sharded_logits and sharding.rule == KIND_RULES["column-head"] and i == len(stage_module.units) - 1
             stage_module.units[i] = cls(unit, tp_mesh, keep_sharded=last_head)
     return stage_module

@@ -16,11 +16,11 @@ After (without sequence parallelism, :mod:`runtime.tp_sequence`):
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from runtime.graph_edit import redirect_users
 from runtime.tp_graph import _linear_sites
-from runtime.tp_rules import UnitSharding
 
 
 def drop_metadata_asserts(unit: Any) -> None:
@@ -79,14 +79,16 @@ def reduce_row_output(y: Any) -> Any:
     return y.redistribute(y.device_mesh, [Replicate()] * y.device_mesh.ndim)
 
 
-def sum_row_outputs(unit: Any, sharding: UnitSharding) -> None:
+def sum_row_outputs(unit: Any, row_linears: Iterable[str], transposed: Iterable[str]) -> None:
     """Sum each row-parallel linear's output right after it (:func:`reduce_row_output`), as
     Megatron does.  Left to itself, DTensor carries the partial sums on through the residual
     add and the next norm (measured on ``examples.hf:llama``), and the next column-parallel
     linear then all-gathers its weight instead of sharding its output: the MLP ran unsharded,
     with 12 redistributions per layer and micro-batch.  A unit whose row-parallel weights are not
-    each used by exactly one ``aten.linear`` is left to DTensor."""
-    row = _linear_sites(unit, [f"{n}.weight" for n in sharding.row], transposed=set(sharding.transposed))
+    each used by exactly one ``aten.linear`` is left to DTensor.  ``row_linears``: the
+    row-parallel linears' module names (``UnitSharding.row``), ``transposed``: those whose weight
+    is stored ``[in, out]``."""
+    row = _linear_sites(unit, [f"{n}.weight" for n in row_linears], transposed=set(transposed))
     if isinstance(row, str):
         return
     graph = unit.graph
