@@ -1,210 +1,54 @@
 """Expert parallelism (the plan's E): each mixture-of-experts layer's routed experts sharded
 over E ranks, tokens sent to the rank owning their expert and back by all-to-all (needs torch).
 
-The splitter's units are flattened aten graphs, so a mixture-of-experts layer is found in the
-graph, not as a module: Hugging Face's fused experts (``Mixtral``, ``Qwen2-MoE`` and every
-``@use_experts_implementation`` class of transformers 5) run as grouped matrix products
-(``grouped_mm``) of the tokens sorted by expert, with the per-expert ``offsets``
-(cumulative token counts) and 3-D expert weights ``[experts, out, in]``.  A *site* is the
-grouped products sharing one ``offsets``.  :func:`apply_expert_parallel` rewrites each site:
+This module applies it: :class:`ExpertParallel` rewrites each site of a stage's units (the
+grouped products sharing one per-expert ``offsets``, found by
+:func:`runtime.expert_sites.find_sites`):
 
 * the expert weights become ``DTensor`` parameters ``Shard(0)`` over the "ep" mesh (rank r of
   the group keeps experts ``r*L .. r*L+L-1``, ``L = experts / E``); the graph uses their local
-  shard (``to_local``: the gradient comes back as the same ``Shard(0)`` DTensor);
-* before the first product, :class:`Dispatch`: the per-expert counts are exchanged
-  (``all_to_all_single`` of integers), then the sorted tokens themselves (autograd-aware
-  :class:`_AllToAll`: its backward is the reverse all-to-all), and what arrived is regrouped
-  expert-major with the local offsets;
-* after the last product, :class:`Combine`: the inverse regrouping and the reverse all-to-all,
-  so the layer goes on (routing weights, un-sorting, shared experts) on its own tokens.
+  shard (:func:`local_experts`: the gradient comes back as the same ``Shard(0)`` DTensor);
+* before the first product, :class:`~runtime.expert_dispatch.Dispatch` sends the tokens to the
+  ranks owning their experts; after the last, :class:`~runtime.expert_dispatch.Combine` sends
+  them back (the all-to-all collectives: :mod:`runtime.expert_dispatch`).
 
 Ranks: the E ranks of a group are consecutive data-parallel replicas of one stage and
 tensor-parallel rank (``replica = g * E + e``); :func:`expert_mesh` makes the DeviceMesh
 ``("pp", "ep_replicate", "ep", "tp")`` over the plan's ranks.  Expert gradients are reduced
 over "ep_replicate" (the D/E replicas holding the same experts) and divided by D
 (:meth:`ExpertParallel.reduce_gradients`); every other parameter keeps the data-parallel
-all-reduce over all D.  gloo runs ``all_to_all_single`` on CPU (torch 2.13), so no fallback is
-needed.  Only public torch APIs are used.
+all-reduce over all D.  Only public torch APIs are used.
+
+Where each part lives (every name below stays importable from here): finding the sites and
+:func:`expert_problems` (why the runtime cannot execute a plan's E) in
+:mod:`runtime.expert_sites`; :class:`Dispatch` and :class:`Combine` (and the autograd-aware
+``all_to_all`` under them) in :mod:`runtime.expert_dispatch`.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
-from torch import Tensor, nn
+from torch import nn
 
 from planner.errors import InputError
+from runtime.expert_dispatch import Combine, Dispatch
+from runtime.expert_sites import Site, expert_problems, find_sites
+from runtime.graph_edit import redirect_users
 
-
-@dataclass
-class Site:
-    """One mixture-of-experts layer inside a unit's graph."""
-
-    offsets: fx.Node
-    products: list[fx.Node]  # grouped_mm nodes, in graph order
-    weights: dict[str, fx.Node] = field(default_factory=dict)  # parameter name -> get_attr node
-    experts: int = 0
-
-
-def _is_grouped_mm(node: fx.Node) -> bool:
-    return node.op == "call_function" and "grouped_mm" in str(node.target)
-
-
-def _weight_source(node: Any) -> fx.Node | None:
-    """The ``get_attr`` a grouped product's weight argument comes from through single-input
-    ops (transpose, dtype casts), or None."""
-    while isinstance(node, fx.Node) and node.op == "call_function":
-        inputs = [a for a in node.args if isinstance(a, fx.Node)]
-        if len(inputs) != 1:
-            return None
-        node = inputs[0]
-    return node if isinstance(node, fx.Node) and node.op == "get_attr" else None
-
-
-def find_sites(unit: fx.GraphModule) -> list[Site] | str:
-    """The mixture-of-experts sites of ``unit``, or why the runtime cannot shard its experts."""
-    sites: dict[fx.Node, Site] = {}
-    for node in unit.graph.nodes:
-        if not _is_grouped_mm(node):
-            continue
-        if len(node.args) < 3 or not isinstance(node.args[2], fx.Node):
-            return f"grouped product {node.name} has no per-expert offsets argument"
-        src = _weight_source(node.args[1])
-        if src is None:
-            return f"the weight of grouped product {node.name} is not a parameter of the layer"
-        param = unit.get_parameter(str(src.target))
-        site = sites.setdefault(node.args[2], Site(node.args[2], []))
-        if param.dim() != 3 or (site.experts and param.shape[0] != site.experts):
-            return f"expert weight {src.target} has shape {tuple(param.shape)}, not [experts, out, in]"
-        site.experts = int(param.shape[0])
-        site.products.append(node)
-        site.weights[str(src.target)] = src
-    return list(sites.values())
-
-
-def _three_d_expert_params(unit: nn.Module) -> list[str]:
-    return [n for n, p in unit.named_parameters() if p.dim() == 3 and "expert" in n]
-
-
-def expert_problems(units: Sequence[Any], layer_names: Sequence[str], plan: Any) -> list[str]:
-    """Why the runtime cannot execute the plan's E (empty when it can, or E = 1), each naming
-    the layer or the axis, torch-side facts only (the graphs)."""
-    e = plan.expert_parallel_degree
-    if e <= 1:
-        return []
-    problems: list[str] = []
-    if plan.tensor_parallel_degree > 1:
-        moe = [f"layer {i} '{layer_names[i]}'" for i, u in enumerate(units) if find_sites(u)]
-        problems.append(f"expert parallelism (E={e}) with tensor parallelism (T={plan.tensor_parallel_degree})"
-                        f"{' on ' + ', '.join(moe) if moe else ''}: the runtime shards a layer's experts over "
-                        "data-parallel ranks (E) or along their hidden width (T, runtime/tp_experts.py), not both "
-                        "(replan with --tensor-parallel 1 or --expert-parallel 1)")
-    if plan.context_parallel_degree > 1:
-        problems.append(f"expert parallelism (E={e}) with context parallelism (C={plan.context_parallel_degree}): "
-                        "the runtime draws the E ranks from D only (replan with --context-parallel 1)")
-    if plan.zero_stage > 0:
-        problems.append(f"expert parallelism (E={e}) with ZeRO {plan.zero_stage}: the runtime's ZeRO would "
-                        "shard or broadcast the expert shards over ranks holding other experts (replan with --zero 0)")
-    if plan.data_parallel_degree % e:
-        problems.append(f"expert parallelism (E={e}) does not divide the data-parallel degree "
-                        f"D={plan.data_parallel_degree} (replan with an E dividing D)")
-    found = 0
-    for i, unit in enumerate(units):
-        sites = find_sites(unit)
-        name = layer_names[i]
-        if isinstance(sites, str):
-            problems.append(f"layer {i} '{name}': expert parallelism (E={e}): {sites}")
-            continue
-        if not sites and _three_d_expert_params(unit):
-            problems.append(f"layer {i} '{name}': expert parallelism (E={e}): its experts "
-                            f"({', '.join(_three_d_expert_params(unit))}) do not run as grouped products the "
-                            "runtime recognises (transformers' fused experts); replan with --expert-parallel 1")
-        for site in sites:
-            found += 1
-            if site.experts % e:
-                problems.append(f"layer {i} '{name}': {site.experts} experts are not divisible by E={e} "
-                                "(replan with an E dividing the expert count)")
-    if found == 0 and layer_names:
-        problems.append(f"expert parallelism (E={e}): no layer of this model is a mixture-of-experts layer the "
-                        f"runtime recognises (layers {layer_names[0]!r}..{layer_names[-1]!r}); replan with "
-                        "--expert-parallel 1")
-    return problems
-
-
-class _AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` of the rows of ``x``; the backward sends the gradients back."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> Tensor:
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
-        out_splits, in_splits = ctx.splits
-        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
-        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
-        return back, None, None, None
-
-
-def all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> Tensor:
-    """Autograd-aware ``all_to_all_single`` of ``x``'s rows over ``group``."""
-    out: Tensor = _AllToAll.apply(x, out_splits, in_splits, group)  # type: ignore[no-untyped-call]
-    return out
-
-
-class Dispatch(nn.Module):
-    """Send each token (sorted by expert) to the rank owning its expert; returns the received
-    tokens grouped by local expert, the local offsets, and the routing for :class:`Combine`."""
-
-    def __init__(self, group: Any, *, experts: int, fault_from: tuple[list[int], int] | None = None) -> None:
-        super().__init__()
-        self.group, self.experts = group, experts
-        # --inject-fault R:S:wrong-expert: (the runtime's step box, S)
-        self.fault_from = fault_from
-
-    def forward(self, x: Tensor, offsets: Tensor) -> tuple[Any, ...]:
-        e = dist.get_world_size(self.group)
-        local = self.experts // e
-        offs = offsets.long()
-        counts = torch.diff(offs, prepend=offs.new_zeros(1))
-        if self.fault_from is not None and self.fault_from[0][0] >= self.fault_from[1]:
-            # a wrong implementation for tests: each block of tokens goes to the next rank's experts
-            chunks = torch.split(x, counts.view(e, local).sum(1).tolist())
-            x = torch.cat([*chunks[-1:], *chunks[:-1]])
-            counts = counts.view(e, local).roll(1, 0).flatten()
-        received = torch.empty_like(counts)
-        dist.all_to_all_single(received, counts, group=self.group)  # src j's counts for my experts
-        matrix = received.view(e, local)
-        send = counts.view(e, local).sum(1).tolist()
-        recv = matrix.sum(1).tolist()
-        rows = all_to_all(x, recv, send, self.group)
-        # rows arrive source-major (src, local expert); the products want them expert-major
-        key = (torch.arange(local).repeat(e) * e + torch.arange(e).repeat_interleave(local)).to(offs.device)
-        order = torch.argsort(key.repeat_interleave(matrix.flatten()), stable=True)
-        local_offsets = torch.cumsum(matrix.sum(0), 0).to(offsets.dtype)
-        return rows[order], local_offsets, order, send, recv
-
-
-class Combine(nn.Module):
-    """Undo :class:`Dispatch`: back to source-major order, and each row to the rank it came from."""
-
-    def __init__(self, group: Any) -> None:
-        super().__init__()
-        self.group = group
-
-    def forward(self, y: Tensor, order: Tensor, send: list[int], recv: list[int]) -> Tensor:
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        return all_to_all(y[inverse], send, recv, self.group)
+__all__ = [
+    "Combine",
+    "Dispatch",
+    "ExpertParallel",
+    "Site",
+    "expert_mesh",
+    "expert_problems",
+    "find_sites",
+    "local_experts",
+]
 
 
 def local_experts(w: Any) -> Any:
@@ -252,12 +96,17 @@ class ExpertParallel:
         return changed
 
     def _rewrite(self, unit: fx.GraphModule, site: Site, j: int) -> None:
+        local = site.experts // self.ep_mesh.size()
+        self.sites.append((local, site.experts))
+        self._shard_weights(unit, site, local)
+        self._route_tokens(unit, site, j)
+
+    def _shard_weights(self, unit: fx.GraphModule, site: Site, local: int) -> None:
+        """Each expert weight of ``site`` becomes this rank's ``Shard(0)`` DTensor of ``local``
+        experts, which the graph reads through :func:`local_experts`."""
         from torch.distributed.tensor import DTensor, Shard
 
-        group = self.ep_mesh.get_group()
-        e, r = self.ep_mesh.size(), self.ep_mesh.get_local_rank()
-        local = site.experts // e
-        self.sites.append((local, site.experts))
+        r = self.ep_mesh.get_local_rank()
         for name, node in site.weights.items():
             owner, _, pname = name.rpartition(".")
             mod = unit.get_submodule(owner)
@@ -271,7 +120,12 @@ class ExpertParallel:
             self.params.append(param)
             with unit.graph.inserting_after(node):
                 shard_node = unit.graph.call_function(local_experts, (node,))
-            node.replace_all_uses_with(shard_node, delete_user_cb=_all_but(shard_node))
+            redirect_users(node, shard_node)
+
+    def _route_tokens(self, unit: fx.GraphModule, site: Site, j: int) -> None:
+        """:class:`Dispatch` before the site's first product (which then runs on the received
+        tokens, every product on the local offsets), :class:`Combine` after its last."""
+        group = self.ep_mesh.get_group()
         dispatch, combine = f"pipeplan_ep_dispatch_{j}", f"pipeplan_ep_combine_{j}"
         unit.add_submodule(dispatch, Dispatch(group, experts=site.experts, fault_from=self.fault_from))
         unit.add_submodule(combine, Combine(group))
@@ -285,7 +139,7 @@ class ExpertParallel:
             product.args = (*product.args[:2], parts[1], *product.args[3:])
         with graph.inserting_after(last):
             back = graph.call_module(combine, (last, parts[2], parts[3], parts[4]))
-        last.replace_all_uses_with(back, delete_user_cb=_all_but(back))
+        redirect_users(last, back)
 
     def owns(self, p: Any) -> bool:
         return any(p is q for q in self.params)
@@ -302,9 +156,3 @@ class ExpertParallel:
                 all_reduce_grad(p, self.replicate_group, divide=self.data_parallel)
             else:
                 p.grad.div_(self.data_parallel)
-
-
-def _all_but(node: fx.Node) -> Any:
-    """``replace_all_uses_with``'s filter: every user but ``node`` itself (which reads the old value)."""
-    return lambda user: user is not node
-

@@ -47,18 +47,13 @@ def test_each_rank_holds_chunk_c_and_2c_minus_1_minus_c() -> None:
 def test_gpt_attention_and_positions_are_found_in_the_graph() -> None:
     from profiler.loading import load_entrypoint
     from profiler.split import split_model
-    from runtime.context_parallel import (
-        _arange_length,
-        _is_position,
-        attention_sites,
-        context_problems,
-    )
+    from runtime.context_sites import attention_sites, context_problems, position_aranges
 
     entry = load_entrypoint(GPT)
     split = split_model(entry.model, tuple(t[:, :16] for t in entry.example_inputs), keywords=entry.keywords)
     kinds = [[kind for kind, _ in attention_sites(u)] for u in split.units]
     assert kinds == [[], ["math"], ["math"], ["math"], ["math"], []]
-    positions = [n for n in split.units[0].graph.nodes if _arange_length(n) == 16 and _is_position(n)]
+    positions = position_aranges(split.units[0], 16)
     assert len(positions) == 1  # the learned position embedding's ids
     units, names = list(split.units), list(split.names)
     assert context_problems(units, names, _plan_fields()) == []
