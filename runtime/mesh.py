@@ -64,7 +64,9 @@ Each part lives in its own module, and every name stays importable from here:
 :mod:`runtime.mesh_spec` (:class:`MeshSpec`, :func:`build_mesh`, :func:`data_mesh`), the
 tensor-parallel axis in :mod:`runtime.tp_rules` (the rules and how a unit is recognised),
 :mod:`runtime.tp_plan` (the plan's shardings, :func:`refuse_unexecutable`),
-:mod:`runtime.tp_apply` (:func:`apply_tensor_parallel`), :mod:`runtime.tp_graph` (where a unit's
+:mod:`runtime.tp_apply` (:func:`apply_tensor_parallel`, with :mod:`runtime.tp_unit` and
+:mod:`runtime.tp_rewrites`), :mod:`runtime.tp_experts` (MoE blocks' experts),
+:mod:`runtime.tp_graph` (where a unit's
 graph uses its linears, fused projections split by heads), :mod:`runtime.tp_sequence` (sequence
 parallelism), :mod:`runtime.tp_dropout` (the unsharded model's dropout masks) and
 :mod:`runtime.vocab_loss` (the vocabulary-parallel loss); the data axis in

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from runtime.graph_edit import redirect_users
 from runtime.tp_experts_comm import KINDS as KINDS
 from runtime.tp_experts_comm import Boundary as Boundary
 from runtime.tp_experts_comm import copy_to_region as copy_to_region
@@ -124,7 +125,7 @@ def _per_product(graph: Any, found: dict[str, Any], mods: dict[str, str]) -> Non
     for node in found["row"]:
         with graph.inserting_after(node):
             summed = graph.call_module(mods["reduce"], (node,))
-        node.replace_all_uses_with(summed, delete_user_cb=lambda u, s=summed: u is not s)
+        redirect_users(node, summed)
 
 
 def _copy_tokens_once(

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from planner.errors import InputError
+from runtime.graph_edit import redirect_users
 from runtime.mesh_spec import MeshSpec
 from runtime.tp_graph import _RESHAPES, _linear_sites
 from runtime.tp_rules import UnitSharding
@@ -135,7 +136,7 @@ def _make_sequence_parallel(unit: Any, sharding: UnitSharding) -> tuple[int, ...
     for node in row:
         with graph.inserting_after(node):
             scattered = graph.call_function(scatter_sequence, (node, sharding.sequence_dim))
-        node.replace_all_uses_with(scattered, delete_user_cb=lambda user, s=scattered: user is not s)
+        redirect_users(node, scattered)
     graph.lint()
     unit.recompile()
     return _sequence_inputs(graph, list(gathered))
@@ -150,7 +151,7 @@ def _sum_replicated_gradients(unit: Any) -> None:
         if all(pl.is_replicate() for pl in getattr(p, "placements", ())) and hasattr(p, "placements"):
             with graph.inserting_after(node):
                 summed = graph.call_function(summed_gradient, (node,))
-            node.replace_all_uses_with(summed, delete_user_cb=lambda user, s=summed: user is not s)
+            redirect_users(node, summed)
 
 
 def _sequence_inputs(graph: Any, activations: Sequence[Any]) -> tuple[int, ...]:
