@@ -48,7 +48,8 @@ Where each part lives (:func:`main` starts the rank, :func:`_run` joins the proc
   its gradient reduction, loss scale and clipping;
 - :mod:`runtime.stage_timing`: the timing hooks (actions, loss, DDP's buckets, collectives);
 - :mod:`runtime.results`: every rank's measurements to rank 0, and rank 0's report
-  (:mod:`runtime.report_notes`: its notes; :mod:`runtime.rank_check`: ``--check``);
+  (:mod:`runtime.report_notes`: its notes, with :mod:`runtime.report_notes_mesh` and
+  :mod:`runtime.report_notes_data`; :mod:`runtime.rank_check`: ``--check``);
 - :mod:`runtime.fault_injection`: ``--inject-fault``, for tests.
 """
 
