@@ -1,7 +1,7 @@
 """The notes of rank 0's report: one line each on what the run did that the tables do not say.
 
 :func:`run_notes` makes them all, in the report's order, from what every rank sent
-(:func:`runtime.results.rank_results`): training (dtype, learning rate, clipping, loss scale),
+(:func:`runtime.results_rank.rank_results`): training (dtype, learning rate, clipping, loss scale),
 ``--resume``, the mesh axes, DDP's buckets, the collectives, memory, tensor parallelism's rows,
 the data, dropout.
 

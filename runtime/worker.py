@@ -47,9 +47,9 @@ Where each part lives (:func:`main` starts the rank, :func:`_run` joins the proc
   :mod:`runtime.step_update`: its optimizer step and checkpoint), and :mod:`runtime.gradients`:
   its gradient reduction, loss scale and clipping;
 - :mod:`runtime.stage_timing`: the timing hooks (actions, loss, DDP's buckets, collectives);
-- :mod:`runtime.results`: every rank's measurements to rank 0, and rank 0's report
-  (:mod:`runtime.report_notes`: its notes, with :mod:`runtime.report_notes_mesh` and
-  :mod:`runtime.report_notes_data`; :mod:`runtime.rank_check`: ``--check``);
+- :mod:`runtime.results`: every rank's measurements (:mod:`runtime.results_rank`) to rank 0, and
+  rank 0's report (:mod:`runtime.report_notes`: its notes, with :mod:`runtime.report_notes_mesh`
+  and :mod:`runtime.report_notes_data`; :mod:`runtime.rank_check`: ``--check``);
 - :mod:`runtime.fault_injection`: ``--inject-fault``, for tests.
 """
 
