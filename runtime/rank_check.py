@@ -1,8 +1,8 @@
 """``--check``: train the unsplit model in rank 0's process on the same data, and compare.
 
 Every rank keeps, per step, the per-tensor norms of the gradients its optimizer steps on, and
-the whole gradients of the steps :func:`check_grad_steps` names (:func:`runtime.step.update`);
-it sends them and its final parameters to rank 0 (:func:`runtime.results.rank_results`).
+the whole gradients of the steps :func:`check_grad_steps` names (:func:`runtime.step_update.update`);
+it sends them and its final parameters to rank 0 (:func:`runtime.results_rank.rank_results`).
 Rank 0 then trains the reference (:func:`runtime.training.train_reference`) and
 :func:`add_check` compares losses, gradients and parameters within :func:`tolerance`.
 """

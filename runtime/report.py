@@ -8,32 +8,30 @@ forward and backward ran), which ``pipeplan calibrate`` fits the cost model to.
 
 This module builds the document (:func:`build_report`); its parts live beside it, and every
 public name stays importable from here: :mod:`runtime.report_timeline` (what a rank records and
-where its time went), :mod:`runtime.report_collectives` (communication per axis and its note),
+where its time went), :mod:`runtime.report_rows` (the rows per step and per stage, and how busy
+each pipeline rank was), :mod:`runtime.report_collectives` (communication per axis and its note),
 :mod:`runtime.report_check` (the ``--check`` verdict), :mod:`runtime.report_text` (the printed
 report, reading one back) and :mod:`runtime.report_rss` (process memory and its note).
 """
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Mapping, Sequence
 
-from planner.schedules import stage_rank
 from planner.schema import (
     REPORT_VERSION,
     CheckReport,
     CollectiveTimes,
     Plan,
     RunReport,
-    StageReport,
-    StepReport,
 )
 from runtime.report_check import CATEGORY_NAMES_SHOWN as CATEGORY_NAMES_SHOWN
-from runtime.report_check import _finite, check_failed_message
 from runtime.report_check import check_category_lines as check_category_lines
+from runtime.report_check import check_failed_message
 from runtime.report_check import check_report as check_report
 from runtime.report_collectives import COMM_KEYS, collective_times, collectives_note
+from runtime.report_rows import rank_busy, ratio, stage_reports, step_reports
 from runtime.report_rss import RSS_NOTE as RSS_NOTE
 from runtime.report_rss import (
     RssRow,
@@ -72,12 +70,6 @@ __all__ = [
 ]
 
 
-def _ratio(measured: float | None, predicted: float) -> float | None:
-    if measured is None or predicted <= 0 or not math.isfinite(measured):
-        return None
-    return measured / predicted
-
-
 def build_report(
     plan: Plan,
     *,
@@ -107,66 +99,12 @@ def build_report(
     """
     predicted = plan.predicted.step_time_ms
     warm = warmup_steps if len(step_ms) > warmup_steps else 0
-    steps = [
-        StepReport(
-            step=i,
-            measured_ms=ms,
-            predicted_ms=predicted,
-            ratio=_ratio(ms, predicted),
-            loss=_finite(losses[i]) if i < len(losses) else None,
-            warmup=i < warm,
-        )
-        for i, ms in enumerate(step_ms)
-    ]
+    steps = step_reports(step_ms, losses, predicted, warm)
     timed = [s.measured_ms for s in steps if not s.warmup]
     measured = statistics.median(timed) if timed else None
-
-    def per_mb(values: list[list[float]] | None) -> tuple[float | None, int]:
-        if not values:
-            return None, 0
-        kept = values[warm:] if len(values) > warm else values
-        flat = [x for step in kept for x in step]
-        return (statistics.median(flat), len(flat)) if flat else (None, 0)
-
-    stages = []
-    for st in plan.stages:
-        fwd, n = per_mb(stage_forward_ms.get(st.index))
-        bwd, _ = per_mb(stage_backward_ms.get(st.index))
-        names = st.layer_names
-        stages.append(
-            StageReport(
-                index=st.index,
-                pipeline_rank=stage_rank(plan.placement, st.index, plan.pipeline_degree, plan.virtual_stages),
-                start=st.start,
-                stop=st.stop,
-                layers=f"{st.start}:{st.stop} " + (names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"),
-                recompute=st.recompute,
-                forward_ms=fwd,
-                backward_ms=bwd,
-                predicted_forward_ms=st.forward_ms,
-                predicted_backward_ms=st.backward_ms,
-                forward_ratio=_ratio(fwd, st.forward_ms),
-                backward_ratio=_ratio(bwd, st.backward_ms),
-                microbatches_timed=n,
-                peak_memory_bytes=peak_memory.get(st.index),
-                predicted_memory_bytes=st.memory_bytes,
-            )
-        )
+    stages = stage_reports(plan, stage_forward_ms, stage_backward_ms, peak_memory, warm)
     kept_steps = [i for i, s in enumerate(steps) if not s.warmup]
-    busy: list[float | None] = []
-    for r in range(plan.pipeline_degree):
-        fractions = []
-        for i in kept_steps:
-            total = 0.0
-            for st in plan.stages:
-                if st.index % plan.pipeline_degree != r:
-                    continue
-                for table in (stage_forward_ms, stage_backward_ms):
-                    rows = table.get(st.index) or []
-                    total += sum(rows[i]) if i < len(rows) else 0.0
-            if step_ms[i] > 0:
-                fractions.append(total / plan.data_parallel_degree / step_ms[i])
-        busy.append(statistics.median(fractions) if fractions else None)
+    busy = rank_busy(plan, step_ms, stage_forward_ms, stage_backward_ms, kept_steps)
     shared, infos, rank_steps, timeline = _where_time_went(plan, ranks, num_steps=len(steps), first_timed=warm)
     return RunReport(
         model=model,
@@ -190,7 +128,7 @@ def build_report(
         stages=stages,
         measured_step_ms=measured,
         predicted_step_ms=predicted,
-        ratio=_ratio(measured, predicted),
+        ratio=ratio(measured, predicted),
         rank_busy_fraction=busy,
         notes=list(notes),
         plan=plan,

@@ -12,17 +12,25 @@ each of the rank's stages, torchtitan's way, one step per axis:
    outermost (ZeRO 2/3): :func:`runtime.mesh.apply_mesh` applies them in this order;
 4. :func:`wrap_data_parallel`: torch DDP, where :func:`runtime.mesh.gradient_reduction` allows it;
 5. :func:`pipeline_stage`: torch's ``PipelineStage``, its actions timed (:mod:`runtime.stage_timing`).
+
+Its parts: :mod:`runtime.stage_weights` the weights the stages share and the data-parallel
+path (:func:`tied_parameters`, :func:`data_reduction`, :func:`layer_owners`),
+:mod:`runtime.stage_axes` the steps per axis above (1, 3, 4 and 5); every name is still
+importable from here.
 """
 
 from __future__ import annotations
 
-import argparse
-from typing import Any
-
-from planner.errors import InputError
 from runtime.fault_injection import layer_to_skip
 from runtime.rank_state import Job, RankState, StageSet
-from runtime.stage_timing import time_stage
+from runtime.stage_axes import parallelize as parallelize
+from runtime.stage_axes import pipeline_stage as pipeline_stage
+from runtime.stage_axes import stage_module as stage_module
+from runtime.stage_axes import wrap_data_parallel as wrap_data_parallel
+from runtime.stage_axes import wrap_stage as wrap_stage
+from runtime.stage_weights import data_reduction as data_reduction
+from runtime.stage_weights import layer_owners
+from runtime.stage_weights import tied_parameters as tied_parameters
 
 
 def join_mesh(job: Job) -> RankState:
@@ -65,7 +73,7 @@ def build_stages(state: RankState) -> StageSet:
         axes=axes, modules=[], stages=[], timings={s: {"forward": [], "backward": [], "events": []} for s in job.my_stages},
         tied=tied, not_mine_in_norm=not_mine_in_norm, reduction=reduction, bucket_mb=bucket_mb,
     )  # fmt: skip
-    holders = _layer_owners(state, built)
+    holders = layer_owners(state, built)
     for s in job.my_stages:
         mod = stage_module(state, s, skipped_unit)
         built.modules.append(mod)
@@ -75,154 +83,3 @@ def build_stages(state: RankState) -> StageSet:
             mod = wrap_data_parallel(state, built, mod, holders)
         built.stages.append(pipeline_stage(state, built, s, mod, examples))
     return built
-
-
-def tied_parameters(state: RankState) -> tuple[list[tuple[Any, Any]], set[int]]:
-    """Tied parameters whose copies land on different pipeline ranks: one group per replica
-    (and tensor-parallel rank), and this rank's copy in it.  The lowest pipeline rank holding a
-    copy counts it in the gradient norm: the ids of the others' are the second value."""
-    import torch.distributed as dist
-
-    from planner.schedules import stage_ranks
-
-    plan, split, spec, c = state.plan, state.job.split, state.spec, state.job.coords
-    rank_of_stage = stage_ranks(plan.placement, plan.pipeline_degree, plan.virtual_stages)
-    stage_of_unit = {u: st.index for st in plan.stages for u in range(st.start, st.stop)}
-    tied: list[tuple[Any, Any]] = []
-    not_mine_in_norm: set[int] = set()
-    for group in split.shared_parameters():
-        ranks_k = sorted({rank_of_stage[stage_of_unit[u]] for u, _ in group})
-        if len(ranks_k) < 2:
-            continue  # all copies on one rank: one tensor, gradients already summed
-        for d, t in [(d, t) for d in range(spec.data_parallel_degree) for t in range(spec.tensor_parallel_degree)]:
-            pg = dist.new_group([spec.rank_of(kk, d, t) for kk in ranks_k])  # every rank creates every group
-            if d == c.replica and t == c.tp_rank and c.pp_rank in ranks_k:
-                u, name = next(
-                    (u, n) for u, n in group if rank_of_stage[stage_of_unit[u]] == c.pp_rank
-                )
-                param = split.units[u].get_parameter(name)
-                tied.append((pg, param))
-                if c.pp_rank != ranks_k[0]:
-                    not_mine_in_norm.add(id(param))
-    return tied, not_mine_in_norm
-
-
-def data_reduction(args: argparse.Namespace, spec: Any) -> tuple[Any, float]:
-    """The data-parallel gradients' path and DDP's bucket size (MiB): torch DDP (bucketed,
-    during each stage's last backward) where :func:`runtime.mesh.gradient_reduction` allows it,
-    else the flat all-reduce after the schedule."""
-    from runtime.mesh import DEFAULT_BUCKET_MB, GradientReduction, gradient_reduction
-
-    reduction = gradient_reduction(spec)
-    if args.dp_reduction == "flat" and reduction.path == "ddp":
-        reduction = GradientReduction("all-reduce", "asked for with --dp-reduction flat")
-    bucket_mb = args.dp_bucket_mb if args.dp_bucket_mb is not None else DEFAULT_BUCKET_MB
-    if bucket_mb <= 0:
-        raise InputError(f"--dp-bucket-mb {bucket_mb:g}: give a bucket size above 0 MiB (DDP's default is 25)")
-    return reduction, bucket_mb
-
-
-def _layer_owners(state: RankState, built: StageSet) -> dict[int, int]:
-    """Fill ``built.layer_of`` (a weight by the first layer holding it); return how many of this
-    rank's stages hold each weight (two: a tied embedding and head under a V schedule; two DDP
-    reducers would each average it, the flat all-reduce does it once)."""
-    plan, split = state.plan, state.job.split
-    for s in state.job.my_stages:
-        for u in range(plan.stages[s].start, plan.stages[s].stop):
-            for p in split.units[u].parameters():
-                built.layer_of.setdefault(id(p), split.names[u])
-    holders: dict[int, int] = {}
-    for s in state.job.my_stages:
-        for i in {id(p) for u in range(plan.stages[s].start, plan.stages[s].stop) for p in split.units[u].parameters()}:
-            holders[i] = holders.get(i, 0) + 1
-    return holders
-
-
-def stage_module(state: RankState, s: int, skipped_unit: int | None) -> Any:
-    """Stage ``s``'s units from the splitter, drawing dropout from the rank's streams; the unit
-    ``--inject-fault R:S:skip-layer`` skips is wrapped in :class:`runtime.modules.SkipFrom`."""
-    sp = state.plan.stages[s]
-    mod: Any = state.job.split.stage_module(sp.start, sp.stop, pipeline=True)
-    mod.rng = state.streams
-    if skipped_unit is not None and sp.start <= skipped_unit < sp.stop and state.my_fault is not None:
-        from runtime.modules import SkipFrom
-
-        i = skipped_unit - sp.start
-        mod.units[i] = SkipFrom(mod.units[i], state.step_box, state.my_fault.step)
-    return mod
-
-
-def parallelize(state: RankState, built: StageSet, s: int, mod: Any, examples: Any, holders: dict[int, int]) -> Any:
-    """Megatron's selective recompute (the attention cores, found on the units' ``examples``),
-    tensor parallelism, recompute, autocast (and the split-backward view guard), then FSDP2
-    outermost (ZeRO 2/3), so that PipelineStage sees the FSDP module.  Tied weights stay whole
-    (averaged by the flat all-reduce): those whose copies sit on several pipeline ranks, and
-    those two stages of this rank hold (a tied embedding and head under a V schedule: two FSDP2
-    groups sharding one parameter gave the head a third of its gradient wrong, measured by the
-    runtime matrix, ``tests/runtime/test_matrix.py``)."""
-    from planner.schedules import SPLIT_BACKWARD
-    from runtime.mesh import apply_mesh, stage_shardings
-
-    job, sp = state.job, state.plan.stages[s]
-    return apply_mesh(
-        mod,
-        state.spec,
-        state.mesh,
-        checkpointed_layers=sp.checkpointed_layers,
-        selective_inputs=[examples[u][0] for u in range(sp.start, sp.stop)] if state.plan.selective_recompute else None,
-        shardings=stage_shardings(job.coords.shardings, sp.start, sp.stop),
-        wrap=lambda inner: wrap_stage(inner, job.opts, job.device, state.plan.schedule in SPLIT_BACKWARD),
-        keep_whole=[p for _, p in built.tied] + [p for p in mod.parameters() if holders.get(id(p), 1) > 1],
-        sharded_logits=sp.stop == len(job.split),
-    )
-
-
-def wrap_stage(mod: Any, opts: Any, device: Any, split_backward: bool) -> Any:
-    """Autocast for a 16-bit run; the view guard of the split-backward schedules."""
-    from runtime.modules import Autocast, NoViewOutputs
-
-    if opts.mixed:
-        mod = Autocast(mod, device.type, opts.torch_dtype)
-    if split_backward:
-        mod = NoViewOutputs(mod)
-    return mod
-
-
-def wrap_data_parallel(state: RankState, built: StageSet, mod: Any, holders: dict[int, int]) -> Any:
-    """Wrap the stage in torch DDP over the data axis, leaving out the expert-parallel weights
-    and those two stages of this rank hold (recorded in ``built``)."""
-    from runtime._ddp import wrap_ddp
-
-    ignore = []
-    for p in {id(p): p for p in mod.parameters()}.values():
-        why = "expert-parallel (reduced over its own groups)" if built.axes.owns(p) else (
-            "held by two stages of one rank (flat all-reduce)" if holders.get(id(p), 1) > 1 else "")  # fmt: skip
-        if why:
-            ignore.append(p)
-            built.left_to_us.setdefault(why, set()).add(id(p))
-    mine_ddp = [p for p in mod.parameters() if p.requires_grad and all(p is not q for q in ignore)]
-    if mine_ddp:  # DDP refuses a module with nothing to reduce (a Tanh alone)
-        mod, clock = wrap_ddp(mod, state.dp_group, bucket_mb=built.bucket_mb, ignore=ignore, labels=built.layer_of)
-        built.clocks.append(clock)
-        built.by_ddp.update(id(p) for p in mine_ddp)
-    return mod
-
-
-def pipeline_stage(state: RankState, built: StageSet, s: int, mod: Any, examples: Any) -> Any:
-    """Torch's ``PipelineStage`` of ``mod``, its actions timed into ``built.timings[s]`` (and
-    stopped by ``--inject-fault R:S:raise|exit|hang``)."""
-    from torch.distributed.pipelining import PipelineStage
-
-    job, sp, fault = state.job, state.plan.stages[s], state.my_fault
-    stage = PipelineStage(
-        mod,
-        s,
-        len(state.plan.stages),
-        job.device,
-        input_args=examples[sp.start][0],
-        output_args=examples[sp.stop - 1][1],
-        group=state.pp_group,
-    )
-    stops = fault if fault is not None and fault.mode in ("raise", "exit", "hang") else None
-    time_stage(stage, built.timings[s], state.step_box, job.device, stops, job.status, state.streams)
-    return stage

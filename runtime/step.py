@@ -5,6 +5,10 @@ plan's schedule over its micro-batches (timing each axis's collectives), finish 
 (:mod:`runtime.gradients`: average, tied weights, loss scale, clipping), step the optimizer at
 the step's learning rate, save a checkpoint when one is due, and record what the step took
 (:class:`runtime.rank_state.StepRecords`; rank 0 writes the ``--log-file`` line).
+
+Its parts: :mod:`runtime.step_data` the step's batch and the readers' agreement
+(:func:`read_batch`), :mod:`runtime.step_update` the optimizer step and the checkpoint
+(:func:`update`, :func:`save_if_due`); both names are still importable from here.
 """
 
 from __future__ import annotations
@@ -14,11 +18,13 @@ import dataclasses
 import time
 from typing import Any
 
-from planner.errors import InputError
 from runtime.faults import write_status
 from runtime.gradients import average_gradients, clip, sum_tied, unscale
 from runtime.rank_state import RankState, StageSet, StepRecords, Training
 from runtime.stage_timing import comm_step, last_backward, sync
+from runtime.step_data import read_batch as read_batch
+from runtime.step_update import save_if_due as save_if_due
+from runtime.step_update import update as update
 from runtime.steplog import log_step
 
 
@@ -95,44 +101,6 @@ def _phase(state: RankState, phase: str) -> None:
     state.job.progress.beat = time.monotonic()
 
 
-def read_batch(
-    state: RankState, built: StageSet, training: Training, records: StepRecords, step: int
-) -> tuple[list[Any], Any]:
-    """This step's inputs (first stage) and targets (last stage) on the device; every rank
-    checks that the readers of each replica read the same (a warning is kept in ``records``)."""
-    import torch.distributed as dist
-
-    from runtime.data import DataReport, judge
-
-    job, reader, data_replica = state.job, training.reader, training.data_replica
-    shard = None
-    if training.source.kind == "synthetic":
-        if reader is not None:
-            shard, _ = reader.next(step)
-    else:
-        report = DataReport(job.coords.rank, data_replica, None)
-        if reader is not None:
-            try:
-                shard, fingerprint = reader.next(step)
-                report = DataReport(job.coords.rank, data_replica, fingerprint)
-            except InputError as err:
-                report = DataReport(job.coords.rank, data_replica, None, str(err))
-        reports: list[Any] = [None] * job.coords.world
-        dist.all_gather_object(reports, report)
-        error, warning = judge(reports, step=step, per_replica=training.source.kind == "per-replica")
-        if error:
-            raise InputError(error)
-        if warning and not records.warnings:
-            records.warnings.append(warning)
-    has_first, has_last = 0 in job.my_stages, (len(state.plan.stages) - 1) in job.my_stages
-    inputs = [built.axes.local(t.to(job.device)) for t in shard.inputs] if has_first and shard is not None else []
-    target = None
-    if has_last:
-        targets = shard.targets if job.entry.takes_target and shard is not None else None
-        target = built.axes.local(targets.to(job.device)) if targets is not None else training.dummy_target
-    return inputs, target
-
-
 def run_schedule(state: RankState, training: Training, inputs: list[Any], target: Any) -> list[Any]:
     """Run the schedule over the step's micro-batches, timing the communication inside it on
     ``training.clocks``, per axis: DTensor's collectives (T > 1, inside F and B), FSDP2's
@@ -154,41 +122,3 @@ def run_schedule(state: RankState, training: Training, inputs: list[Any], target
         timers.enter_context(loss_parallel_context(state.spec))  # the vocabulary-parallel loss, forward and backward
         training.schedule.step(*inputs, target=target, losses=losses)
     return losses
-
-
-def update(state: RankState, training: Training, records: StepRecords, step: int, skip: bool) -> float:
-    """Step the optimizer at the step's learning rate (unless the step is skipped); with
-    ``--check``, keep what it steps on first.  Returns the learning rate."""
-    from runtime.mesh import full_gradients, gradient_norms
-
-    opt = training.opt
-    lr: float = state.job.opts.lr_at(step)
-    for group in opt.param_groups if opt is not None else ():
-        group["lr"] = lr
-    if state.job.args.check:  # what the optimizer steps on, against the reference's (DTensors: collectives)
-        records.check_norms[step] = {} if skip else gradient_norms(training.named)
-        if step in training.grad_steps and not skip:
-            records.check_grads[step] = full_gradients(training.named)
-    if not skip and opt is not None:
-        opt.step()
-    if opt is not None:
-        opt.zero_grad(set_to_none=True)
-    return lr
-
-
-def save_if_due(state: RankState, training: Training, step: int) -> None:
-    """``--checkpoint DIR``: save after every ``--every`` steps and after the last."""
-    args, plan, spec = state.job.args, state.plan, state.spec
-    if not (args.checkpoint and ((args.every and (step + 1) % args.every == 0) or step + 1 == args.steps)):
-        return
-    from runtime.checkpoint import save_checkpoint
-
-    state.job.status.phase = "saving a checkpoint"
-    write_status(args.run_dir, state.job.status)
-    save_checkpoint(
-        args.checkpoint, step + 1, training.named, training.opt, model=args.model, sha256=state.job.split.sha256(),
-        plan=f"K={plan.pipeline_degree} D={spec.data_parallel_degree} T={spec.tensor_parallel_degree} "
-        f"zero={spec.zero_stage} {plan.schedule}",
-        optimizer_name=state.job.opts.optimizer, loss_scale=training.scaler.state(),
-    )  # fmt: skip
-    state.job.progress.beat = time.monotonic()

@@ -39,13 +39,17 @@ Where each part lives (:func:`main` starts the rank, :func:`_run` joins the proc
 - :mod:`runtime.rank_state`: the dataclasses the steps pass on (:class:`Job`, ``RankState``,
   ``StageSet``, ``Training``, ``StepRecords``);
 - :mod:`runtime.stages`: the mesh, then this rank's stages, one step per axis in a fixed order
-  (split, context/expert parallelism, TP/SP, recompute, autocast, FSDP2, DDP, ``PipelineStage``);
+  (split, context/expert parallelism, TP/SP, recompute, autocast, FSDP2, DDP, ``PipelineStage``;
+  :mod:`runtime.stage_weights`: the weights they share and the data-parallel path,
+  :mod:`runtime.stage_axes`: the steps per axis);
 - :mod:`runtime.loop`: loss, schedule, optimizer, ``--resume`` and data; then the steps;
-- :mod:`runtime.step`: one training step, and :mod:`runtime.gradients`: its gradient reduction,
-  loss scale and clipping;
+- :mod:`runtime.step`: one training step (:mod:`runtime.step_data`: its batch,
+  :mod:`runtime.step_update`: its optimizer step and checkpoint), and :mod:`runtime.gradients`:
+  its gradient reduction, loss scale and clipping;
 - :mod:`runtime.stage_timing`: the timing hooks (actions, loss, DDP's buckets, collectives);
-- :mod:`runtime.results`: every rank's measurements to rank 0, and rank 0's report
-  (:mod:`runtime.report_notes`: its notes; :mod:`runtime.rank_check`: ``--check``);
+- :mod:`runtime.results`: every rank's measurements (:mod:`runtime.results_rank`) to rank 0, and
+  rank 0's report (:mod:`runtime.report_notes`: its notes, with :mod:`runtime.report_notes_mesh`
+  and :mod:`runtime.report_notes_data`; :mod:`runtime.rank_check`: ``--check``);
 - :mod:`runtime.fault_injection`: ``--inject-fault``, for tests.
 """
 
